@@ -1,0 +1,98 @@
+"""Reading an HF checkpoint directory: config.json plus tensors, one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from flashllm.errors import FlashLLMError
+from flashllm.st_io import SafetensorsFile
+
+
+class Checkpoint:
+    """config.json and a name -> file index over single or sharded safetensors (or .bin) weights."""
+
+    def __init__(self, src: str | Path):
+        self.root = Path(src)
+        if not self.root.is_dir():
+            raise FlashLLMError(f"{self.root}: not a directory (expected an HF checkpoint directory)")
+        cfg_path = self.root / "config.json"
+        if not cfg_path.is_file():
+            raise FlashLLMError(f"{cfg_path}: missing (not a Hugging Face checkpoint directory)")
+        try:
+            self.config = json.loads(cfg_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FlashLLMError(f"{cfg_path}: unreadable ({exc})") from None
+        self._open: dict[str, object] = {}
+        self.where = self._index()
+
+    def _index(self) -> dict[str, str]:
+        """Tensor name -> file name, from an index file or the single weights file."""
+        for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                              ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+            if (self.root / index).is_file():
+                try:
+                    weight_map = json.loads((self.root / index).read_text())["weight_map"]
+                except (OSError, ValueError, KeyError) as exc:
+                    raise FlashLLMError(f"{self.root / index}: unreadable index ({exc})") from None
+                for fname in set(weight_map.values()):
+                    if "/" in fname or "\\" in fname or fname.startswith(".") or not (self.root / fname).is_file():
+                        raise FlashLLMError(f"{self.root / index}: shard {fname!r} is missing or outside the checkpoint")
+                return dict(weight_map)
+            if (self.root / single).is_file():
+                return {name: single for name in self._file(single).names()}
+        raise FlashLLMError(f"{self.root}: no weights found (expected model.safetensors, a sharded "
+                            f"model.safetensors.index.json, or pytorch_model.bin)")
+
+    def _file(self, fname: str):
+        if fname not in self._open:
+            path = self.root / fname
+            if fname.endswith(".safetensors"):
+                self._open[fname] = SafetensorsFile(path)
+            else:
+                self._open[fname] = _BinFile(path)
+        return self._open[fname]
+
+    def resolve(self, name: str) -> str | None:
+        """The stored name for `name`, tolerating a missing or extra leading 'model.' prefix."""
+        for cand in (name, name.removeprefix("model."), "model." + name):
+            if cand in self.where:
+                return cand
+        return None
+
+    def has(self, name: str) -> bool:
+        return self.resolve(name) is not None
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Tensor `name`; a clear error names the tensor and file when it is missing or mis-shaped."""
+        stored = self.resolve(name)
+        if stored is None:
+            raise FlashLLMError(f"{self.root}: tensor {name!r} is missing from the checkpoint")
+        t = self._file(self.where[stored]).read(stored)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise FlashLLMError(f"{self.root / self.where[stored]}: tensor {stored!r} has shape "
+                                f"{tuple(t.shape)}, expected {tuple(shape)} from config.json")
+        return t
+
+    def dtype(self) -> torch.dtype:
+        """The floating dtype most of the checkpoint is stored in."""
+        name = next(n for n in self.where)
+        return self._file(self.where[name]).read(name).dtype
+
+
+class _BinFile:
+    """A PyTorch .bin state dict, loaded only with weights_only=True (no code execution)."""
+
+    def __init__(self, path: Path):
+        try:
+            self.state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # torch raises many types for corrupt or unsafe files
+            raise FlashLLMError(f"{path}: cannot load as a weights-only PyTorch file ({exc})") from None
+
+    def names(self):
+        return list(self.state)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.state[name].clone()

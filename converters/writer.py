@@ -1,0 +1,131 @@
+"""HF checkpoint -> flashllm model directory, streamed tensor by tensor and written atomically."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from flashllm import format as fmt
+from flashllm.errors import FlashLLMError
+from flashllm.spec import ArchSpec
+from flashllm.st_io import tensor_bytes, write_safetensors
+
+from .checkpoint import Checkpoint
+from .families import family_for
+
+
+def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize: str = "none",
+            force: bool = False, progress: bool | None = None) -> Path:
+    """Convert the HF checkpoint in `src` into a flashllm model directory at `out`; returns `out`."""
+    if quantize != "none":
+        raise FlashLLMError(f"--quantize {quantize}: quantized storage is not implemented yet (use none)")
+    ckpt = Checkpoint(src)
+    family, spec = family_for(ckpt.config)
+    out = Path(out)
+    if out.exists() and not force:
+        raise FlashLLMError(f"{out}: already exists (pass --force to replace it)")
+    dtype_name = dtype or _dtype_name(ckpt.dtype())
+    if dtype_name not in fmt.STORAGE_DTYPES:
+        raise FlashLLMError(f"--dtype {dtype_name}: expected one of {sorted(fmt.STORAGE_DTYPES)}")
+    torch_dtype = fmt.STORAGE_DTYPES[dtype_name]
+    layout = fmt.FFNLayout.plan(spec, torch_dtype.itemsize)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        shapes = fmt.resident_shapes(spec)
+        with tqdm(total=spec.n_layers + 1, desc=f"convert {ckpt.root.name}", unit="layer", disable=None if progress is None else not progress) as bar:
+            write_safetensors(tmp / fmt.RESIDENT_FILE, [(n, torch_dtype, s) for n, s in shapes.items()],
+                              lambda n: family.tensor(ckpt, spec, n, shapes[n]).to(torch_dtype),
+                              metadata={"format": fmt.FORMAT_NAME})
+            bar.update(1)
+            ffn_sha, layer_sha = write_ffn(tmp / fmt.FFN_FILE, layout,
+                                  lambda i: family.ffn_rows(ckpt, spec, i), torch_dtype, bar.update)
+        copied = [f for f in fmt.TOKENIZER_FILES if (ckpt.root / f).is_file()]
+        for f in copied:
+            shutil.copyfile(ckpt.root / f, tmp / f)
+        write_manifest(tmp, spec, dtype_name, layout, ffn_sha, layer_sha, copied,
+                       source={"path": str(ckpt.root.resolve()), "model_type": ckpt.config.get("model_type")})
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def write_ffn(path: Path, layout: fmt.FFNLayout, rows_of_layer, dtype: torch.dtype,
+              on_layer=None) -> tuple[str, list[str]]:
+    """Write every layer's row-column bundles; `rows_of_layer(i)` gives part -> [d_ffn, d] rows.
+
+    Returns the sha256 of the whole file and of each layer's byte range (padding included).
+    """
+    file_sha, layer_sha = hashlib.sha256(), []
+    with open(path, "wb") as f:
+        for i, offset in enumerate(layout.layer_offsets):
+            rows = rows_of_layer(i)
+            block = np.zeros((layout.d_ffn, layout.stride), dtype=np.uint8)
+            for k, part in enumerate(layout.parts):
+                raw = np.frombuffer(tensor_bytes(rows[part].to(dtype)), dtype=np.uint8)
+                width = layout.d_model * layout.itemsize
+                block[:, k * width:(k + 1) * width] = raw.reshape(layout.d_ffn, width)
+            f.seek(offset)
+            f.write(memoryview(block).cast("B"))
+            pad = (layout.layer_offsets[i + 1] if i + 1 < len(layout.layer_offsets) else layout.file_size) \
+                - offset - block.nbytes
+            f.write(b"\0" * pad)
+            h = hashlib.sha256()
+            for hasher in (h, file_sha):
+                hasher.update(memoryview(block).cast("B"))
+                hasher.update(b"\0" * pad)
+            layer_sha.append(h.hexdigest())
+            if on_layer:
+                on_layer(1)
+    return file_sha.hexdigest(), layer_sha
+
+
+def write_manifest(root: Path, spec: ArchSpec, dtype_name: str, layout: fmt.FFNLayout, ffn_sha: str,
+                   layer_sha: list[str], tokenizer_files: list[str], source: dict) -> None:
+    """Write flashllm.json describing the files already in `root` (sizes and checksums measured here)."""
+    files = {"resident": fmt.RESIDENT_FILE, "ffn": fmt.FFN_FILE, **{f: f for f in tokenizer_files}}
+    manifest = {
+        "format": fmt.FORMAT_NAME,
+        "format_version": fmt.FORMAT_VERSION,
+        "spec": spec.to_dict(),
+        "dtype": dtype_name,
+        "quantization": "none",
+        "files": {key: {"path": rel, "size": (root / rel).stat().st_size,
+                        "sha256": ffn_sha if key == "ffn" else fmt.sha256_file(root / rel)}
+                  for key, rel in files.items()},
+        "ffn": {**layout.to_dict(), "layer_sha256": layer_sha},
+        "source": source,
+    }
+    tmp = root / (fmt.MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, root / fmt.MANIFEST)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished directory into place; an existing `out` is removed only after that succeeds."""
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in fmt.STORAGE_DTYPES.items():
+        if dt == dtype:
+            return name
+    return "float32"

@@ -1,0 +1,138 @@
+"""The decoder math on torch (CPU or CUDA): embeddings, attention with a static KV cache, FFN, head."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import FlashLLMError
+from ..spec import ArchSpec
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _act(name: str, threshold: float):
+    return {
+        "relu": F.relu,
+        "relu2": lambda x: torch.square(F.relu(x)),
+        "fatrelu": lambda x: x * (x > threshold),
+        "gelu": F.gelu,
+        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "silu": F.silu,
+    }[name]
+
+
+class TorchBackend:
+    """Holds resident weights and the KV cache on one torch device and computes one decoder."""
+
+    name = "torch"
+
+    def __init__(self, spec: ArchSpec, device: str, dtype: str | None, storage_dtype: torch.dtype, context: int):
+        self.spec = spec
+        self.device = torch.device(_device(device))
+        if dtype is None:  # fp16 matmul on CPU is ~4x slower than fp32; keep fp32 there
+            cdt = torch.float32 if self.device.type == "cpu" and storage_dtype == torch.float16 else storage_dtype
+        else:
+            cdt = DTYPES[dtype]
+        self.dtype = cdt
+        self.context = context
+        self.w: dict[str, torch.Tensor] = {}
+        kv_shape = (spec.n_layers, context, spec.n_kv_heads, spec.head_dim)
+        self.k_cache = torch.zeros(kv_shape, dtype=cdt, device=self.device)
+        self.v_cache = torch.zeros(kv_shape, dtype=cdt, device=self.device)
+        self.act = _act(spec.activation, spec.activation_threshold)
+        if spec.positional == "rotary":
+            rd = spec.rope_dim
+            inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.int64).float() / rd))
+            freqs = torch.outer(torch.arange(context, dtype=torch.float32), inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos, self.sin = emb.cos().to(self.device), emb.sin().to(self.device)
+
+    # -- weights -------------------------------------------------------------------------------
+    def put(self, name: str, t: torch.Tensor) -> None:
+        """Make a resident tensor (any dtype, CPU) live on the device in the compute dtype."""
+        self.w[name] = t.to(device=self.device, dtype=self.dtype)
+
+    def tensor(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """A weight block (e.g. FFN bundle rows) as a device tensor in the compute dtype."""
+        t = torch.from_numpy(array) if isinstance(array, np.ndarray) else array
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.w.values()) \
+            + 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    # -- forward pieces ------------------------------------------------------------------------
+    def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        w, b, eps = self.w[name + ".weight"], self.w.get(name + ".bias"), self.spec.norm_eps
+        if self.spec.norm == "layernorm":
+            return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def embed(self, ids: list[int], pos: int) -> torch.Tensor:
+        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        x = self.w["embed.weight"][idx]
+        if self.spec.positional == "learned":
+            x = x + self.w["pos_embed.weight"][pos:pos + len(ids)]
+        return x
+
+    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+
+    def _rope(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        rd, T = self.spec.rope_dim, x.shape[0]
+        cos, sin = self.cos[pos:pos + T, None, :], self.sin[pos:pos + T, None, :]
+        xr, rest = x[..., :rd].float(), x[..., rd:]
+        half = rd // 2
+        rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
+        return torch.cat(((xr * cos + rotated * sin).to(x.dtype), rest), dim=-1)
+
+    def attention(self, layer: int, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Self-attention of block `layer` for tokens at positions pos..; returns (output, normed input)."""
+        s, p, T = self.spec, f"layers.{layer}.", x.shape[0]
+        h = self.norm(p + "attn_norm", x)
+        q = self._linear(p + "q", h).view(T, s.n_heads, s.head_dim)
+        k = self._linear(p + "k", h).view(T, s.n_kv_heads, s.head_dim)
+        v = self._linear(p + "v", h).view(T, s.n_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
+        if s.positional == "rotary":
+            q, k = self._rope(q, pos), self._rope(k, pos)
+        self.k_cache[layer, pos:pos + T] = k
+        self.v_cache[layer, pos:pos + T] = v
+        S = pos + T
+        keys, vals = self.k_cache[layer, :S], self.v_cache[layer, :S]
+        group = s.n_heads // s.n_kv_heads
+        if group > 1:
+            keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)
+        qpos = torch.arange(pos, S, device=self.device)[:, None]
+        kpos = torch.arange(S, device=self.device)[None, :]
+        mask = kpos <= qpos
+        if s.sliding_window:
+            mask &= (qpos - kpos) < s.sliding_window
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+                                             attn_mask=mask)
+        return self._linear(p + "o", out.transpose(0, 1).reshape(T, s.n_heads * s.head_dim)), h
+
+    def ffn(self, x: torch.Tensor, rows: dict[str, torch.Tensor], up_bias, gate_bias, down_bias) -> torch.Tensor:
+        """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns)."""
+        h = self.act(F.linear(x, rows["gate"], gate_bias)) * F.linear(x, rows["up"], up_bias) \
+            if self.spec.gated_ffn else self.act(F.linear(x, rows["up"], up_bias))
+        y = h @ rows["down"]
+        return y + down_bias if down_bias is not None else y
+
+    def logits(self, x: torch.Tensor) -> np.ndarray:
+        h = self.norm("final_norm", x)
+        w = self.w["embed.weight"] if self.spec.tied_embeddings else self.w["lm_head.weight"]
+        return F.linear(h, w, self.w.get("lm_head.bias")).float().cpu().numpy()
+
+
+def _device(device: str) -> str:
+    device = "cuda" if device == "gpu" else device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise FlashLLMError(f"device {device!r}: CUDA is not available on this machine (use --device cpu)")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise FlashLLMError(f"device {device!r}: the torch backend supports cpu and cuda")
+    return device

@@ -1,0 +1,348 @@
+"""Flash I/O engine: parallel direct (page-cache-free) reads of FFN bundles into preallocated buffers.
+
+N worker threads are started once. Each call coalesces adjacent requests, splits the resulting reads
+into one share per thread, and every thread loops over its share with blocking ``os.preadv`` (which
+releases the GIL); the caller waits for all shares. One Python task per read is measurably slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import queue
+import sys
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from flashllm.errors import FlashLLMError
+
+_STATX_DIOALIGN = 0x2000
+_AT_FDCWD = -100
+_preadv = os.preadv  # module-level so tests can inject I/O errors
+_warned_devices: set = set()
+SHARED = False  # file systems already warned about (the fallback warns once each)
+
+
+class FlashIOError(FlashLLMError):
+    """A read from a flash file failed, or a request did not fit the file or the destination."""
+
+
+@dataclass
+class IOStats:
+    """What one call cost: bytes asked for, bytes transferred (incl. alignment waste), syscalls, time."""
+
+    bytes_requested: int = 0
+    bytes_read: int = 0
+    reads: int = 0
+    wall_s: float = 0.0
+
+    def __add__(self, other: "IOStats") -> "IOStats":
+        return IOStats(self.bytes_requested + other.bytes_requested, self.bytes_read + other.bytes_read,
+                       self.reads + other.reads, self.wall_s + other.wall_s)
+
+
+def aligned_empty(shape, dtype, align: int = 4096) -> np.ndarray:
+    """An uninitialised array whose data starts on an ``align``-byte boundary (for in-place direct reads)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def dio_alignment(path: str) -> tuple[int, int]:
+    """(file offset alignment, memory alignment) for direct I/O on ``path``; (0, 0) if the FS refuses it.
+
+    Asks statx(STATX_DIOALIGN) (Linux >= 6.1); otherwise the file system block size, a safe upper bound.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            buf = ctypes.create_string_buffer(256)
+            if libc.statx(_AT_FDCWD, os.fsencode(path), 0, _STATX_DIOALIGN, buf) == 0:
+                mask = int.from_bytes(buf.raw[0:4], "little")
+                if mask & _STATX_DIOALIGN:
+                    mem = int.from_bytes(buf.raw[152:156], "little")
+                    off = int.from_bytes(buf.raw[156:160], "little")
+                    return off, mem
+        except (AttributeError, OSError):
+            pass  # no statx in this libc: fall through
+    bsize = os.statvfs(path).f_bsize or 512
+    return bsize, bsize
+
+
+class _Call:
+    """Completion state of one call: workers add their counts; the last one wakes the caller."""
+
+    def __init__(self, path: str, pending: int):
+        self.path, self.pending = path, pending
+        self.lock, self.event = threading.Lock(), threading.Event()
+        self.bytes_read = self.reads = 0
+        self.error: BaseException | None = None
+
+    def finish(self, nbytes: int, nreads: int, error: BaseException | None) -> None:
+        with self.lock:
+            self.bytes_read += nbytes
+            self.reads += nreads
+            if error is not None and self.error is None:
+                self.error = error
+            self.pending -= 1
+            if self.pending == 0:
+                self.event.set()
+
+
+def _worker(fd: int, jobs: queue.SimpleQueue, bounce: memoryview, align: int) -> None:
+    """Loop over shares of reads until the ``None`` sentinel; errors go back to the caller via ``_Call``."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        call, dest, reads = job
+        nbytes = nreads = 0
+        off = n = 0
+        preadv = _preadv
+        try:
+            for off, doff, n, direct in reads:
+                if direct:
+                    got = preadv(fd, (dest[doff:doff + n],), off)
+                    if got != n:
+                        raise _short(call.path, off, n, got)
+                else:  # read the covering aligned range into the bounce buffer and copy out
+                    a0 = off - off % align
+                    a1 = -(-(off + n) // align) * align
+                    got = preadv(fd, (bounce[:a1 - a0],), a0)
+                    if got < off + n - a0:
+                        raise _short(call.path, off, n, max(0, got - (off - a0)))
+                    dest[doff:doff + n] = bounce[off - a0:off - a0 + n]
+                nbytes += got
+                nreads += 1
+            call.finish(nbytes, nreads, None)
+        except OSError as e:
+            err = FlashIOError(f"{call.path}: read of {n} bytes at offset {off} failed: "
+                               f"[{errno.errorcode.get(e.errno, e.errno)}] {e.strerror}")
+            err.__cause__ = e
+            call.finish(nbytes, nreads, err)
+        except BaseException as e:  # FlashIOError (short read) or a bug: re-raised in the caller
+            call.finish(nbytes, nreads, e)
+
+
+def _short(path: str, off: int, n: int, got: int) -> FlashIOError:
+    return FlashIOError(f"{path}: short read at offset {off}: got {got} of {n} bytes (file truncated?)")
+
+
+def _split(file_offs: np.ndarray, dest_offs: np.ndarray, lens: np.ndarray, max_chunk: int):
+    """Cut every (file offset, dest offset, length) piece longer than ``max_chunk`` into max_chunk pieces."""
+    pieces = -(-lens // max_chunk)
+    if np.all(pieces == 1):
+        return file_offs, dest_offs, lens
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    within = (np.arange(int(pieces.sum())) - first) * max_chunk
+    lens = np.minimum(np.repeat(lens, pieces) - within, max_chunk)
+    return np.repeat(file_offs, pieces) + within, np.repeat(dest_offs, pieces) + within, lens
+
+
+def _shutdown(fd: int, queues: list, threads: list) -> None:
+    for q in queues:
+        q.put(None)
+    for t in threads:
+        if t is not threading.current_thread():
+            t.join()
+    os.close(fd)
+
+
+class FlashReader:
+    """Reads rows (bundles) and ranges of one file with ``threads`` workers, bypassing the page cache.
+
+    ``direct=True`` uses O_DIRECT (Linux) / F_NOCACHE (macOS); where the file system refuses, it warns
+    once and falls back to buffered reads plus ``posix_fadvise(DONTNEED)``, like ``direct=False``.
+    """
+
+    def __init__(self, path, threads: int = 32, max_chunk_bytes: int = 1 << 20, direct: bool = True):
+        if threads < 1 or max_chunk_bytes < 1:
+            raise FlashIOError(f"{path}: threads and max_chunk_bytes must be >= 1, "
+                               f"got {threads} and {max_chunk_bytes}")
+        self.path = os.fspath(path)
+        self.threads, self.max_chunk_bytes = int(threads), int(max_chunk_bytes)
+        self.direct, self.alignment, self.mem_alignment = False, 1, 1
+        self._fd = self._open(direct)
+        self.size = os.fstat(self._fd).st_size
+        bounce_bytes = self.max_chunk_bytes + 2 * self.alignment
+        self._queues = [queue.SimpleQueue() for _ in range(self.threads)]
+        self._threads = [
+            threading.Thread(target=_worker, name=f"flashio-{i}", daemon=True,
+                             args=(self._fd, q, memoryview(aligned_empty(bounce_bytes, np.uint8)),
+                                   self.alignment))
+            for i, q in enumerate(self._queues)]
+        for t in self._threads:
+            t.start()
+        self._next = 0
+        self._finalizer = weakref.finalize(self, _shutdown, self._fd, self._queues, self._threads)
+
+    def _open(self, direct: bool) -> int:
+        """Open with direct I/O where possible (setting direct/alignment); else buffered, with a warning."""
+        try:
+            if direct and hasattr(os, "O_DIRECT"):
+                off_align, mem_align = dio_alignment(self.path)
+                if off_align:
+                    fd = None
+                    try:
+                        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+                        probe = aligned_empty(off_align, np.uint8, max(mem_align, 1))
+                        _preadv(fd, (probe,), 0)  # some file systems refuse only at read time
+                        self.direct, self.alignment, self.mem_alignment = True, off_align, mem_align
+                        return fd
+                    except OSError as e:
+                        if fd is not None:
+                            os.close(fd)
+                        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                            raise
+                self._warn_fallback()
+            fd = os.open(self.path, os.O_RDONLY)
+            if direct and sys.platform == "darwin":
+                import fcntl
+                fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)
+                self.direct = True
+            elif direct and not hasattr(os, "O_DIRECT"):
+                self._warn_fallback()
+            if not self.direct and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            return fd
+        except FileNotFoundError:
+            raise FlashIOError(f"{self.path}: no such file") from None
+        except OSError as e:
+            raise FlashIOError(f"{self.path}: cannot open: {e.strerror}") from e
+
+    def _warn_fallback(self) -> None:
+        try:
+            dev = os.stat(self.path).st_dev
+        except OSError:
+            dev = None
+        if dev not in _warned_devices:
+            _warned_devices.add(dev)
+            warnings.warn(f"{self.path}: the file system does not support direct I/O; using buffered "
+                          "reads with posix_fadvise(DONTNEED) (reads may be slower and touch the page "
+                          "cache)", RuntimeWarning, stacklevel=4)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def fileno(self) -> int:
+        self._check_open()
+        return self._fd
+
+    def close(self) -> None:
+        """Stop the workers (after in-flight calls finish) and close the file; safe to call twice."""
+        self._finalizer()
+
+    def __enter__(self) -> "FlashReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise FlashIOError(f"{self.path}: read after the reader was closed")
+
+    def read_rows(self, base_offset: int, stride: int, row_bytes: int, indices: np.ndarray,
+                  dest: np.ndarray, dest_rows: np.ndarray) -> IOStats:
+        """Copy file bytes [base_offset + indices[k]*stride, +row_bytes) into row dest_rows[k] of dest.
+
+        Requests adjacent in the file and in dest are coalesced (up to max_chunk_bytes) when
+        row_bytes == stride == dest pitch; only the first row_bytes bytes of each dest row are written.
+        """
+        t0 = time.perf_counter()
+        self._check_open()
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        dest_rows = np.asarray(dest_rows, dtype=np.int64).reshape(-1)
+        base_offset, stride, row_bytes = int(base_offset), int(stride), int(row_bytes)
+        if not isinstance(dest, np.ndarray) or dest.ndim != 2 or not dest.flags.writeable:
+            raise FlashIOError(f"{self.path}: dest must be a writable 2-D numpy array, got "
+                               f"{type(dest).__name__} {getattr(dest, 'shape', '')}")
+        pitch = dest.strides[0]
+        if dest.strides[1] != dest.itemsize or row_bytes > dest.shape[1] * dest.itemsize or pitch <= 0:
+            raise FlashIOError(f"{self.path}: dest rows must be contiguous and hold row_bytes={row_bytes}"
+                               f" (shape {dest.shape}, dtype {dest.dtype}, strides {dest.strides})")
+        if len(indices) != len(dest_rows):
+            raise FlashIOError(f"{self.path}: {len(indices)} indices but {len(dest_rows)} dest_rows")
+        if len(indices) == 0 or row_bytes == 0:
+            return IOStats(wall_s=time.perf_counter() - t0)
+        if row_bytes < 0 or stride < 0 or base_offset < 0:
+            raise FlashIOError(f"{self.path}: negative base_offset/stride/row_bytes "
+                               f"({base_offset}, {stride}, {row_bytes})")
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or base_offset + hi * stride + row_bytes > self.size:
+            bad = lo if lo < 0 else hi
+            raise FlashIOError(f"{self.path}: row index {bad} (offset {base_offset + bad * stride}, "
+                               f"{row_bytes} bytes) is outside the file of {self.size} bytes")
+        if dest_rows.min() < 0 or dest_rows.max() >= dest.shape[0]:
+            raise FlashIOError(f"{self.path}: dest_rows must lie in [0, {dest.shape[0]}), got "
+                               f"[{dest_rows.min()}, {dest_rows.max()}]")
+
+        order = np.argsort(indices, kind="stable")
+        idx, rows = indices[order], dest_rows[order]
+        if row_bytes == stride == pitch and self.max_chunk_bytes >= 2 * row_bytes:
+            brk = np.ones(len(idx), dtype=bool)  # True where a new read starts
+            brk[1:] = (np.diff(idx) != 1) | (np.diff(rows) != 1)
+            starts = np.flatnonzero(brk)
+            pos = np.arange(len(idx)) - starts[np.cumsum(brk) - 1]  # position within its run
+            brk |= pos % (self.max_chunk_bytes // row_bytes) == 0
+            starts = np.flatnonzero(brk)
+            lens = np.diff(np.append(starts, len(idx))) * row_bytes
+            idx, rows = idx[starts], rows[starts]
+        else:
+            lens = np.full(len(idx), row_bytes, dtype=np.int64)
+        pieces = _split(base_offset + idx * stride, rows * pitch, lens, self.max_chunk_bytes)
+        span = (dest.shape[0] - 1) * pitch + dest.shape[1] * dest.itemsize
+        flat = np.lib.stride_tricks.as_strided(dest.view(np.uint8), shape=(span,), strides=(1,))
+        return self._run(flat, *pieces, len(indices) * row_bytes, t0)
+
+    def read_range(self, offset: int, nbytes: int, dest: np.ndarray) -> IOStats:
+        """Read file bytes [offset, offset + nbytes) into the first nbytes bytes of dest (C-contiguous)."""
+        t0 = time.perf_counter()
+        self._check_open()
+        offset, nbytes = int(offset), int(nbytes)
+        if not isinstance(dest, np.ndarray) or not dest.flags.c_contiguous or not dest.flags.writeable:
+            raise FlashIOError(f"{self.path}: dest must be a writable C-contiguous numpy array")
+        if nbytes > dest.nbytes:
+            raise FlashIOError(f"{self.path}: dest holds {dest.nbytes} bytes, read needs {nbytes}")
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise FlashIOError(f"{self.path}: range at offset {offset} of {nbytes} bytes is outside the "
+                               f"file of {self.size} bytes")
+        if nbytes == 0:
+            return IOStats(wall_s=time.perf_counter() - t0)
+        flat = dest.reshape(-1).view(np.uint8)
+        one = np.array([0], dtype=np.int64)
+        pieces = _split(one + offset, one, one + nbytes, self.max_chunk_bytes)
+        return self._run(flat, *pieces, nbytes, t0)
+
+    def _run(self, flat: np.ndarray, file_offs, dest_offs, lens, requested: int, t0: float) -> IOStats:
+        """Deal the reads out round-robin to the workers, wait for all, and raise the first error."""
+        if self.direct and self.alignment > 1:
+            inplace = ((file_offs | lens) % self.alignment == 0) & \
+                      ((flat.ctypes.data + dest_offs) % self.mem_alignment == 0)
+        else:
+            inplace = np.ones(len(lens), dtype=bool)
+        mv = memoryview(flat)
+        nw = min(self.threads, len(lens))
+        call = _Call(self.path, nw)
+        cols = [a.tolist() for a in (file_offs, dest_offs, lens, inplace)]
+        shared = zip(*cols)
+        for w in range(nw):
+            q = self._queues[(self._next + w) % self.threads]
+            q.put((call, mv, shared) if SHARED else (call, mv, zip(*(c[w::nw] for c in cols))))
+        self._next = (self._next + nw) % self.threads
+        call.event.wait()
+        if not self.direct and hasattr(os, "posix_fadvise"):
+            lo = int(file_offs.min())
+            os.posix_fadvise(self._fd, lo, int((file_offs + lens).max()) - lo, os.POSIX_FADV_DONTNEED)
+        if call.error is not None:
+            raise call.error
+        return IOStats(requested, call.bytes_read, call.reads, time.perf_counter() - t0)

@@ -1,0 +1,217 @@
+"""The model directory: manifest, FFN bundle layout, resident tensor names. See docs/format.md."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import FlashLLMError
+from .spec import ArchSpec
+
+FORMAT_NAME = "flashllm-model"
+FORMAT_VERSION = 1
+MANIFEST = "flashllm.json"
+RESIDENT_FILE = "resident.safetensors"
+FFN_FILE = "ffn.bin"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+LAYER_ALIGN = 4096
+STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+VERIFY_AUTO_LIMIT = 256 << 20  # load() checksums files up to this size; `inspect --verify` checks all
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+@dataclass(frozen=True)
+class FFNLayout:
+    """Where neuron i of layer l lives in the FFN file: layer_offsets[l] + i * stride."""
+
+    parts: tuple[str, ...]  # e.g. ("up", "down") or ("gate", "up", "down"); each d_model values
+    d_model: int
+    d_ffn: int
+    itemsize: int
+    stride: int  # bytes from one bundle to the next (>= bundle_bytes)
+    layer_offsets: tuple[int, ...]
+
+    @property
+    def bundle_bytes(self) -> int:
+        return len(self.parts) * self.d_model * self.itemsize
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.d_ffn * self.stride
+
+    @property
+    def file_size(self) -> int:
+        return self.layer_offsets[-1] + self.layer_bytes if self.layer_offsets else 0
+
+    def part_slice(self, part: str) -> slice:
+        """Element range of one part inside a bundle row."""
+        k = self.parts.index(part)
+        return slice(k * self.d_model, (k + 1) * self.d_model)
+
+    @classmethod
+    def plan(cls, spec: ArchSpec, itemsize: int) -> "FFNLayout":
+        """Bundle stride aligned to 4096 or 512 bytes where that wastes at most 1/16; layers at 4096."""
+        bundle = len(spec.bundle_parts) * spec.d_model * itemsize
+        stride = bundle
+        for align in (LAYER_ALIGN, 512):
+            if _round_up(bundle, align) - bundle <= bundle // 16:
+                stride = _round_up(bundle, align)
+                break
+        layer = _round_up(spec.d_ffn * stride, LAYER_ALIGN)
+        return cls(spec.bundle_parts, spec.d_model, spec.d_ffn, itemsize, stride,
+                   tuple(i * layer for i in range(spec.n_layers)))
+
+    def to_dict(self) -> dict:
+        return {"parts": list(self.parts), "bundle_bytes": self.bundle_bytes, "bundle_stride": self.stride,
+                "layer_offsets": list(self.layer_offsets), "layer_bytes": self.layer_bytes,
+                "layer_alignment": LAYER_ALIGN}
+
+
+def resident_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
+    """Every resident tensor (canonical name -> shape) a model with this spec has."""
+    d, hd, shapes = spec.d_model, spec.head_dim, {}
+
+    def norm(name, dim=d):
+        shapes[f"{name}.weight"] = (dim,)
+        if spec.norm == "layernorm":
+            shapes[f"{name}.bias"] = (dim,)
+
+    shapes["embed.weight"] = (spec.vocab_size, d)
+    if spec.positional == "learned":
+        shapes["pos_embed.weight"] = (spec.max_positions, d)
+    for i in range(spec.n_layers):
+        p = f"layers.{i}."
+        norm(p + "attn_norm")
+        if spec.ffn_norm:
+            norm(p + "ffn_norm")
+        for name, rows in (("q", spec.n_heads * hd), ("k", spec.n_kv_heads * hd), ("v", spec.n_kv_heads * hd)):
+            shapes[p + name + ".weight"] = (rows, d)
+            if spec.qkv_bias:
+                shapes[p + name + ".bias"] = (rows,)
+        shapes[p + "o.weight"] = (d, spec.n_heads * hd)
+        if spec.o_bias:
+            shapes[p + "o.bias"] = (d,)
+        if spec.qk_norm:
+            norm(p + "q_norm", hd)
+            norm(p + "k_norm", hd)
+        if spec.ffn_bias:
+            shapes[p + "up_bias"] = (spec.d_ffn,)
+            if spec.gated_ffn:
+                shapes[p + "gate_bias"] = (spec.d_ffn,)
+            shapes[p + "down_bias"] = (d,)
+    norm("final_norm")
+    if not spec.tied_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, d)
+    if spec.lm_head_bias:
+        shapes["lm_head.bias"] = (spec.vocab_size,)
+    return shapes
+
+
+def sha256_file(path: str | Path, start: int = 0, length: int | None = None) -> str:
+    """Hex sha256 of a file or of a byte range of it."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = length if length is not None else os.path.getsize(path) - start
+        while left > 0:
+            chunk = f.read(min(left, 8 << 20))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated `flashllm.json` and the directory it describes."""
+
+    root: Path
+    data: dict
+    spec: ArchSpec
+    layout: FFNLayout
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return STORAGE_DTYPES[self.data["dtype"]]
+
+    def path(self, key: str) -> Path:
+        return self.root / self.data["files"][key]["path"]
+
+    def has(self, key: str) -> bool:
+        return key in self.data["files"]
+
+    def verify_checksums(self, limit: int | None = None) -> None:
+        """Compare sha256 of every listed file (up to `limit` bytes in size) with the manifest."""
+        for key, entry in self.data["files"].items():
+            if limit is not None and entry["size"] > limit:
+                continue
+            if sha256_file(self.path(key)) != entry["sha256"]:
+                raise FlashLLMError(f"{self.path(key)}: checksum mismatch (file is corrupt; convert again)")
+
+
+def read_manifest(model_dir: str | Path, verify: bool | None = None) -> Manifest:
+    """Read and validate a model directory; `verify` None checksums only files up to 256 MiB."""
+    root = Path(model_dir)
+    mpath = root / MANIFEST
+    if not root.is_dir():
+        raise FlashLLMError(f"{root}: not a model directory (run `flashllm convert` first)")
+    if not mpath.is_file():
+        raise FlashLLMError(f"{mpath}: missing manifest (not a converted flashllm model directory)")
+    try:
+        data = json.loads(mpath.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FlashLLMError(f"{mpath}: unreadable manifest ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        raise FlashLLMError(f"{mpath}: not a flashllm manifest")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise FlashLLMError(f"{mpath}: format version {data.get('format_version')} is not supported "
+                            f"(this flashllm reads version {FORMAT_VERSION})")
+    try:
+        spec = ArchSpec.from_dict(data["spec"])
+        if data["dtype"] not in STORAGE_DTYPES:
+            raise FlashLLMError(f"{mpath}: unknown storage dtype {data['dtype']!r}")
+        if data.get("quantization", "none") != "none":
+            raise FlashLLMError(f"{mpath}: quantization {data['quantization']!r} is not supported")
+        files, ffn = data["files"], data["ffn"]
+        for key in ("resident", "ffn"):
+            if key not in files:
+                raise FlashLLMError(f"{mpath}: manifest lists no {key!r} file")
+        layout = FFNLayout.plan(spec, STORAGE_DTYPES[data["dtype"]].itemsize)
+        if layout.to_dict() != {k: ffn.get(k) for k in layout.to_dict()}:
+            raise FlashLLMError(f"{mpath}: FFN layout in the manifest does not match the architecture spec")
+        manifest = Manifest(root, data, spec, layout)
+        for key, entry in files.items():
+            _check_file(root, mpath, key, entry)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise FlashLLMError(f"{mpath}: malformed manifest ({type(exc).__name__}: {exc})") from None
+    if files["ffn"]["size"] != layout.file_size:
+        raise FlashLLMError(f"{manifest.path('ffn')}: manifest size {files['ffn']['size']} does not match "
+                            f"the FFN layout ({layout.file_size} bytes)")
+    if verify or verify is None:
+        manifest.verify_checksums(None if verify else VERIFY_AUTO_LIMIT)
+    return manifest
+
+
+def _check_file(root: Path, mpath: Path, key: str, entry: dict) -> None:
+    """A listed file must stay inside the directory and have the listed size."""
+    rel = entry["path"]
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel):
+        raise FlashLLMError(f"{mpath}: file {key!r} has an invalid path {rel!r}")
+    full = (root / rel).resolve()
+    if root.resolve() not in full.parents:
+        raise FlashLLMError(f"{mpath}: file {key!r} points outside the model directory ({rel!r})")
+    if not full.is_file():
+        raise FlashLLMError(f"{root / rel}: missing (listed in the manifest as {key!r})")
+    size = full.stat().st_size
+    if size != entry["size"]:
+        raise FlashLLMError(f"{root / rel}: size {size} bytes, manifest says {entry['size']} "
+                            f"({'truncated' if size < entry['size'] else 'corrupt'}; convert again)")

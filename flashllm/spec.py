@@ -1,0 +1,82 @@
+"""ArchSpec: every architecture difference the decoder block needs, expressed as data."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from .errors import FlashLLMError
+
+NORMS = ("layernorm", "rmsnorm")
+POSITIONALS = ("learned", "rotary")  # alibi: not yet supported
+ACTIVATIONS = ("relu", "relu2", "fatrelu", "gelu", "gelu_tanh", "silu")
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """The shape and behaviour of a decoder-only transformer, filled by a converter adapter."""
+
+    family: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ffn: int
+    max_positions: int
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    positional: str = "rotary"
+    rope_theta: float = 10000.0
+    rotary_dim: int = 0  # 0 = head_dim; smaller = partial rotary (Phi, Persimmon)
+    sliding_window: int = 0  # 0 = full causal attention
+    parallel_attn: bool = False  # attention and FFN both read the block input (Falcon, Phi)
+    ffn_norm: bool = True  # the FFN has its own input norm (False: shares the attention norm)
+    activation: str = "relu"
+    activation_threshold: float = 0.0  # fatrelu: x if x > threshold else 0
+    gated_ffn: bool = False  # act(gate x) * (up x), Llama-style
+    qkv_bias: bool = False
+    o_bias: bool = False
+    ffn_bias: bool = False  # biases on up (and gate) rows and on the down projection
+    qk_norm: bool = False  # layernorm over head_dim of q and k (Persimmon)
+    lm_head_bias: bool = False
+    tied_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self):
+        checks = [
+            (self.norm in NORMS, f"norm {self.norm!r} (expected one of {NORMS})"),
+            (self.positional in POSITIONALS, f"positional {self.positional!r} (expected one of {POSITIONALS})"),
+            (self.activation in ACTIVATIONS, f"activation {self.activation!r} (expected one of {ACTIVATIONS})"),
+            (min(self.vocab_size, self.d_model, self.n_layers, self.n_heads, self.n_kv_heads,
+                 self.head_dim, self.d_ffn, self.max_positions) > 0, "non-positive dimension"),
+            (self.n_heads % self.n_kv_heads == 0, f"n_heads {self.n_heads} not a multiple of n_kv_heads {self.n_kv_heads}"),
+            (0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0, f"rotary_dim {self.rotary_dim}"),
+        ]
+        for ok, what in checks:
+            if not ok:
+                raise FlashLLMError(f"unsupported architecture spec: {what}")
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def bundle_parts(self) -> tuple[str, ...]:
+        """Rows/columns stored per neuron, in file order."""
+        return ("gate", "up", "down") if self.gated_ffn else ("up", "down")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ArchSpec":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise FlashLLMError(f"architecture spec has unknown fields {unknown} (written by a newer flashllm?)")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise FlashLLMError(f"architecture spec is incomplete: {exc}") from None

@@ -1,0 +1,60 @@
+"""Per-token cost accounting: bytes and reads from flash, time split by what it was spent on."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+TIMED = ("io_ms", "mem_ms", "compute_ms", "predictor_ms")
+
+
+@dataclass
+class TokenCost:
+    """What one forward (the prompt or one decode token) cost."""
+
+    tokens: int = 0
+    bytes_read: int = 0
+    bytes_wasted: int = 0  # read only because of alignment (bytes_read includes it)
+    reads: int = 0
+    io_ms: float = 0.0
+    mem_ms: float = 0.0
+    compute_ms: float = 0.0
+    predictor_ms: float = 0.0
+    total_ms: float = 0.0
+    neurons_loaded: list[int] = field(default_factory=list)  # per layer
+    neurons_cached: list[int] = field(default_factory=list)  # per layer, after the update
+    prefill_strategy: str = ""
+
+    @contextmanager
+    def timed(self, what: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, what, getattr(self, what) + (time.perf_counter() - t0) * 1e3)
+
+    def add_io(self, io) -> None:
+        """Account one I/O engine call (an IOStats)."""
+        self.bytes_read += io.bytes_read
+        self.bytes_wasted += io.bytes_read - io.bytes_requested
+        self.reads += io.reads
+
+
+def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None) -> dict:
+    """The stats dict of one call: decode-token averages, the prompt separately, peak DRAM."""
+    prompt, decode = (costs[0], costs[1:]) if costs else (None, [])
+    n = max(len(decode), 1)
+    out = {"decode_tokens": len(decode), "dram_bytes": dram_bytes}
+    for key in ("bytes_read", "bytes_wasted", "reads") + TIMED + ("total_ms",):
+        out[key] = sum(getattr(c, key) for c in decode) / n
+    if decode and decode[-1].neurons_cached:
+        layers = len(decode[-1].neurons_cached)
+        out["neurons_loaded_per_layer"] = [sum(c.neurons_loaded[i] for c in decode) / n for i in range(layers)]
+        out["neurons_cached_per_layer"] = list(decode[-1].neurons_cached)
+    if prompt is not None:
+        out["prompt"] = {"tokens": prompt.tokens, "bytes_read": prompt.bytes_read, "reads": prompt.reads,
+                         "total_ms": prompt.total_ms, "io_ms": prompt.io_ms, "strategy": prompt.prefill_strategy}
+    out["tokens_per_s"] = 1e3 / out["total_ms"] if decode and out["total_ms"] > 0 else None
+    out.update(extra or {})
+    return out

@@ -1,0 +1,35 @@
+"""Text <-> token ids through the HF `tokenizers` package, from the copied tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import FlashLLMError
+
+
+class Tokenizer:
+    """Encodes like the checkpoint's tokenizer (its own post-processor, plus BOS where configured)."""
+
+    def __init__(self, model_dir: Path, bos_token_id: int | None):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise FlashLLMError(f"{path}: missing; this model can only be driven with token ids")
+        try:
+            self.tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises plain Exceptions for malformed files
+            raise FlashLLMError(f"{path}: unreadable tokenizer ({exc})") from None
+        cfg_path = Path(model_dir) / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.bos = bos_token_id if cfg.get("add_bos_token") else None
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tok.encode(text).ids
+        if self.bos is not None and ids[:1] != [self.bos]:
+            ids = [self.bos] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)

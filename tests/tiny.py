@@ -1,0 +1,89 @@
+"""The one tiny-model factory every test uses: random HF checkpoints of each supported family."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FATRELU_THRESHOLD = 0.05
+
+# family id -> (transformers config class, model class, config overrides)
+FAMILIES = {
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=128, word_embed_proj_dim=64, activation_function="relu")),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=96, num_key_value_heads=2)),
+    "llama-relu": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=96, hidden_act="relu")),
+    "llama-fatrelu": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=96, hidden_act="relu")),
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                dict(intermediate_size=96, num_key_value_heads=2, sliding_window=8)),
+    "falcon-mq": ("FalconConfig", "FalconForCausalLM",
+                  dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False)),
+    "falcon-seq": ("FalconConfig", "FalconForCausalLM",
+                   dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False, bias=True)),
+    "falcon-new": ("FalconConfig", "FalconForCausalLM",
+                   dict(new_decoder_architecture=True, num_kv_heads=2, bias=False, ffn_hidden_size=128)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(intermediate_size=128, partial_rotary_factor=0.5)),
+    "persimmon": ("PersimmonConfig", "PersimmonForCausalLM",
+                  dict(intermediate_size=128, qk_layernorm=True, partial_rotary_factor=0.5)),
+}
+TEXT = ("the quick brown fox jumps over the lazy dog while a small model streams its neurons "
+        "from flash memory one token at a time def main(): return sum(x * x for x in range(10))\n") * 4
+
+
+def make_tokenizer(path: Path) -> None:
+    """A small character-level BPE tokenizer (ids < VOCAB) saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
+    tok.train_from_iterator([TEXT], trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": "<s>",
+                                                            "eos_token": "</s>"}))
+
+
+def make_hf_model(family: str, seed: int = 0, **overrides):
+    """A random HF model of `family` with weights large enough that logits differ meaningfully."""
+    import transformers
+
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_norm = "norm" in name or "ln_" in name or "layer_norm" in name
+            p.copy_(1 + 0.1 * torch.randn_like(p) if is_norm and name.endswith("weight") else 0.15 * torch.randn_like(p))
+    if family == "llama-fatrelu":
+        for layer in model.model.layers:
+            layer.mlp.act_fn = FatReLU()
+    return model
+
+
+class FatReLU(torch.nn.Module):
+    """ProSparse's activation (x if x > threshold else 0), which transformers does not ship."""
+
+    def forward(self, x):
+        return x * (x > FATRELU_THRESHOLD)
+
+
+def save_checkpoint(model, family: str, path: Path, **save_kw) -> Path:
+    """Save as an HF checkpoint directory with a tokenizer (fatrelu gets its ProSparse-style config)."""
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, **save_kw)
+    make_tokenizer(path)
+    if family == "llama-fatrelu":
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.update(hidden_act="fatrelu", hidden_act_param=FATRELU_THRESHOLD)
+        (path / "config.json").write_text(json.dumps(cfg))
+    return path

@@ -1,0 +1,146 @@
+"""Bad input gives one clear line naming the problem, a non-zero exit, and nothing half-written."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import flashllm
+from flashllm.cli import main
+
+
+def run_cli(capsys, *argv):
+    capsys.readouterr()  # drop what fixtures printed
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.fixture
+def ckpt(tiny_models, tmp_path):
+    """A private copy of the tiny OPT checkpoint that a test may damage."""
+    src = tiny_models("opt").ckpt
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.fixture
+def flash(tiny_models, tmp_path):
+    """A private copy of the converted tiny Llama model directory."""
+    dst = tmp_path / "flash"
+    shutil.copytree(tiny_models("llama").model_dir, dst)
+    return dst
+
+
+def assert_convert_fails(capsys, src, out, *needles):
+    code, err = run_cli(capsys, "convert", src, out)
+    assert code != 0
+    assert err.startswith("flashllm: error:") and err.count("\n") == 1 and "Traceback" not in err
+    for needle in needles:
+        assert needle in err
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]  # no partial dirs
+
+
+def rewrite_weights(ckpt, edit):
+    path = ckpt / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+
+
+def test_missing_config(capsys, ckpt, tmp_path):
+    (ckpt / "config.json").unlink()
+    assert_convert_fails(capsys, ckpt, tmp_path / "out", "config.json", "missing")
+
+
+def test_unknown_model_type(capsys, ckpt, tmp_path):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["model_type"] = "gpt_bigcode"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    assert_convert_fails(capsys, ckpt, tmp_path / "out", "gpt_bigcode", "not supported")
+
+
+def test_missing_tensor_leaves_nothing(capsys, ckpt, tmp_path):
+    rewrite_weights(ckpt, lambda t: t.pop("model.decoder.layers.1.fc2.weight"))
+    assert_convert_fails(capsys, ckpt, tmp_path / "out", "model.decoder.layers.1.fc2.weight", "missing")
+
+
+def test_wrong_shape(capsys, ckpt, tmp_path):
+    def edit(t):
+        t["model.decoder.layers.0.self_attn.k_proj.weight"] = torch.zeros(32, 64)
+    rewrite_weights(ckpt, edit)
+    assert_convert_fails(capsys, ckpt, tmp_path / "out", "k_proj.weight", "(32, 64)", "(64, 64)")
+
+
+def test_truncated_safetensors(capsys, ckpt, tmp_path):
+    path = ckpt / "model.safetensors"
+    os.truncate(path, path.stat().st_size - 1000)
+    assert_convert_fails(capsys, ckpt, tmp_path / "out", "model.safetensors", "truncated")
+
+
+def test_existing_output_is_not_overwritten(capsys, ckpt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    code, err = run_cli(capsys, "convert", ckpt, out)
+    assert code != 0 and "already exists" in err
+
+
+def test_manifest_pointing_outside_the_directory(capsys, flash, tmp_path):
+    manifest = json.loads((flash / "flashllm.json").read_text())
+    shutil.copy(flash / "resident.safetensors", tmp_path / "elsewhere.safetensors")
+    manifest["files"]["resident"]["path"] = "../elsewhere.safetensors"
+    (flash / "flashllm.json").write_text(json.dumps(manifest))
+    with pytest.raises(flashllm.FlashLLMError, match="outside the model directory"):
+        flashllm.load(flash)
+    code, err = run_cli(capsys, "inspect", flash)
+    assert code != 0 and "outside the model directory" in err
+
+
+def test_truncated_ffn_file(capsys, flash):
+    path = flash / "ffn.bin"
+    os.truncate(path, path.stat().st_size - 4096)
+    with pytest.raises(flashllm.FlashLLMError, match=r"ffn\.bin.*truncated"):
+        flashllm.load(flash)
+    code, err = run_cli(capsys, "generate", flash, "--prompt", "hi")
+    assert code != 0 and "ffn.bin" in err and "Traceback" not in err
+
+
+def test_corrupt_ffn_file_fails_checksum(flash):
+    with open(flash / "ffn.bin", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xff")
+    with pytest.raises(flashllm.FlashLLMError, match="checksum"):
+        flashllm.load(flash)
+
+
+def test_prompt_longer_than_context(capsys, flash):
+    model = flashllm.load(flash, context=8)
+    with pytest.raises(flashllm.FlashLLMError, match="context"):
+        model.generate("the quick brown fox jumps over the lazy dog", max_new_tokens=2)
+    with pytest.raises(flashllm.FlashLLMError, match="context"):
+        model.logits(list(range(1, 12)))
+    code, err = run_cli(capsys, "generate", flash, "--prompt", "the quick brown fox jumps over the lazy dog",
+                        "--context", "8")
+    assert code != 0 and "context" in err
+
+
+def test_bad_mode_and_device(flash):
+    with pytest.raises(flashllm.FlashLLMError, match="mode"):
+        flashllm.load(flash, mode="turbo")
+    if not torch.cuda.is_available():
+        with pytest.raises(flashllm.FlashLLMError, match="CUDA is not available"):
+            flashllm.load(flash, device="cuda")
+
+
+def test_console_script_exit_code(flash, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "flashllm.cli", "inspect", str(tmp_path / "nope")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "not a model directory" in proc.stderr and "Traceback" not in proc.stderr

@@ -10,8 +10,10 @@ import numpy as np
 import torch
 
 from . import format as fmt
+from . import modes
 from .errors import FlashLLMError
 from .generate import generate_tokens
+from .predictor import make_predictor
 from .st_io import SafetensorsFile
 from .stats import TokenCost, summarize
 from .tokenizer import Tokenizer
@@ -34,7 +36,12 @@ class Model:
     """A loaded model. `logits`, `generate` and `stream` run the same per-token path."""
 
     def __init__(self, model_dir: str | Path, backend: str = "torch", device: str = "cpu", mode: str = "dense",
-                 dtype: str | None = None, context: int | None = None, verify: bool | None = None):
+                 predictor: str = "lowrank", dram_budget: float | int | None = None, window: int = 4,
+                 threads: int = 32, dtype: str | None = None, context: int | None = None,
+                 verify: bool | None = None, hybrid_fraction: float | None = None):
+        """Options: `dram_budget` a fraction of the model size or bytes (None: unlimited), `window`
+        tokens whose neurons stay cached (sparse), `threads` flash readers, `dtype` compute dtype,
+        `context` KV cache length, `verify` checksums (None: files up to 256 MiB)."""
         if mode not in MODES:
             raise FlashLLMError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
         self.manifest = fmt.read_manifest(model_dir, verify=verify)
@@ -45,11 +52,23 @@ class Model:
         self.backend = make_backend(backend, self.spec, device, dtype, self.manifest.dtype, self.context)
         self._tokenizer = None
         self._costs: list[TokenCost] = []
-        self._load_resident()
-        self._load_dense_ffn()
+        self._load_resident(skip_layers=mode == "naive")
+        self.model_bytes = sum(e["size"] for k, e in self.manifest.data["files"].items() if k in ("resident", "ffn"))
+        budget = modes.budget_bytes(dram_budget, self.model_bytes)
+        if mode == "dense":
+            self.plan = modes.DensePlan(self)
+        elif mode == "naive":
+            self.plan = modes.NaivePlan(self, budget, threads)
+        elif mode == "hybrid":
+            self.plan = modes.HybridPlan(self, budget, threads, hybrid_fraction)
+        else:
+            self.predictor = make_predictor(predictor, self)
+            self.plan = modes.SparsePlan(self, budget, threads, window, self.predictor)
+        self.dram_budget = budget
 
     # -- loading -------------------------------------------------------------------------------
-    def _load_resident(self) -> None:
+    def _load_resident(self, skip_layers: bool) -> None:
+        """Resident tensors into the backend (naive mode: only those outside the layers)."""
         path = self.manifest.path("resident")
         st = SafetensorsFile(path)
         for name, shape in fmt.resident_shapes(self.spec).items():
@@ -57,7 +76,8 @@ class Model:
                 raise FlashLLMError(f"{path}: tensor {name!r} is missing")
             if st.shape(name) != shape:
                 raise FlashLLMError(f"{path}: tensor {name!r} has shape {st.shape(name)}, expected {shape}")
-            self.backend.put(name, st.read(name))
+            if not (skip_layers and name.startswith("layers.")):
+                self.backend.put(name, st.read(name))
         self.ffn_biases = [
             tuple(self.backend.w.get(f"layers.{i}.{b}") for b in ("up_bias", "gate_bias", "down_bias"))
             for i in range(self.spec.n_layers)]
@@ -70,20 +90,25 @@ class Model:
             raise FlashLLMError(f"{path}: truncated in layer {layer}")
         return block.reshape(lay.d_ffn, lay.stride)
 
-    def bundle_rows(self, block: np.ndarray) -> dict[str, torch.Tensor]:
+    def bundle_rows(self, block: np.ndarray, parts: tuple[str, ...] | None = None) -> dict:
         """Split uint8 bundle rows [n, >=bundle_bytes] into per-part [n, d] backend tensors."""
         lay = self.layout
-        values = torch.from_numpy(np.ascontiguousarray(block[:, :lay.bundle_bytes])).view(self.manifest.dtype)
-        return {part: self.backend.tensor(values[:, lay.part_slice(part)]) for part in lay.parts}
+        values = torch.from_numpy(block).view(self.manifest.dtype)
+        return {part: self.backend.tensor(values[:, lay.part_slice(part)]) for part in parts or lay.parts}
 
-    def _load_dense_ffn(self) -> None:
-        self.dense_ffn = [self.bundle_rows(self.read_layer_block(i)) for i in range(self.spec.n_layers)]
+    def compute_row_bytes(self) -> int:
+        """DRAM one cached neuron costs: its bundle in the compute dtype plus per-row biases."""
+        lay, B = self.layout, self.backend
+        elems = lay.bundle_bytes // lay.itemsize
+        row = lay.stride if B.reads_in_place(self.manifest.dtype) else elems * B.dtype.itemsize
+        return row + 2 * B.dtype.itemsize
+
+    def max_layer_bytes(self) -> int:
+        """DRAM one layer's weights (resident tensors and FFN) take in the compute dtype."""
+        per_layer = sum(int(np.prod(s)) for n, s in fmt.resident_shapes(self.spec).items() if n.startswith("layers.0."))
+        return per_layer * self.backend.dtype.itemsize + self.layout.d_ffn * self.compute_row_bytes()
 
     # -- the per-token path --------------------------------------------------------------------
-    def _ffn(self, layer: int, x, cost: TokenCost):
-        up_b, gate_b, down_b = self.ffn_biases[layer]
-        return self.backend.ffn(x, self.dense_ffn[layer], up_b, gate_b, down_b)
-
     def forward(self, ids: list[int], pos: int) -> np.ndarray:
         """Logits [len(ids), vocab] for `ids` at positions pos.. (the KV cache holds 0..pos-1)."""
         if pos + len(ids) > self.context:
@@ -91,14 +116,17 @@ class Model:
         cost, t0 = TokenCost(tokens=len(ids)), time.perf_counter()
         B, s = self.backend, self.spec
         x = B.embed(ids, pos)
+        if pos == 0:
+            self.plan.reset()
         for layer in range(s.n_layers):
+            self.plan.before_layer(layer, cost)
             attn, h = B.attention(layer, x, pos)
             if s.parallel_attn:
                 f_in = B.norm(f"layers.{layer}.ffn_norm", x) if s.ffn_norm else h
-                x = x + attn + self._ffn(layer, f_in, cost)
+                x = x + attn + self.plan.ffn(layer, f_in, cost)
             else:
                 x = x + attn
-                x = x + self._ffn(layer, B.norm(f"layers.{layer}.ffn_norm", x), cost)
+                x = x + self.plan.ffn(layer, B.norm(f"layers.{layer}.ffn_norm", x), cost)
         logits = B.logits(x)
         cost.total_ms = (time.perf_counter() - t0) * 1e3
         cost.compute_ms = cost.total_ms - cost.io_ms - cost.mem_ms - cost.predictor_ms
@@ -114,11 +142,18 @@ class Model:
 
     @property
     def stats(self) -> dict:
-        return summarize(self._costs, self.dram_bytes(), {"mode": self.mode, "backend": self.backend.name})
+        extra = {"mode": self.mode, "backend": self.backend.name, "dram_budget": self.dram_budget,
+                 "model_bytes": self.model_bytes}
+        if self.mode == "sparse":
+            extra.update(window=self.plan.window, cache_capacity=self.plan.capacity, predictor=self.predictor.kind)
+        if self.mode == "hybrid":
+            extra.update(resident_neurons=self.plan.h)
+        return summarize(self._costs, self.dram_bytes(), extra)
 
     def dram_bytes(self) -> int:
-        return self.backend.nbytes() + sum(t.numel() * t.element_size()
-                                           for rows in getattr(self, "dense_ffn", []) for t in rows.values())
+        """DRAM held by the runtime: resident weights, KV cache, caches/buffers, predictors."""
+        return self.backend.nbytes() + self.plan.nbytes() + self.backend.staging_bytes(self.layout.stride) * \
+            (self.mode == "sparse")
 
     def logits(self, token_ids, prefill: int | None = None) -> np.ndarray:
         """[len, vocab] float32 logits: the first `prefill` ids as one prompt, the rest one at a time."""

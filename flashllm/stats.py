@@ -24,6 +24,7 @@ class TokenCost:
     total_ms: float = 0.0
     neurons_loaded: list[int] = field(default_factory=list)  # per layer
     neurons_cached: list[int] = field(default_factory=list)  # per layer, after the update
+    neurons_dropped: int = 0  # active neurons left out because the cache could not hold them
     prefill_strategy: str = ""
 
     @contextmanager
@@ -46,7 +47,7 @@ def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None
     prompt, decode = (costs[0], costs[1:]) if costs else (None, [])
     n = max(len(decode), 1)
     out = {"decode_tokens": len(decode), "dram_bytes": dram_bytes}
-    for key in ("bytes_read", "bytes_wasted", "reads") + TIMED + ("total_ms",):
+    for key in ("bytes_read", "bytes_wasted", "reads", "neurons_dropped") + TIMED + ("total_ms",):
         out[key] = sum(getattr(c, key) for c in decode) / n
     if decode and decode[-1].neurons_cached:
         layers = len(decode[-1].neurons_cached)

@@ -36,6 +36,7 @@ class TorchBackend:
         else:
             cdt = DTYPES[dtype]
         self.dtype = cdt
+        self._storage_dtype = storage_dtype
         self.context = context
         self.w: dict[str, torch.Tensor] = {}
         kv_shape = (spec.n_layers, context, spec.n_kv_heads, spec.head_dim)
@@ -60,8 +61,46 @@ class TorchBackend:
         return t.to(device=self.device, dtype=self.dtype)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.w.values()) \
-            + 2 * self.k_cache.numel() * self.k_cache.element_size()
+        """Bytes held: resident weights plus the KV cache."""
+        return sum(map(self.nbytes_of, self.w.values())) + 2 * self.nbytes_of(self.k_cache)
+
+    @staticmethod
+    def nbytes_of(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def row_store(self, capacity: int, layout, storage_dtype, biases: dict):
+        return TorchRowStore(self, capacity, layout, storage_dtype, biases)
+
+    def reads_in_place(self, storage_dtype: torch.dtype) -> bool:
+        """Whether flash reads can land in cache rows directly (same dtype, host memory)."""
+        return self.device.type == "cpu" and self.dtype == storage_dtype
+
+    def staging_bytes(self, stride: int) -> int:
+        return 0 if self.reads_in_place(self._storage_dtype) else self._staging_rows(stride) * stride
+
+    def _staging_rows(self, stride: int) -> int:
+        return max(1, TorchRowStore.STAGING_BYTES // stride)
+
+    def staging(self, stride: int) -> np.ndarray:
+        """One page-aligned staging buffer shared by every cache of this backend (reads are sequential)."""
+        from ..flashio import aligned_empty
+
+        if getattr(self, "_staging", None) is None or self._staging.shape[1] != stride:
+            self._staging = aligned_empty((self._staging_rows(stride), stride), np.uint8)
+        return self._staging
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, w, b)
+
+    def greater(self, x: torch.Tensor, threshold: float) -> np.ndarray:
+        """Boolean numpy mask x > threshold (brings a predictor's decision to the host)."""
+        return (x > threshold).cpu().numpy()
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    def zeros_like(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
 
     # -- forward pieces ------------------------------------------------------------------------
     def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -136,3 +175,68 @@ def _device(device: str) -> str:
     if not (device == "cpu" or device.startswith("cuda")):
         raise FlashLLMError(f"device {device!r}: the torch backend supports cpu and cuda")
     return device
+
+
+class TorchRowStore:
+    """A neuron cache's preallocated matrix of bundle rows (plus per-row FFN biases) on a torch device.
+
+    When the device is the CPU and the compute dtype is the storage dtype, flash reads land in the
+    matrix itself; otherwise they land in a bounded page-aligned staging buffer and are converted.
+    """
+
+    STAGING_BYTES = 8 << 20
+
+    def __init__(self, backend: TorchBackend, capacity: int, layout, storage_dtype: torch.dtype,
+                 biases: dict[str, torch.Tensor | None]):
+        from ..flashio import aligned_empty
+
+        self.layout, self.storage_dtype, self.backend = layout, storage_dtype, backend
+        self.elems = layout.bundle_bytes // storage_dtype.itemsize
+        if backend.reads_in_place(storage_dtype):
+            self.raw = aligned_empty((capacity, layout.stride), np.uint8)
+            self.matrix = torch.from_numpy(self.raw).view(storage_dtype)
+            self.staging = None
+        else:
+            self.raw = None
+            self.matrix = torch.empty(capacity, self.elems, dtype=backend.dtype, device=backend.device)
+            self.staging = backend.staging(layout.stride)
+        self.full_bias = {k: v for k, v in biases.items() if v is not None}
+        self.bias = {k: torch.empty(capacity, dtype=backend.dtype, device=backend.device) for k in self.full_bias}
+
+    def nbytes(self) -> int:
+        """Bytes of the matrix and per-row biases (the shared staging buffer is counted once, elsewhere)."""
+        return sum(map(self.backend.nbytes_of, [self.matrix, *self.bias.values()]))
+
+    def move(self, dst: np.ndarray, src: np.ndarray) -> None:
+        d = torch.from_numpy(dst).to(self.backend.device)
+        s = torch.from_numpy(src).to(self.backend.device)
+        self.matrix[d] = self.matrix[s]
+        for b in self.bias.values():
+            b[d] = b[s]
+
+    def fill(self, reader, base_offset: int, ids: np.ndarray, rows: np.ndarray):
+        """Read the bundles of neurons `ids` from flash into matrix rows `rows`; returns IOStats."""
+        stride = self.layout.stride
+        if self.staging is None:
+            io = reader.read_rows(base_offset, stride, stride, ids, self.raw, rows)
+        else:
+            io = None
+            step = self.staging.shape[0]
+            for k in range(0, len(ids), step):
+                chunk = ids[k:k + step]
+                part = reader.read_rows(base_offset, stride, stride, chunk, self.staging, np.arange(len(chunk)))
+                io = part if io is None else io + part
+                vals = torch.from_numpy(self.staging[:len(chunk)]).view(self.storage_dtype)[:, :self.elems]
+                self.matrix[torch.from_numpy(rows[k:k + step]).to(self.backend.device)] = \
+                    vals.to(device=self.backend.device, dtype=self.backend.dtype)
+        if len(ids):
+            r = torch.from_numpy(rows).to(self.backend.device)
+            i = torch.from_numpy(ids).to(self.backend.device)
+            for key, b in self.bias.items():
+                b[r] = self.full_bias[key][i]
+        return io
+
+    def views(self, n: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Per-part [n, d] weight views of rows :n, and per-row biases."""
+        rows = {p: self.matrix[:n, self.layout.part_slice(p)] for p in self.layout.parts}
+        return rows, {k: b[:n] for k, b in self.bias.items()}

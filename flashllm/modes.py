@@ -1,0 +1,265 @@
+"""How layer weights are obtained per token: dense, naive, hybrid or sparse (the only difference).
+
+Each plan answers `ffn(layer, x, cost)` and may load weights around a layer (`before_layer`);
+the model's per-token path is the same for all of them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import FlashLLMError
+from .flashio import FlashReader, aligned_empty
+from .neuron_cache import NeuronCache
+from .st_io import SafetensorsFile
+
+GiB = 1 << 30
+
+
+def budget_bytes(dram_budget: float | int | None, model_bytes: int) -> int | None:
+    """A budget given as a fraction of the model size (<= 1) or as bytes (> 1); None: unlimited."""
+    if dram_budget is None:
+        return None
+    if dram_budget <= 0:
+        raise FlashLLMError(f"dram_budget {dram_budget}: must be positive (a fraction of the model or bytes)")
+    return int(dram_budget * model_bytes) if dram_budget <= 1 else int(dram_budget)
+
+
+def _too_small(model, budget: int, needed: int, what: str) -> FlashLLMError:
+    return FlashLLMError(f"DRAM budget {budget / GiB:.3f} GiB is too small: {what} alone need "
+                         f"{needed / GiB:.3f} GiB (model size {model.model_bytes / GiB:.3f} GiB)")
+
+
+class DensePlan:
+    """Every FFN weight resident: the correctness reference."""
+
+    name = "dense"
+
+    def __init__(self, model):
+        self.model = model
+        self.rows = [model.bundle_rows(model.read_layer_block(i)) for i in range(model.spec.n_layers)]
+
+    def before_layer(self, layer: int, cost) -> None:
+        pass
+
+    def ffn(self, layer: int, x, cost):
+        up_b, gate_b, down_b = self.model.ffn_biases[layer]
+        return self.model.backend.ffn(x, self.rows[layer], up_b, gate_b, down_b)
+
+    def nbytes(self) -> int:
+        return sum(self.model.backend.nbytes_of(t) for rows in self.rows for t in rows.values())
+
+    def reset(self) -> None:
+        pass
+
+
+class StreamingPlan:
+    """Shared by the flash-reading plans: the FFN reader and a dense read of neuron ranges."""
+
+    def __init__(self, model, threads: int):
+        self.model, self.lay = model, model.layout
+        self.reader = FlashReader(model.manifest.path("ffn"), threads=threads)
+
+    def before_layer(self, layer: int, cost) -> None:
+        pass
+
+    def read_rows(self, layer: int, lo: int, hi: int, buf: np.ndarray, cost) -> dict:
+        """Neurons lo..hi-1 of `layer` read in one sequential range into `buf`, as backend rows."""
+        with cost.timed("io_ms"):
+            cost.add_io(self.reader.read_range(self.lay.layer_offsets[layer] + lo * self.lay.stride,
+                                               (hi - lo) * self.lay.stride, buf))
+        with cost.timed("mem_ms"):
+            return self.model.bundle_rows(buf[:hi - lo])
+
+    def reset(self) -> None:
+        pass
+
+
+class NaivePlan(StreamingPlan):
+    """No layer weights resident: every token reads each layer's attention and FFN from flash."""
+
+    name = "naive"
+
+    def __init__(self, model, budget: int | None, threads: int):
+        super().__init__(model, threads)
+        st = SafetensorsFile(model.manifest.path("resident"))
+        self.spans = []
+        for i in range(model.spec.n_layers):
+            names = [n for n in st.entries if n.startswith(f"layers.{i}.")]
+            begin = min(st.entries[n]["data_offsets"][0] for n in names)
+            end = max(st.entries[n]["data_offsets"][1] for n in names)
+            self.spans.append((st.data_start + begin, end - begin, names))
+        self.st = st
+        self.attn_reader = FlashReader(st.path, threads=threads)
+        self.attn_buf = aligned_empty(max(n for _, n, _ in self.spans), np.uint8)
+        self.ffn_buf = aligned_empty((self.lay.d_ffn, self.lay.stride), np.uint8)
+        needed = model.backend.nbytes() + self.nbytes()
+        if budget is not None and needed > budget:
+            raise _too_small(model, budget, needed, "embeddings, KV cache and one layer's weights")
+
+    def before_layer(self, layer: int, cost) -> None:
+        """Read this layer's resident tensors (attention, norms, biases) and make them live."""
+        import torch
+
+        offset, nbytes, names = self.spans[layer]
+        with cost.timed("io_ms"):
+            cost.add_io(self.attn_reader.read_range(offset, nbytes, self.attn_buf))
+        with cost.timed("mem_ms"):
+            base = offset - self.st.data_start
+            for name in names:
+                e = self.st.entries[name]
+                b, en = e["data_offsets"]
+                raw = torch.from_numpy(self.attn_buf[b - base:en - base])
+                self.model.backend.put(name, raw.view(self.model.manifest.dtype).reshape(e["shape"]))
+
+    def ffn(self, layer: int, x, cost):
+        rows = self.read_rows(layer, 0, self.lay.d_ffn, self.ffn_buf, cost)
+        B, p = self.model.backend, f"layers.{layer}."
+        y = B.ffn(x, rows, B.w.get(p + "up_bias"), B.w.get(p + "gate_bias"), B.w.get(p + "down_bias"))
+        for name in self.spans[layer][2]:  # the layer's weights do not stay resident
+            B.w.pop(name, None)
+        return y
+
+    def nbytes(self) -> int:
+        """Read buffers plus the one layer whose weights are live at a time."""
+        return self.attn_buf.nbytes + self.ffn_buf.nbytes + self.model.max_layer_bytes()
+
+
+class HybridPlan(StreamingPlan):
+    """The first `resident_rows` neurons of each FFN stay resident; the rest is re-read densely per token."""
+
+    name = "hybrid"
+
+    def __init__(self, model, budget: int | None, threads: int, resident_fraction: float | None = None):
+        super().__init__(model, threads)
+        lay, L = self.lay, model.spec.n_layers
+        row = model.compute_row_bytes()
+        base = model.backend.nbytes()
+        if resident_fraction is not None:
+            h = int(resident_fraction * lay.d_ffn)
+        elif budget is None:
+            h = lay.d_ffn // 2
+        else:
+            # L*h resident rows + one staging buffer for the (d_ffn - h) streamed rows of a layer
+            avail = budget - base - lay.d_ffn * (row + lay.stride)
+            if avail < 0:
+                raise _too_small(model, budget, base + lay.d_ffn * (row + lay.stride),
+                                 "resident weights, KV cache and one layer's staging")
+            h = min(lay.d_ffn, avail // (L * row))
+        self.h = max(0, min(lay.d_ffn, h))
+        self.resident = [model.bundle_rows(model.read_layer_block(i)[:self.h]) for i in range(L)] if self.h else []
+        self.buf = aligned_empty((lay.d_ffn - self.h, lay.stride), np.uint8) if self.h < lay.d_ffn else None
+
+    def ffn(self, layer: int, x, cost):
+        B = self.model.backend
+        up_b, gate_b, down_b = self.model.ffn_biases[layer]
+        h, n = self.h, self.lay.d_ffn
+
+        def part(b, lo, hi):
+            return None if b is None else b[lo:hi]
+
+        y = B.ffn(x, self.resident[layer], part(up_b, 0, h), part(gate_b, 0, h), down_b) if h else None
+        if h < n:
+            rows = self.read_rows(layer, h, n, self.buf, cost)
+            rest = B.ffn(x, rows, part(up_b, h, n), part(gate_b, h, n), None if y is not None else down_b)
+            y = rest if y is None else y + rest
+        return y
+
+    def nbytes(self) -> int:
+        B = self.model.backend
+        return sum(B.nbytes_of(t) for rows in self.resident for t in rows.values()) + \
+            (self.buf.nbytes if self.buf is not None else 0)
+
+
+class SparsePlan(StreamingPlan):
+    """Predicted neurons streamed into per-layer sliding-window caches (paper §3.1-3.3)."""
+
+    name = "sparse"
+    RANDOM_READ_PENALTY = 1.5  # a bundle read costs about this much more per byte than a sequential one
+
+    def __init__(self, model, budget: int | None, threads: int, window: int, predictor):
+        super().__init__(model, threads)
+        if window < 1:
+            raise FlashLLMError(f"window {window}: must be at least 1 (tokens whose neurons stay cached)")
+        self.window, self.predictor = window, predictor
+        lay, L, B = self.lay, model.spec.n_layers, model.backend
+        base = B.nbytes() + predictor.nbytes()
+        row = model.compute_row_bytes()
+        if budget is None:
+            capacity = lay.d_ffn
+        else:
+            avail = budget - base - B.staging_bytes(lay.stride)
+            if avail < L * row:
+                raise _too_small(model, budget, base + L * row,
+                                 "resident weights, KV cache, predictors and one cached neuron per layer")
+            capacity = min(lay.d_ffn, avail // (L * row))
+        self.caches = []
+        for i in range(L):
+            up_b, gate_b, _ = model.ffn_biases[i]
+            store = B.row_store(capacity, lay, model.manifest.dtype, {"up": up_b, "gate": gate_b})
+            self.caches.append(NeuronCache(capacity, lay.d_ffn, store))
+        self.capacity = capacity
+
+    def reset(self) -> None:
+        for c in self.caches:
+            c.reset()
+
+    def _load(self, layer: int, active: np.ndarray, window: int, cost) -> tuple[int, int]:
+        """One cache step: evict outside the window, read and append the missing bundles."""
+        cache = self.caches[layer]
+        with cost.timed("mem_ms"):
+            missing, k, dropped = cache.evict(active, window)
+        with cost.timed("io_ms"):
+            io = cache.store.fill(self.reader, self.lay.layer_offsets[layer], missing, cache.free_rows(len(missing)))
+        if io is not None:
+            cost.add_io(io)
+        cache.append(missing)
+        return len(missing), dropped
+
+    def _compute(self, layer: int, x, n: int, with_down_bias: bool):
+        rows, bias = self.caches[layer].store.views(n)
+        down_b = self.model.ffn_biases[layer][2] if with_down_bias else None
+        return self.model.backend.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b)
+
+    def ffn(self, layer: int, x, cost):
+        with cost.timed("predictor_ms"):
+            mask = self.predictor.predict(layer, x)
+        if mask.shape[0] == 1:
+            loaded, dropped = self._load(layer, np.flatnonzero(mask[0]), self.window, cost)
+            cost.neurons_loaded.append(loaded)
+            cost.neurons_dropped += dropped
+            cost.neurons_cached.append(self.caches[layer].num_used)
+            return self._compute(layer, x, self.caches[layer].num_used, True)
+        return self._prefill(layer, x, mask, cost)
+
+    def _prefill(self, layer: int, x, mask: np.ndarray, cost):
+        """Several tokens at once: stream the predicted union (or the whole layer, if cheaper) through
+        the cache rows in chunks, then leave the cache as if the last `window` tokens were decoded."""
+        cache, B = self.caches[layer], self.model.backend
+        union = np.flatnonzero(mask.any(axis=0))
+        sparse_cost = len(union) * self.RANDOM_READ_PENALTY
+        ids, strategy = (union, "sparse-union") if sparse_cost < self.lay.d_ffn else \
+            (np.arange(self.lay.d_ffn), "dense-stream")
+        cost.prefill_strategy = strategy
+        cache.reset()
+        y = None
+        for k in range(0, len(ids), cache.capacity):
+            chunk = ids[k:k + cache.capacity]
+            with cost.timed("io_ms"):
+                cost.add_io(cache.store.fill(self.reader, self.lay.layer_offsets[layer], chunk,
+                                             np.arange(len(chunk))))
+            part = self._compute(layer, x, len(chunk), y is None)
+            y = part if y is None else B.add(y, part)
+        cache.reset()
+        for row in mask[-self.window:]:
+            self._load(layer, np.flatnonzero(row), self.window, cost)
+        cost.neurons_loaded.append(len(ids))
+        cost.neurons_cached.append(cache.num_used)
+        if y is None:  # nothing predicted active: only the bias remains
+            y = self.model.backend.zeros_like(x)
+            if self.model.ffn_biases[layer][2] is not None:
+                y = y + self.model.ffn_biases[layer][2]
+        return y
+
+    def nbytes(self) -> int:
+        return sum(c.store.nbytes() for c in self.caches) + self.predictor.nbytes()

@@ -1,0 +1,108 @@
+"""Active-neuron predictors: which FFN neurons a token needs, from the FFN input of that layer.
+
+`lowrank` reads the trained predictors (written by `flashllm predictors train`) from the model
+directory; `oracle` computes the true activation from the real weights (tests, upper bound).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from . import format as fmt
+from .errors import FlashLLMError
+from .st_io import SafetensorsFile
+
+PREDICTOR_FILE = "predictors.safetensors"
+PREDICTOR_META = "predictors.json"
+PREDICTOR_FORMAT = "flashllm-predictors"
+PREDICTOR_VERSION = 1
+SPARSE_ACTIVATIONS = ("relu", "relu2", "fatrelu")
+
+
+def activation_threshold(spec) -> float | None:
+    """Activation is non-zero iff the pre-activation (gate for gated FFNs) exceeds this; None: always."""
+    if spec.activation == "fatrelu":
+        return spec.activation_threshold
+    return 0.0 if spec.activation in ("relu", "relu2") else None
+
+
+class OraclePredictor:
+    """The true active set, from the real up (or gate) rows kept in memory for this purpose only."""
+
+    kind = "oracle"
+
+    def __init__(self, model):
+        self.spec, self.backend = model.spec, model.backend
+        self.threshold = activation_threshold(self.spec)
+        part = "gate" if self.spec.gated_ffn else "up"
+        self.rows, self.bias = [], []
+        for layer in range(self.spec.n_layers):
+            block = model.read_layer_block(layer)
+            self.rows.append(model.bundle_rows(block, parts=(part,))[part])
+            up_b, gate_b, _ = model.ffn_biases[layer]
+            self.bias.append(gate_b if self.spec.gated_ffn else up_b)
+
+    def predict(self, layer: int, x) -> np.ndarray:
+        """Boolean mask [tokens, d_ffn] of neurons whose activation is non-zero."""
+        if self.threshold is None:
+            return np.ones((x.shape[0], self.spec.d_ffn), dtype=bool)
+        return self.backend.greater(self.backend.linear(x, self.rows[layer], self.bias[layer]), self.threshold)
+
+    def nbytes(self) -> int:
+        return 0  # a test instrument: not counted against the DRAM budget
+
+
+class LowRankPredictor:
+    """sigmoid(B (A x) + b) > threshold per layer, with weights and thresholds from the model dir."""
+
+    kind = "lowrank"
+
+    def __init__(self, model):
+        root, spec, self.backend = model.manifest.root, model.spec, model.backend
+        meta_path, st_path = root / PREDICTOR_META, root / PREDICTOR_FILE
+        if not meta_path.is_file() or not st_path.is_file():
+            raise FlashLLMError(f"{root}: no trained predictors ({PREDICTOR_META}); run "
+                                f"`flashllm predictors train {root} --data TEXT` or use predictor='oracle'")
+        try:
+            meta = json.loads(meta_path.read_text())
+            layers = meta["layers"]
+            ok = meta.get("format") == PREDICTOR_FORMAT and meta.get("format_version") == PREDICTOR_VERSION
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise FlashLLMError(f"{meta_path}: unreadable predictor metadata ({exc})") from None
+        if not ok or len(layers) != spec.n_layers:
+            raise FlashLLMError(f"{meta_path}: not predictors for this model (format/version or layer count)")
+        if meta.get("sha256") and fmt.sha256_file(st_path) != meta["sha256"]:
+            raise FlashLLMError(f"{st_path}: checksum mismatch (train the predictors again)")
+        st = SafetensorsFile(st_path)
+        self.A, self.B, self.b, self.threshold = [], [], [], []
+        for i, info in enumerate(layers):
+            r = int(info["rank"])
+            for name, shape in ((f"layers.{i}.A", (r, spec.d_model)), (f"layers.{i}.B", (spec.d_ffn, r)),
+                                (f"layers.{i}.b", (spec.d_ffn,))):
+                if name not in st.entries or st.shape(name) != shape:
+                    raise FlashLLMError(f"{st_path}: tensor {name!r} is missing or not of shape {shape}")
+            self.A.append(model.backend.tensor(st.read(f"layers.{i}.A")))
+            self.B.append(model.backend.tensor(st.read(f"layers.{i}.B")))
+            self.b.append(model.backend.tensor(st.read(f"layers.{i}.b")))
+            # sigmoid(z) > t  <=>  z > logit(t): compare logits, skip the sigmoid
+            t = float(info["threshold"])
+            self.threshold.append(float(np.log(t / (1 - t))))
+        self.meta = meta
+
+    def predict(self, layer: int, x) -> np.ndarray:
+        B = self.backend
+        return B.greater(B.linear(B.linear(x, self.A[layer], None), self.B[layer], self.b[layer]),
+                         self.threshold[layer])
+
+    def nbytes(self) -> int:
+        return sum(self.backend.nbytes_of(t) for ts in (self.A, self.B, self.b) for t in ts)
+
+
+def make_predictor(kind: str, model):
+    if kind == "oracle":
+        return OraclePredictor(model)
+    if kind == "lowrank":
+        return LowRankPredictor(model)
+    raise FlashLLMError(f"predictor {kind!r}: expected lowrank or oracle")

@@ -1,0 +1,89 @@
+"""naive, hybrid and sparse(oracle) reproduce dense; bytes read per token follow each mode's rule."""
+
+import numpy as np
+import pytest
+
+import flashllm
+from flashllm import format as fmt
+
+rng = np.random.default_rng(0)
+IDS = [int(t) for t in rng.integers(3, 96, size=40)]  # an 8-token prompt, then 32 decode steps
+PREFILL = 8
+
+
+@pytest.fixture(scope="module")
+def dense_logits():
+    cache = {}
+
+    def get(tiny):
+        if tiny.family not in cache:
+            cache[tiny.family] = flashllm.load(tiny.model_dir, mode="dense").logits(IDS, prefill=PREFILL)
+        return cache[tiny.family]
+
+    return get
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_sparse_oracle_matches_dense(tiny, dense_logits, window):
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=window, threads=4)
+    np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
+    stats = model.stats
+    assert stats["decode_tokens"] == len(IDS) - PREFILL
+    assert stats["neurons_dropped"] == 0
+    lay = fmt.read_manifest(tiny.model_dir).layout
+    loaded = sum(stats["neurons_loaded_per_layer"])
+    assert stats["bytes_read"] >= loaded * lay.bundle_bytes  # new neurons x bundle (+ alignment waste)
+    assert stats["bytes_read"] - stats["bytes_wasted"] == pytest.approx(loaded * lay.stride)
+
+
+@pytest.mark.parametrize("mode", ["naive", "hybrid"])
+def test_streaming_modes_match_dense(tiny, dense_logits, mode):
+    model = flashllm.load(tiny.model_dir, mode=mode, threads=4)
+    np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
+
+
+def test_bytes_per_token_by_mode(tiny_models):
+    tiny = tiny_models("opt")
+    m = fmt.read_manifest(tiny.model_dir)
+    lay, files = m.layout, m.data["files"]
+    naive = flashllm.load(tiny.model_dir, mode="naive", threads=2)
+    naive.logits(IDS[:12], prefill=4)
+    layer_resident = sum(int(np.prod(s)) * 4 for n, s in fmt.resident_shapes(m.spec).items() if n.startswith("layers."))
+    assert naive.stats["bytes_read"] - naive.stats["bytes_wasted"] == lay.file_size + layer_resident
+    hybrid = flashllm.load(tiny.model_dir, mode="hybrid", hybrid_fraction=0.25, threads=2)
+    hybrid.logits(IDS[:12], prefill=4)
+    streamed = lay.d_ffn - int(0.25 * lay.d_ffn)
+    assert hybrid.stats["bytes_read"] - hybrid.stats["bytes_wasted"] == m.spec.n_layers * streamed * lay.stride
+    sparse = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", threads=2)
+    sparse.logits(IDS[:12], prefill=4)
+    assert sparse.stats["bytes_read"] < hybrid.stats["bytes_read"] < naive.stats["bytes_read"]
+    assert files["ffn"]["size"] == lay.file_size
+
+
+def test_budget_sizes_the_caches_and_is_reported(tiny_models):
+    tiny = tiny_models("opt")
+    full = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle")
+    budget = full.backend.nbytes() + 2 * 40 * full.compute_row_bytes()  # 40 rows per layer
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8)
+    assert model.plan.capacity == 40
+    model.logits(IDS, prefill=PREFILL)
+    stats = model.stats
+    assert stats["dram_bytes"] <= budget
+    assert max(stats["neurons_cached_per_layer"]) <= 40
+
+
+def test_budget_too_small(tiny_models):
+    tiny = tiny_models("llama")
+    for mode in ("sparse", "hybrid", "naive"):
+        with pytest.raises(flashllm.FlashLLMError, match="too small"):
+            flashllm.load(tiny.model_dir, mode=mode, predictor="oracle", dram_budget=0.01)
+
+
+def test_window_must_be_positive(tiny_models):
+    with pytest.raises(flashllm.FlashLLMError, match="window"):
+        flashllm.load(tiny_models("opt").model_dir, mode="sparse", predictor="oracle", window=0)
+
+
+def test_lowrank_without_predictors(tiny_models):
+    with pytest.raises(flashllm.FlashLLMError, match="predictors train"):
+        flashllm.load(tiny_models("opt").model_dir, mode="sparse", predictor="lowrank")

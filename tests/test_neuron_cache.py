@@ -1,0 +1,114 @@
+"""The sliding-window neuron cache against a reference set model (hypothesis)."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashllm.backends.torch_backend import TorchBackend
+from flashllm.flashio import FlashReader
+from flashllm.format import FFNLayout
+from flashllm.neuron_cache import NeuronCache
+from flashllm.spec import ArchSpec
+
+D_FFN, D = 40, 8
+
+
+@pytest.fixture(scope="module")
+def ffn_file(tmp_path_factory):
+    layout = FFNLayout(("up", "down"), D, D_FFN, 4, 2 * D * 4, (0,))
+    data = np.random.default_rng(0).standard_normal((D_FFN, 2 * D)).astype(np.float32)
+    path = tmp_path_factory.mktemp("cache") / "ffn.bin"
+    data.tofile(path)
+    return layout, data, path
+
+
+def make_cache(ffn_file, capacity, dtype=None):
+    layout, _, _ = ffn_file
+    spec = ArchSpec("test", 16, D, 1, 1, 1, D, D_FFN, 8)
+    backend = TorchBackend(spec, "cpu", dtype, torch.float32, 8)
+    up_bias = torch.arange(D_FFN, dtype=backend.dtype)
+    return NeuronCache(capacity, D_FFN, backend.row_store(capacity, layout, torch.float32, {"up": up_bias}))
+
+
+def step(cache, reader, active, window):
+    missing, k, dropped = cache.evict(np.asarray(sorted(active), dtype=np.int64), window)
+    cache.store.fill(reader, 0, missing, cache.free_rows(len(missing)))
+    cache.append(missing)
+    return k, dropped
+
+
+def check_rows(cache, data):
+    n = cache.num_used
+    rows, bias = cache.store.views(n)
+    ids = cache.pointer[:n]
+    assert len(set(ids.tolist())) == n and (ids >= 0).all()
+    assert (cache.row_of[ids] == np.arange(n)).all()
+    assert (cache.row_of >= 0).sum() == n
+    np.testing.assert_array_equal(rows["up"].float().numpy(), data[ids, :D])
+    np.testing.assert_array_equal(rows["down"].float().numpy(), data[ids, D:])
+    np.testing.assert_array_equal(bias["up"].float().numpy(), ids.astype(np.float32))
+
+
+tokens = st.lists(st.tuples(st.sets(st.integers(0, D_FFN - 1), max_size=12), st.integers(1, 5)),
+                  min_size=1, max_size=25)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens)
+def test_cache_holds_exactly_the_window_union(ffn_file, seq):
+    _, data, path = ffn_file
+    cache = make_cache(ffn_file, D_FFN)
+    ptr = cache.store.matrix.data_ptr()
+    history, held = [], set()
+    with FlashReader(path, threads=3) as reader:
+        for active, window in seq:
+            history.append(active)
+            k, dropped = step(cache, reader, active, window)
+            assert k == window and dropped == 0
+            # evicted neurons come back only when active again, so a window that grows holds
+            # what was held or is active now, within the union of the last k active sets
+            held = (held | active) & set().union(*history[-window:])
+            assert set(cache.pointer[:cache.num_used].tolist()) == held
+            check_rows(cache, data)
+    assert cache.store.matrix.data_ptr() == ptr  # never reallocated
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens, st.integers(4, 20), st.sampled_from([None, "bfloat16"]))
+def test_small_cache_shrinks_the_window(ffn_file, seq, capacity, dtype):
+    _, data, path = ffn_file
+    cache = make_cache(ffn_file, capacity, dtype)
+    history, held = [], set()
+    with FlashReader(path, threads=2) as reader:
+        for active, window in seq:
+            history.append(active)
+            k, dropped = step(cache, reader, active, window)
+            cached = set(cache.pointer[:cache.num_used].tolist())
+            assert cache.num_used <= capacity and 1 <= k <= window
+            assert dropped == max(0, len(active) - capacity)
+            if not dropped:
+                held = (held | active) & set().union(*history[-k:])
+                assert cached == held and active <= cached
+            held = cached
+            if dtype is None:
+                check_rows(cache, data)
+            else:  # staged and converted rows: compare in the compute dtype
+                rows, _ = cache.store.views(cache.num_used)
+                ids = cache.pointer[:cache.num_used]
+                ref = torch.from_numpy(data[ids, :D]).to(torch.bfloat16)
+                assert torch.equal(rows["up"], ref)
+
+
+def test_failed_read_marks_nothing_loaded(ffn_file, tmp_path):
+    layout, data, path = ffn_file
+    short = tmp_path / "short.bin"
+    short.write_bytes(path.read_bytes()[: 10 * layout.stride])
+    cache = make_cache(ffn_file, D_FFN)
+    with FlashReader(short, threads=2) as reader:
+        step(cache, reader, {1, 2}, 2)
+        with pytest.raises(Exception):
+            step(cache, reader, {30, 31}, 2)
+    assert set(cache.pointer[:cache.num_used].tolist()) == {1, 2}
+    assert cache.row_of[30] == -1 and cache.row_of[31] == -1

@@ -80,6 +80,13 @@ def cmd_inspect(args) -> None:
     print("checksums verified: " + info["checksums_verified"])
 
 
+def cmd_demo(args) -> None:
+    from . import demo
+
+    result = demo.run(max_new_tokens=args.max_new_tokens)
+    print(json.dumps(result) if args.json else demo.report(result))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashllm", description="Run LLMs larger than memory by streaming FFN "
                                 "neurons from flash (LLM in a flash).")
@@ -128,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--verify", action="store_true", help="checksum every file (reads the whole model)")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_inspect)
+
+    d = sub.add_parser("demo", help="convert the embedded small model and run it at half its size",
+                       description="Convert the embedded small ReLU model (into $FLASHLLM_CACHE or "
+                       "~/.cache/flashllm), generate in sparse mode at a DRAM budget of 50%% of the model, "
+                       "and compare bytes read and latency per token with naive mode.")
+    d.add_argument("--max-new-tokens", type=int, default=48)
+    d.add_argument("--json", action="store_true", help="print one JSON object: model_dir, text, stats")
+    d.set_defaults(func=cmd_demo)
     return p
 
 

@@ -22,8 +22,11 @@ from .families import family_for
 
 
 def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize: str = "none",
-            force: bool = False, progress: bool | None = None) -> Path:
-    """Convert the HF checkpoint in `src` into a flashllm model directory at `out`; returns `out`."""
+            force: bool = False, progress: bool | None = None, bundled: bool = True) -> Path:
+    """Convert the HF checkpoint in `src` into a flashllm model directory at `out`; returns `out`.
+
+    `bundled=False` stores up rows and down columns in separate regions (the paper's baseline
+    without row-column bundling; for benchmarks)."""
     if quantize != "none":
         raise FlashLLMError(f"--quantize {quantize}: quantized storage is not implemented yet (use none)")
     ckpt = Checkpoint(src)
@@ -35,7 +38,7 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
     if dtype_name not in fmt.STORAGE_DTYPES:
         raise FlashLLMError(f"--dtype {dtype_name}: expected one of {sorted(fmt.STORAGE_DTYPES)}")
     torch_dtype = fmt.STORAGE_DTYPES[dtype_name]
-    layout = fmt.FFNLayout.plan(spec, torch_dtype.itemsize)
+    layout = fmt.FFNLayout.plan(spec, torch_dtype.itemsize, bundled)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -64,29 +67,29 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
 
 def write_ffn(path: Path, layout: fmt.FFNLayout, rows_of_layer, dtype: torch.dtype,
               on_layer=None) -> tuple[str, list[str]]:
-    """Write every layer's row-column bundles; `rows_of_layer(i)` gives part -> [d_ffn, d] rows.
+    """Write every layer's neurons; `rows_of_layer(i)` gives part -> [d_ffn, d] rows.
 
     Returns the sha256 of the whole file and of each layer's byte range (padding included).
     """
     file_sha, layer_sha = hashlib.sha256(), []
+    offsets = list(layout.layer_offsets) + [layout.file_size]
     with open(path, "wb") as f:
-        for i, offset in enumerate(layout.layer_offsets):
-            rows = rows_of_layer(i)
-            block = np.zeros((layout.d_ffn, layout.stride), dtype=np.uint8)
-            for k, part in enumerate(layout.parts):
-                raw = np.frombuffer(tensor_bytes(rows[part].to(dtype)), dtype=np.uint8)
-                width = layout.d_model * layout.itemsize
-                block[:, k * width:(k + 1) * width] = raw.reshape(layout.d_ffn, width)
-            f.seek(offset)
-            f.write(memoryview(block).cast("B"))
-            pad = (layout.layer_offsets[i + 1] if i + 1 < len(layout.layer_offsets) else layout.file_size) \
-                - offset - block.nbytes
-            f.write(b"\0" * pad)
-            h = hashlib.sha256()
-            for hasher in (h, file_sha):
-                hasher.update(memoryview(block).cast("B"))
-                hasher.update(b"\0" * pad)
-            layer_sha.append(h.hexdigest())
+        for i in range(len(layout.layer_offsets)):
+            parts = rows_of_layer(i)
+            bundles = np.zeros((layout.d_ffn, layout.stride), dtype=np.uint8)  # the in-memory row layout
+            for part in layout.parts:
+                raw = np.frombuffer(tensor_bytes(parts[part].to(dtype)), dtype=np.uint8)
+                sl = layout.part_slice(part)
+                bundles[:, sl.start * layout.itemsize:sl.stop * layout.itemsize] = raw.reshape(layout.d_ffn, -1)
+            block = np.zeros(offsets[i + 1] - offsets[i], dtype=np.uint8)
+            for base, stride, nbytes, col in layout.segments(i):
+                start = base - offsets[i]
+                region = block[start:start + layout.d_ffn * stride].reshape(layout.d_ffn, stride)
+                region[:, :nbytes] = bundles[:, col:col + nbytes]
+            data = memoryview(block)
+            f.write(data)
+            file_sha.update(data)
+            layer_sha.append(hashlib.sha256(data).hexdigest())
             if on_layer:
                 on_layer(1)
     return file_sha.hexdigest(), layer_sha

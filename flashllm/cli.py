@@ -22,7 +22,8 @@ def _budget(text: str) -> float:
 def cmd_convert(args) -> None:
     from .converters import convert
 
-    out = convert(args.src, args.out, dtype=args.dtype, quantize=args.quantize, force=args.force)
+    out = convert(args.src, args.out, dtype=args.dtype, quantize=args.quantize, force=args.force,
+                  bundled=not args.no_bundle)
     print(f"wrote {out}")
 
 
@@ -103,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight quantization (only none is implemented)")
     c.add_argument("--group-size", type=int, default=64, help="quantization group size (reserved)")
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    c.add_argument("--no-bundle", action="store_true", help="store up rows and down columns in separate "
+                   "regions (the paper's baseline without bundling; for benchmarks)")
     c.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("generate", help="generate text from a prompt",
@@ -143,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-new-tokens", type=int, default=48)
     d.add_argument("--json", action="store_true", help="print one JSON object: model_dir, text, stats")
     d.set_defaults(func=cmd_demo)
+
+    pr = sub.add_parser("predictors", help="train and evaluate the low-rank activation predictors",
+                        description="Predictors decide which FFN neurons each token needs (sparse mode).")
+    from .predictors.cli import add_parsers as add_predictor_parsers  # train, eval and their handlers
+
+    add_predictor_parsers(pr.add_subparsers(dest="predictors_command", required=True))
     return p
 
 

@@ -30,22 +30,45 @@ def _round_up(n: int, align: int) -> int:
 
 @dataclass(frozen=True)
 class FFNLayout:
-    """Where neuron i of layer l lives in the FFN file: layer_offsets[l] + i * stride."""
+    """Where neuron i of layer l lives in the FFN file.
+
+    Bundled (the default): one read per neuron at layer_offsets[l] + i * stride. Unbundled (for the
+    paper's "without bundling" baseline): each part in its own region of the layer, one read per part.
+    In memory a neuron is always one row of `stride` bytes holding its parts back to back.
+    """
 
     parts: tuple[str, ...]  # e.g. ("up", "down") or ("gate", "up", "down"); each d_model values
     d_model: int
     d_ffn: int
     itemsize: int
-    stride: int  # bytes from one bundle to the next (>= bundle_bytes)
+    stride: int  # bytes from one bundle to the next (>= bundle_bytes), in the file and in memory
     layer_offsets: tuple[int, ...]
+    bundled: bool = True
 
     @property
     def bundle_bytes(self) -> int:
         return len(self.parts) * self.d_model * self.itemsize
 
     @property
+    def part_bytes(self) -> int:
+        return self.d_model * self.itemsize
+
+    @property
+    def part_region(self) -> int:
+        """Unbundled: bytes from one part's region to the next inside a layer."""
+        return _round_up(self.d_ffn * self.part_bytes, LAYER_ALIGN)
+
+    @property
     def layer_bytes(self) -> int:
-        return self.d_ffn * self.stride
+        return self.d_ffn * self.stride if self.bundled else len(self.parts) * self.part_region
+
+    def segments(self, layer: int) -> list[tuple[int, int, int, int]]:
+        """(file base, file stride, bytes per neuron, byte offset in the memory row) per read of a neuron."""
+        base = self.layer_offsets[layer]
+        if self.bundled:
+            return [(base, self.stride, self.stride, 0)]
+        pb = self.part_bytes
+        return [(base + k * self.part_region, pb, pb, k * pb) for k in range(len(self.parts))]
 
     @property
     def file_size(self) -> int:
@@ -57,7 +80,7 @@ class FFNLayout:
         return slice(k * self.d_model, (k + 1) * self.d_model)
 
     @classmethod
-    def plan(cls, spec: ArchSpec, itemsize: int) -> "FFNLayout":
+    def plan(cls, spec: ArchSpec, itemsize: int, bundled: bool = True) -> "FFNLayout":
         """Bundle stride aligned to 4096 or 512 bytes where that wastes at most 1/16; layers at 4096."""
         bundle = len(spec.bundle_parts) * spec.d_model * itemsize
         stride = bundle
@@ -65,14 +88,15 @@ class FFNLayout:
             if _round_up(bundle, align) - bundle <= bundle // 16:
                 stride = _round_up(bundle, align)
                 break
-        layer = _round_up(spec.d_ffn * stride, LAYER_ALIGN)
+        probe = cls(spec.bundle_parts, spec.d_model, spec.d_ffn, itemsize, stride, (0,), bundled)
+        layer = _round_up(probe.layer_bytes, LAYER_ALIGN)
         return cls(spec.bundle_parts, spec.d_model, spec.d_ffn, itemsize, stride,
-                   tuple(i * layer for i in range(spec.n_layers)))
+                   tuple(i * layer for i in range(spec.n_layers)), bundled)
 
     def to_dict(self) -> dict:
         return {"parts": list(self.parts), "bundle_bytes": self.bundle_bytes, "bundle_stride": self.stride,
                 "layer_offsets": list(self.layer_offsets), "layer_bytes": self.layer_bytes,
-                "layer_alignment": LAYER_ALIGN}
+                "layer_alignment": LAYER_ALIGN, "bundled": self.bundled}
 
 
 def resident_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
@@ -185,7 +209,7 @@ def read_manifest(model_dir: str | Path, verify: bool | None = None) -> Manifest
         for key in ("resident", "ffn"):
             if key not in files:
                 raise FlashLLMError(f"{mpath}: manifest lists no {key!r} file")
-        layout = FFNLayout.plan(spec, STORAGE_DTYPES[data["dtype"]].itemsize)
+        layout = FFNLayout.plan(spec, STORAGE_DTYPES[data["dtype"]].itemsize, ffn.get("bundled", True))
         if layout.to_dict() != {k: ffn.get(k) for k in layout.to_dict()}:
             raise FlashLLMError(f"{mpath}: FFN layout in the manifest does not match the architecture spec")
         manifest = Manifest(root, data, spec, layout)

@@ -12,6 +12,8 @@ import torch
 from . import format as fmt
 from . import modes
 from .errors import FlashLLMError
+from .ffn_reader import FFNReader
+from .flashio import aligned_empty
 from .generate import generate_tokens
 from .predictor import make_predictor
 from .st_io import SafetensorsFile
@@ -51,6 +53,7 @@ class Model:
             raise FlashLLMError(f"context {context}: must be at least 1")
         self.backend = make_backend(backend, self.spec, device, dtype, self.manifest.dtype, self.context)
         self._tokenizer = None
+        self._loader = None
         self._costs: list[TokenCost] = []
         self._load_resident(skip_layers=mode == "naive")
         self.model_bytes = sum(e["size"] for k, e in self.manifest.data["files"].items() if k in ("resident", "ffn"))
@@ -64,6 +67,9 @@ class Model:
         else:
             self.predictor = make_predictor(predictor, self)
             self.plan = modes.SparsePlan(self, budget, threads, window, self.predictor)
+        if self._loader is not None:
+            self._loader.close()
+            self._loader = None
         self.dram_budget = budget
 
     # -- loading -------------------------------------------------------------------------------
@@ -83,12 +89,12 @@ class Model:
             for i in range(self.spec.n_layers)]
 
     def read_layer_block(self, layer: int) -> np.ndarray:
-        """All bundles of one layer as uint8 [d_ffn, stride] (plain buffered read)."""
-        lay, path = self.layout, self.manifest.path("ffn")
-        block = np.fromfile(path, dtype=np.uint8, count=lay.layer_bytes, offset=lay.layer_offsets[layer])
-        if block.size != lay.layer_bytes:
-            raise FlashLLMError(f"{path}: truncated in layer {layer}")
-        return block.reshape(lay.d_ffn, lay.stride)
+        """All neurons of one layer as uint8 bundle rows [d_ffn, stride] (for loading resident FFNs)."""
+        if self._loader is None:
+            self._loader = FFNReader(self.manifest.path("ffn"), self.layout, threads=4)
+        block = aligned_empty((self.layout.d_ffn, self.layout.stride), np.uint8)
+        self._loader.read_block(layer, 0, self.layout.d_ffn, block)
+        return block
 
     def bundle_rows(self, block: np.ndarray, parts: tuple[str, ...] | None = None) -> dict:
         """Split uint8 bundle rows [n, >=bundle_bytes] into per-part [n, d] backend tensors."""

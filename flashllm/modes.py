@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import FlashLLMError
+from .ffn_reader import FFNReader
 from .flashio import FlashReader, aligned_empty
 from .neuron_cache import NeuronCache
 from .st_io import SafetensorsFile
@@ -58,7 +59,7 @@ class StreamingPlan:
 
     def __init__(self, model, threads: int):
         self.model, self.lay = model, model.layout
-        self.reader = FlashReader(model.manifest.path("ffn"), threads=threads)
+        self.reader = FFNReader(model.manifest.path("ffn"), model.layout, threads)
 
     def before_layer(self, layer: int, cost) -> None:
         pass
@@ -66,8 +67,7 @@ class StreamingPlan:
     def read_rows(self, layer: int, lo: int, hi: int, buf: np.ndarray, cost) -> dict:
         """Neurons lo..hi-1 of `layer` read in one sequential range into `buf`, as backend rows."""
         with cost.timed("io_ms"):
-            cost.add_io(self.reader.read_range(self.lay.layer_offsets[layer] + lo * self.lay.stride,
-                                               (hi - lo) * self.lay.stride, buf))
+            cost.add_io(self.reader.read_block(layer, lo, hi, buf))
         with cost.timed("mem_ms"):
             return self.model.bundle_rows(buf[:hi - lo])
 
@@ -210,7 +210,7 @@ class SparsePlan(StreamingPlan):
         with cost.timed("mem_ms"):
             missing, k, dropped = cache.evict(active, window)
         with cost.timed("io_ms"):
-            io = cache.store.fill(self.reader, self.lay.layer_offsets[layer], missing, cache.free_rows(len(missing)))
+            io = cache.store.fill(self.reader.reader_for(layer), missing, cache.free_rows(len(missing)))
         if io is not None:
             cost.add_io(io)
         cache.append(missing)
@@ -246,8 +246,7 @@ class SparsePlan(StreamingPlan):
         for k in range(0, len(ids), cache.capacity):
             chunk = ids[k:k + cache.capacity]
             with cost.timed("io_ms"):
-                cost.add_io(cache.store.fill(self.reader, self.lay.layer_offsets[layer], chunk,
-                                             np.arange(len(chunk))))
+                cost.add_io(cache.store.fill(self.reader.reader_for(layer), chunk, np.arange(len(chunk))))
             part = self._compute(layer, x, len(chunk), y is None)
             y = part if y is None else B.add(y, part)
         cache.reset()

@@ -87,3 +87,17 @@ def test_window_must_be_positive(tiny_models):
 def test_lowrank_without_predictors(tiny_models):
     with pytest.raises(flashllm.FlashLLMError, match="predictors train"):
         flashllm.load(tiny_models("opt").model_dir, mode="sparse", predictor="lowrank")
+
+
+def test_unbundled_layout_reads_each_part_separately(tiny_models, tmp_path, dense_logits):
+    from flashllm.converters import convert
+
+    tiny = tiny_models("llama-relu")
+    out = convert(tiny.ckpt, tmp_path / "unbundled", dtype="float32", bundled=False, progress=False)
+    assert not fmt.read_manifest(out).layout.bundled
+    np.testing.assert_allclose(flashllm.load(out).logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4)
+    bundled = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", threads=2)
+    split = flashllm.load(out, mode="sparse", predictor="oracle", threads=2)
+    np.testing.assert_allclose(split.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
+    bundled.logits(IDS, prefill=PREFILL)
+    assert split.stats["reads"] > bundled.stats["reads"]  # three parts, three reads per neuron

@@ -34,7 +34,9 @@ def make_cache(ffn_file, capacity, dtype=None):
 
 def step(cache, reader, active, window):
     missing, k, dropped = cache.evict(np.asarray(sorted(active), dtype=np.int64), window)
-    cache.store.fill(reader, 0, missing, cache.free_rows(len(missing)))
+    layout = cache.store.layout
+    read = lambda ids, dest, rows: reader.read_rows(0, layout.stride, layout.stride, ids, dest, rows)  # noqa: E731
+    cache.store.fill(read, missing, cache.free_rows(len(missing)))
     cache.append(missing)
     return k, dropped
 

@@ -214,17 +214,16 @@ class TorchRowStore:
         for b in self.bias.values():
             b[d] = b[s]
 
-    def fill(self, reader, base_offset: int, ids: np.ndarray, rows: np.ndarray):
-        """Read the bundles of neurons `ids` from flash into matrix rows `rows`; returns IOStats."""
-        stride = self.layout.stride
+    def fill(self, read, ids: np.ndarray, rows: np.ndarray):
+        """Bundles of neurons `ids` into matrix rows `rows` via `read(ids, dest, dest_rows)`; IOStats."""
         if self.staging is None:
-            io = reader.read_rows(base_offset, stride, stride, ids, self.raw, rows)
+            io = read(ids, self.raw, rows)
         else:
             io = None
             step = self.staging.shape[0]
             for k in range(0, len(ids), step):
                 chunk = ids[k:k + step]
-                part = reader.read_rows(base_offset, stride, stride, chunk, self.staging, np.arange(len(chunk)))
+                part = read(chunk, self.staging, np.arange(len(chunk)))
                 io = part if io is None else io + part
                 vals = torch.from_numpy(self.staging[:len(chunk)]).view(self.storage_dtype)[:, :self.elems]
                 self.matrix[torch.from_numpy(rows[k:k + step]).to(self.backend.device)] = \

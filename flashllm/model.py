@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Iterator
@@ -155,6 +156,11 @@ class Model:
         if self.mode == "hybrid":
             extra.update(resident_neurons=self.plan.h)
         return summarize(self._costs, self.dram_bytes(), extra)
+
+    @property
+    def token_stats(self) -> list[dict]:
+        """Per-forward costs of the last call: the prompt first, then each decode token."""
+        return [dataclasses.asdict(c) for c in self._costs]
 
     def dram_bytes(self) -> int:
         """DRAM held by the runtime: resident weights, KV cache, caches/buffers, predictors."""

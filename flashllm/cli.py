@@ -32,8 +32,8 @@ def cmd_generate(args) -> None:
 
     options = {"context": args.context}
     if args.mode != "dense":
-        options.update(dram_budget=args.dram_budget, window=args.window, threads=args.threads,
-                       predictor=args.predictor)
+        options.update(dram_budget=args.dram_budget, gpu_budget=args.gpu_budget, window=args.window,
+                       threads=args.threads, predictor=args.predictor)
     model = load(args.model_dir, backend=args.backend, device=args.device, mode=args.mode, **options)
     sample = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.json:
@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sparse mode: trained low-rank predictors or the true activations (oracle)")
     g.add_argument("--dram-budget", type=_budget, default=0.5,
                    help="DRAM for weights, caches and KV: a fraction of the model size or bytes (e.g. 6GiB)")
+    g.add_argument("--gpu-budget", type=_budget, default=None,
+                   help="on a GPU: device memory for weights, KV and caches (fraction of the model or bytes)")
     g.add_argument("--window", type=int, default=4, help="sparse mode: keep neurons active in the last K tokens")
     g.add_argument("--threads", type=int, default=32, help="flash reader threads")
     g.add_argument("--context", type=int, default=None, help="KV cache length (default min(model, 4096))")

@@ -14,7 +14,6 @@ from . import format as fmt
 from . import modes
 from .errors import FlashLLMError
 from .ffn_reader import FFNReader
-from .flashio import aligned_empty
 from .generate import generate_tokens
 from .predictor import make_predictor
 from .st_io import SafetensorsFile
@@ -41,10 +40,12 @@ class Model:
     def __init__(self, model_dir: str | Path, backend: str = "torch", device: str = "cpu", mode: str = "dense",
                  predictor: str = "lowrank", dram_budget: float | int | None = None, window: int = 4,
                  threads: int = 32, dtype: str | None = None, context: int | None = None,
-                 verify: bool | None = None, hybrid_fraction: float | None = None):
+                 verify: bool | None = None, hybrid_fraction: float | None = None,
+                 gpu_budget: float | int | None = None):
         """Options: `dram_budget` a fraction of the model size or bytes (None: unlimited), `window`
         tokens whose neurons stay cached (sparse), `threads` flash readers, `dtype` compute dtype,
-        `context` KV cache length, `verify` checksums (None: files up to 256 MiB)."""
+        `context` KV cache length, `verify` checksums (None: files up to 256 MiB); on a GPU, weights,
+        KV and caches count against `gpu_budget` and host staging against `dram_budget`."""
         if mode not in MODES:
             raise FlashLLMError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
         self.manifest = fmt.read_manifest(model_dir, verify=verify)
@@ -58,7 +59,9 @@ class Model:
         self._costs: list[TokenCost] = []
         self._load_resident(skip_layers=mode == "naive")
         self.model_bytes = sum(e["size"] for k, e in self.manifest.data["files"].items() if k in ("resident", "ffn"))
-        budget = modes.budget_bytes(dram_budget, self.model_bytes)
+        self.dram_budget = modes.budget_bytes(dram_budget, self.model_bytes)
+        self.gpu_budget = modes.budget_bytes(gpu_budget, self.model_bytes)
+        budget = self.gpu_budget if self.backend.on_gpu else self.dram_budget
         if mode == "dense":
             self.plan = modes.DensePlan(self)
         elif mode == "naive":
@@ -71,7 +74,10 @@ class Model:
         if self._loader is not None:
             self._loader.close()
             self._loader = None
-        self.dram_budget = budget
+        host, _ = self.memory()
+        if self.backend.on_gpu and self.dram_budget is not None and host > self.dram_budget:
+            raise FlashLLMError(f"DRAM budget {self.dram_budget / 2**30:.3f} GiB is too small for the host "
+                                f"staging buffers ({host / 2**30:.3f} GiB)")
 
     # -- loading -------------------------------------------------------------------------------
     def _load_resident(self, skip_layers: bool) -> None:
@@ -93,7 +99,7 @@ class Model:
         """All neurons of one layer as uint8 bundle rows [d_ffn, stride] (for loading resident FFNs)."""
         if self._loader is None:
             self._loader = FFNReader(self.manifest.path("ffn"), self.layout, threads=4)
-        block = aligned_empty((self.layout.d_ffn, self.layout.stride), np.uint8)
+        block = self.backend.host_buffer((self.layout.d_ffn, self.layout.stride))
         self._loader.read_block(layer, 0, self.layout.d_ffn, block)
         return block
 
@@ -149,8 +155,9 @@ class Model:
 
     @property
     def stats(self) -> dict:
-        extra = {"mode": self.mode, "backend": self.backend.name, "dram_budget": self.dram_budget,
-                 "model_bytes": self.model_bytes}
+        extra = {"mode": self.mode, "backend": self.backend.name, "device": str(self.backend.device),
+                 "dram_budget": self.dram_budget, "gpu_budget": self.gpu_budget, "model_bytes": self.model_bytes,
+                 "gpu_bytes": self.memory()[1] if self.backend.on_gpu else 0}
         if self.mode == "sparse":
             extra.update(window=self.plan.window, cache_capacity=self.plan.capacity, predictor=self.predictor.kind)
         if self.mode == "hybrid":
@@ -162,10 +169,18 @@ class Model:
         """Per-forward costs of the last call: the prompt first, then each decode token."""
         return [dataclasses.asdict(c) for c in self._costs]
 
+    def memory(self) -> tuple[int, int]:
+        """(host bytes, device bytes) held: read buffers; resident weights, KV, caches, predictors."""
+        return self.plan.host_bytes(), self.backend.nbytes() + self.plan.device_bytes()
+
+    def counted(self, host: int, device: int) -> int:
+        """What of (host, device) bytes counts against the budget that sizes the caches."""
+        return device if self.backend.on_gpu else host + device
+
     def dram_bytes(self) -> int:
-        """DRAM held by the runtime: resident weights, KV cache, caches/buffers, predictors."""
-        return self.backend.nbytes() + self.plan.nbytes() + self.backend.staging_bytes(self.layout.stride) * \
-            (self.mode == "sparse")
+        """DRAM held by the runtime (on a GPU: only the host buffers; the rest is `gpu_bytes`)."""
+        host, device = self.memory()
+        return host if self.backend.on_gpu else host + device
 
     def logits(self, token_ids, prefill: int | None = None) -> np.ndarray:
         """[len, vocab] float32 logits: the first `prefill` ids as one prompt, the rest one at a time."""

@@ -10,7 +10,7 @@ import numpy as np
 
 from .errors import FlashLLMError
 from .ffn_reader import FFNReader
-from .flashio import FlashReader, aligned_empty
+from .flashio import FlashReader
 from .neuron_cache import NeuronCache
 from .st_io import SafetensorsFile
 
@@ -47,7 +47,10 @@ class DensePlan:
         up_b, gate_b, down_b = self.model.ffn_biases[layer]
         return self.model.backend.ffn(x, self.rows[layer], up_b, gate_b, down_b)
 
-    def nbytes(self) -> int:
+    def host_bytes(self) -> int:
+        return 0
+
+    def device_bytes(self) -> int:
         return sum(self.model.backend.nbytes_of(t) for rows in self.rows for t in rows.values())
 
     def reset(self) -> None:
@@ -91,9 +94,9 @@ class NaivePlan(StreamingPlan):
             self.spans.append((st.data_start + begin, end - begin, names))
         self.st = st
         self.attn_reader = FlashReader(st.path, threads=threads)
-        self.attn_buf = aligned_empty(max(n for _, n, _ in self.spans), np.uint8)
-        self.ffn_buf = aligned_empty((self.lay.d_ffn, self.lay.stride), np.uint8)
-        needed = model.backend.nbytes() + self.nbytes()
+        self.attn_buf = model.backend.host_buffer((max(n for _, n, _ in self.spans),))
+        self.ffn_buf = model.backend.host_buffer((self.lay.d_ffn, self.lay.stride))
+        needed = model.counted(self.host_bytes(), model.backend.nbytes() + self.device_bytes())
         if budget is not None and needed > budget:
             raise _too_small(model, budget, needed, "embeddings, KV cache and one layer's weights")
 
@@ -120,9 +123,12 @@ class NaivePlan(StreamingPlan):
             B.w.pop(name, None)
         return y
 
-    def nbytes(self) -> int:
-        """Read buffers plus the one layer whose weights are live at a time."""
-        return self.attn_buf.nbytes + self.ffn_buf.nbytes + self.model.max_layer_bytes()
+    def host_bytes(self) -> int:
+        return self.attn_buf.nbytes + self.ffn_buf.nbytes
+
+    def device_bytes(self) -> int:
+        """The one layer whose weights are live at a time."""
+        return self.model.max_layer_bytes()
 
 
 class HybridPlan(StreamingPlan):
@@ -134,21 +140,21 @@ class HybridPlan(StreamingPlan):
         super().__init__(model, threads)
         lay, L = self.lay, model.spec.n_layers
         row = model.compute_row_bytes()
-        base = model.backend.nbytes()
+        base = model.counted(lay.d_ffn * lay.stride, model.backend.nbytes())  # + one layer's read buffer
         if resident_fraction is not None:
             h = int(resident_fraction * lay.d_ffn)
         elif budget is None:
             h = lay.d_ffn // 2
         else:
-            # L*h resident rows + one staging buffer for the (d_ffn - h) streamed rows of a layer
-            avail = budget - base - lay.d_ffn * (row + lay.stride)
+            # L*h resident rows + the (d_ffn - h) streamed rows of one layer, live while it computes
+            avail = budget - base - lay.d_ffn * row
             if avail < 0:
-                raise _too_small(model, budget, base + lay.d_ffn * (row + lay.stride),
-                                 "resident weights, KV cache and one layer's staging")
+                raise _too_small(model, budget, base + lay.d_ffn * row,
+                                 "resident weights, KV cache and one layer's streamed FFN")
             h = min(lay.d_ffn, avail // (L * row))
         self.h = max(0, min(lay.d_ffn, h))
         self.resident = [model.bundle_rows(model.read_layer_block(i)[:self.h]) for i in range(L)] if self.h else []
-        self.buf = aligned_empty((lay.d_ffn - self.h, lay.stride), np.uint8) if self.h < lay.d_ffn else None
+        self.buf = model.backend.host_buffer((lay.d_ffn - self.h, lay.stride)) if self.h < lay.d_ffn else None
 
     def ffn(self, layer: int, x, cost):
         B = self.model.backend
@@ -165,10 +171,14 @@ class HybridPlan(StreamingPlan):
             y = rest if y is None else y + rest
         return y
 
-    def nbytes(self) -> int:
+    def host_bytes(self) -> int:
+        return self.buf.nbytes if self.buf is not None else 0
+
+    def device_bytes(self) -> int:
+        """Resident rows plus the streamed rows of the layer being computed."""
         B = self.model.backend
         return sum(B.nbytes_of(t) for rows in self.resident for t in rows.values()) + \
-            (self.buf.nbytes if self.buf is not None else 0)
+            (self.lay.d_ffn - self.h) * self.model.compute_row_bytes()
 
 
 class SparsePlan(StreamingPlan):
@@ -188,7 +198,7 @@ class SparsePlan(StreamingPlan):
         if budget is None:
             capacity = lay.d_ffn
         else:
-            avail = budget - base - B.staging_bytes(lay.stride)
+            avail = budget - model.counted(B.staging_bytes(lay.stride), base)
             if avail < L * row:
                 raise _too_small(model, budget, base + L * row,
                                  "resident weights, KV cache, predictors and one cached neuron per layer")
@@ -260,5 +270,8 @@ class SparsePlan(StreamingPlan):
                 y = y + self.model.ffn_biases[layer][2]
         return y
 
-    def nbytes(self) -> int:
+    def host_bytes(self) -> int:
+        return self.model.backend.staging_bytes(self.lay.stride)
+
+    def device_bytes(self) -> int:
         return sum(c.store.nbytes() for c in self.caches) + self.predictor.nbytes()

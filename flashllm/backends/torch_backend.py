@@ -8,8 +8,10 @@ import torch.nn.functional as F
 
 from ..errors import FlashLLMError
 from ..spec import ArchSpec
+from .staging import StagingRing, host_array
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+STAGING_BYTES = 4 << 20  # per staging buffer (two per backend)
 
 
 def _act(name: str, threshold: float):
@@ -76,18 +78,25 @@ class TorchBackend:
         return self.device.type == "cpu" and self.dtype == storage_dtype
 
     def staging_bytes(self, stride: int) -> int:
-        return 0 if self.reads_in_place(self._storage_dtype) else self._staging_rows(stride) * stride
+        return 0 if self.reads_in_place(self._storage_dtype) else 2 * self._staging_rows(stride) * stride
 
-    def _staging_rows(self, stride: int) -> int:
-        return max(1, TorchRowStore.STAGING_BYTES // stride)
+    @staticmethod
+    def _staging_rows(stride: int) -> int:
+        return max(1, STAGING_BYTES // stride)
 
-    def staging(self, stride: int) -> np.ndarray:
-        """One page-aligned staging buffer shared by every cache of this backend (reads are sequential)."""
-        from ..flashio import aligned_empty
-
-        if getattr(self, "_staging", None) is None or self._staging.shape[1] != stride:
-            self._staging = aligned_empty((self._staging_rows(stride), stride), np.uint8)
+    def staging(self, stride: int) -> StagingRing:
+        """One staging ring shared by every cache of this backend (caches fill one after another)."""
+        if getattr(self, "_staging", None) is None or self._staging.buffers[0].shape[1] != stride:
+            self._staging = StagingRing(self._staging_rows(stride), stride, self.device)
         return self._staging
+
+    def host_buffer(self, shape) -> np.ndarray:
+        """A page-aligned host buffer for flash reads (pinned when the device is a GPU)."""
+        return host_array(int(np.prod(shape)), self.on_gpu).reshape(shape)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, w, b)
@@ -181,10 +190,8 @@ class TorchRowStore:
     """A neuron cache's preallocated matrix of bundle rows (plus per-row FFN biases) on a torch device.
 
     When the device is the CPU and the compute dtype is the storage dtype, flash reads land in the
-    matrix itself; otherwise they land in a bounded page-aligned staging buffer and are converted.
+    matrix itself; otherwise they land in the backend's staging ring (pinned on CUDA) and are copied.
     """
-
-    STAGING_BYTES = 8 << 20
 
     def __init__(self, backend: TorchBackend, capacity: int, layout, storage_dtype: torch.dtype,
                  biases: dict[str, torch.Tensor | None]):
@@ -219,15 +226,12 @@ class TorchRowStore:
         if self.staging is None:
             io = read(ids, self.raw, rows)
         else:
-            io = None
-            step = self.staging.shape[0]
-            for k in range(0, len(ids), step):
-                chunk = ids[k:k + step]
-                part = read(chunk, self.staging, np.arange(len(chunk)))
+            io, ring = None, self.staging
+            for k in range(0, len(ids), ring.rows):
+                chunk, b = ids[k:k + ring.rows], ring.acquire()
+                part = read(chunk, ring.buffers[b], np.arange(len(chunk)))
                 io = part if io is None else io + part
-                vals = torch.from_numpy(self.staging[:len(chunk)]).view(self.storage_dtype)[:, :self.elems]
-                self.matrix[torch.from_numpy(rows[k:k + step]).to(self.backend.device)] = \
-                    vals.to(device=self.backend.device, dtype=self.backend.dtype)
+                ring.copy_rows(b, len(chunk), self.storage_dtype, self.elems, self.matrix, rows[k:k + ring.rows])
         if len(ids):
             r = torch.from_numpy(rows).to(self.backend.device)
             i = torch.from_numpy(ids).to(self.backend.device)

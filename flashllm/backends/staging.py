@@ -1,0 +1,66 @@
+"""Host staging for flash reads bound for device memory or another dtype (torch backend).
+
+Two page-aligned buffers take turns. On CUDA they are pinned, each buffer's host->device copy runs
+on a side stream, and the compute stream waits on that copy's event (no global synchronize), so
+the read into the other buffer overlaps the copy in flight. On the CPU the copy is a dtype cast.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..flashio import aligned_empty
+
+PAGE = 4096
+
+
+def host_array(nbytes: int, pinned: bool) -> np.ndarray:
+    """A page-aligned uint8 host array; pinned (page-locked, for async copies to a GPU) on request."""
+    if not pinned:
+        return aligned_empty(nbytes, np.uint8)
+    a = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=True).numpy()  # the view keeps it alive
+    start = -a.ctypes.data % PAGE
+    return a[start:start + nbytes]
+
+
+class StagingRing:
+    def __init__(self, rows: int, stride: int, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.buffers = [host_array(rows * stride, self.cuda).reshape(rows, stride) for _ in range(2)]
+        self.events: list = [None, None]
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.turn = 0
+
+    @property
+    def rows(self) -> int:
+        return self.buffers[0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    def acquire(self) -> int:
+        """The next buffer to read into, once the copy that last used it has finished."""
+        b, self.turn = self.turn, self.turn ^ 1
+        if self.events[b] is not None:
+            self.events[b].synchronize()
+            self.events[b] = None
+        return b
+
+    def copy_rows(self, b: int, n: int, storage_dtype: torch.dtype, elems: int, matrix: torch.Tensor,
+                  rows: np.ndarray) -> None:
+        """matrix[rows] = the first n rows of buffer b (viewed as storage_dtype), in matrix's dtype."""
+        src = torch.from_numpy(self.buffers[b][:n]).view(storage_dtype)[:, :elems]
+        if not self.cuda:
+            matrix[torch.from_numpy(rows)] = src.to(matrix.dtype)
+            return
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_stream(main)  # rows being overwritten may still be read by queued moves
+            idx = torch.from_numpy(rows).to(self.device, non_blocking=True)
+            matrix[idx] = src.to(self.device, non_blocking=True).to(matrix.dtype)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        main.wait_event(event)
+        self.events[b] = event

@@ -118,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", default="torch", choices=["torch", "mlx"])
     g.add_argument("--device", default="cpu", help="cpu, cuda or gpu (default cpu)")
     g.add_argument("--mode", default="dense", choices=["dense", "naive", "hybrid", "sparse"])
-    g.add_argument("--predictor", default="lowrank", choices=["lowrank", "oracle"],
-                   help="sparse mode: trained low-rank predictors or the true activations (oracle)")
+    g.add_argument("--predictor", default="lowrank", choices=["lowrank", "oracle", "gate"],
+                   help="sparse mode: trained low-rank predictors, the true activations (oracle), or a "
+                   "ReLU-gated model's own gate projection kept resident (gate)")
     g.add_argument("--dram-budget", type=_budget, default=0.5,
                    help="DRAM for weights, caches and KV: a fraction of the model size or bytes (e.g. 6GiB)")
     g.add_argument("--gpu-budget", type=_budget, default=None,

@@ -1,7 +1,8 @@
 """Active-neuron predictors: which FFN neurons a token needs, from the FFN input of that layer.
 
 `lowrank` reads the trained predictors (written by `flashllm predictors train`) from the model
-directory; `oracle` computes the true activation from the real weights (tests, upper bound).
+directory; `oracle` computes the true activation from the real weights (tests, upper bound);
+`gate` uses a ReLU-gated model's own gate projection, kept resident.
 """
 
 from __future__ import annotations
@@ -52,6 +53,25 @@ class OraclePredictor:
 
     def nbytes(self) -> int:
         return 0  # a test instrument: not counted against the DRAM budget
+
+
+class GatePredictor(OraclePredictor):
+    """ReLU-gated FFNs: the gate projection itself, kept resident, decides (paper App. C.5).
+
+    Exact like the oracle, but its gate rows are counted against the DRAM budget.
+    """
+
+    kind = "gate"
+
+    def __init__(self, model):
+        if not model.spec.gated_ffn or activation_threshold(model.spec) is None:
+            raise FlashLLMError(f"predictor 'gate' needs a gated FFN with a sparse activation (relu, fatrelu); "
+                                f"this model has {'a gated' if model.spec.gated_ffn else 'an ungated'} "
+                                f"{model.spec.activation} FFN")
+        super().__init__(model)
+
+    def nbytes(self) -> int:
+        return sum(self.backend.nbytes_of(t) for t in self.rows)
 
 
 class LowRankPredictor:
@@ -108,4 +128,6 @@ def make_predictor(kind, model):
         return OraclePredictor(model)
     if kind == "lowrank":
         return LowRankPredictor(model)
-    raise FlashLLMError(f"predictor {kind!r}: expected lowrank or oracle")
+    if kind == "gate":
+        return GatePredictor(model)
+    raise FlashLLMError(f"predictor {kind!r}: expected lowrank, oracle or gate")

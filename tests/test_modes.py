@@ -101,3 +101,12 @@ def test_unbundled_layout_reads_each_part_separately(tiny_models, tmp_path, dens
     np.testing.assert_allclose(split.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
     bundled.logits(IDS, prefill=PREFILL)
     assert split.stats["reads"] > bundled.stats["reads"]  # three parts, three reads per neuron
+
+
+def test_gate_predictor_for_relu_gated_models(tiny_models, dense_logits):
+    tiny = tiny_models("llama-fatrelu")
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="gate", threads=2)
+    np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
+    assert model.stats["predictor"] == "gate" and model.predictor.nbytes() > 0
+    with pytest.raises(flashllm.FlashLLMError, match="gated FFN with a sparse activation"):
+        flashllm.load(tiny_models("llama").model_dir, mode="sparse", predictor="gate")

@@ -1,0 +1,153 @@
+"""The MLX backend reproduces the torch backend: dense logits, every mode, greedy tokens, predictors.
+
+Runs on MLX's CPU build on Linux (slow reference BLAS: short sequences only) and on Metal on a Mac.
+"""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install -e '.[mlx]')")
+
+import flashllm  # noqa: E402
+from flashllm import format as fmt  # noqa: E402
+from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_FORMAT, PREDICTOR_META, PREDICTOR_VERSION  # noqa: E402
+
+rng = np.random.default_rng(1)
+IDS = [int(t) for t in rng.integers(3, 96, size=14)]  # a 6-token prompt, then 8 decode steps
+PREFILL = 6
+FLOAT16_ATOL = 5e-2  # logits of magnitude ~5; measured max error 0.019 (torch float16: 0.023)
+
+
+def mlx_model(model_dir, mode="dense", **kw):
+    return flashllm.load(model_dir, backend="mlx", mode=mode, threads=2, **kw)
+
+
+@pytest.fixture(scope="module")
+def torch_dense():
+    cache = {}
+
+    def get(tiny):
+        if tiny.family not in cache:
+            cache[tiny.family] = flashllm.load(tiny.model_dir, mode="dense").logits(IDS, prefill=PREFILL)
+        return cache[tiny.family]
+
+    return get
+
+
+def test_mlx_dense_matches_torch_and_every_mode_matches_mlx_dense(tiny, torch_dense):
+    dense = mlx_model(tiny.model_dir).logits(IDS, prefill=PREFILL)
+    assert dense.dtype == np.float32 and dense.shape == (len(IDS), 96)
+    np.testing.assert_allclose(dense, torch_dense(tiny), atol=1e-4, rtol=1e-4)
+    for mode, kw in (("sparse", dict(predictor="oracle", window=2)), ("naive", {}), ("hybrid", {})):
+        model = mlx_model(tiny.model_dir, mode, **kw)
+        np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense, atol=1e-5, rtol=1e-5, err_msg=mode)
+        assert model.stats["backend"] == "mlx"
+
+
+def test_mlx_greedy_tokens_match_torch(tiny):
+    prompt = IDS[:PREFILL]
+    ref = list(flashllm.load(tiny.model_dir, mode="dense").generate_ids(prompt, 8))
+    assert list(mlx_model(tiny.model_dir).generate_ids(prompt, 8)) == ref
+    assert list(mlx_model(tiny.model_dir, "sparse", predictor="oracle").generate_ids(prompt, 8)) == ref
+
+
+def test_mlx_float16_compute_within_stated_bound(tiny, torch_dense):
+    ours = mlx_model(tiny.model_dir, dtype="float16").logits(IDS, prefill=PREFILL)
+    np.testing.assert_allclose(ours, torch_dense(tiny), atol=FLOAT16_ATOL, rtol=0)
+
+
+def test_mlx_sliding_window_inside_the_prompt(tiny_models):
+    tiny = tiny_models("mistral")  # window 8 < a 14-token prompt: the prefill mask applies the window
+    ref = flashllm.load(tiny.model_dir, mode="dense").logits(IDS)
+    np.testing.assert_allclose(mlx_model(tiny.model_dir).logits(IDS), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_mlx_small_cache_swaps_and_chunks_exactly(tiny_models):
+    """Caches of 80 and 72 rows (of 128 neurons): chunked prefill, swap-delete, a shrinking window and
+    (at 72, below one token's active set) dropped neurons, all as on torch."""
+    tiny = tiny_models("opt")
+    dense = mlx_model(tiny.model_dir).logits(IDS, prefill=PREFILL)
+    for capacity in (80, 72):
+        runs = {}
+        for backend in ("mlx", "torch"):
+            full = flashllm.load(tiny.model_dir, backend=backend, mode="sparse", predictor="oracle")
+            budget = full.backend.nbytes() + full.backend.staging_bytes(full.layout.stride) + \
+                2 * capacity * full.compute_row_bytes()
+            model = flashllm.load(tiny.model_dir, backend=backend, mode="sparse", predictor="oracle",
+                                  dram_budget=budget, window=8, threads=2)
+            assert model.plan.capacity == capacity
+            runs[backend] = (model.logits(IDS, prefill=PREFILL), model.stats)
+            assert model.stats["dram_bytes"] <= budget
+        (ours, stats), (ref, ref_stats) = runs["mlx"], runs["torch"]
+        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
+        for key in ("neurons_dropped", "neurons_loaded_per_layer", "neurons_cached_per_layer", "bytes_read"):
+            assert stats[key] == ref_stats[key], key
+        assert stats["prompt"]["strategy"] == "dense-stream"  # 128 neurons through 80 or 72 rows: chunked
+        if capacity == 80:
+            assert stats["neurons_dropped"] == 0
+            np.testing.assert_allclose(ours, dense, atol=1e-5, rtol=1e-5)
+        else:
+            assert stats["neurons_dropped"] > 0
+    for key in ("bytes_read", "reads", "io_ms", "mem_ms", "compute_ms", "predictor_ms", "total_ms"):
+        assert stats[key] >= 0
+
+
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"])
+def test_mlx_half_storage_matches_torch(tiny_models, tmp_path, storage):
+    """Half-precision files (bfloat16 crosses to MLX as bit patterns) computed in float32 on both backends."""
+    from flashllm.converters import convert
+
+    model_dir = convert(tiny_models("llama").ckpt, tmp_path / storage, dtype=storage, progress=False)
+    ref = flashllm.load(model_dir, mode="dense", dtype="float32").logits(IDS, prefill=PREFILL)
+    for mode, kw in (("dense", {}), ("sparse", dict(predictor="oracle")), ("naive", {})):
+        ours = mlx_model(model_dir, mode, dtype="float32", **kw).logits(IDS, prefill=PREFILL)
+        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4, err_msg=mode)
+
+
+def write_random_predictors(model_dir, rank: int = 8, seed: int = 0) -> None:
+    """Random low-rank predictors in the runtime's predictor format (a stand-in for trained ones)."""
+    import torch
+
+    from flashllm.st_io import write_safetensors
+
+    spec = fmt.read_manifest(model_dir).spec
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(spec.n_layers):
+        tensors[f"layers.{i}.A"] = torch.randn(rank, spec.d_model, generator=g) / spec.d_model ** 0.5
+        tensors[f"layers.{i}.B"] = torch.randn(spec.d_ffn, rank, generator=g)
+        tensors[f"layers.{i}.b"] = torch.randn(spec.d_ffn, generator=g) * 0.1
+    write_safetensors(model_dir / PREDICTOR_FILE, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()],
+                      tensors.__getitem__)
+    meta = {"format": PREDICTOR_FORMAT, "format_version": PREDICTOR_VERSION,
+            "layers": [{"rank": rank, "threshold": 0.5} for _ in range(spec.n_layers)]}
+    (model_dir / PREDICTOR_META).write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("family", ["opt", "llama-relu"])
+def test_mlx_lowrank_predictor_matches_torch(tiny_models, tmp_path, family):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_models(family).model_dir, model_dir)
+    write_random_predictors(model_dir)
+    ref = flashllm.load(model_dir, mode="sparse", predictor="lowrank", threads=2)
+    ours = mlx_model(model_dir, "sparse", predictor="lowrank")
+    np.testing.assert_allclose(ours.logits(IDS, prefill=PREFILL), ref.logits(IDS, prefill=PREFILL),
+                               atol=1e-4, rtol=1e-4)
+    assert ours.stats["neurons_loaded_per_layer"] == ref.stats["neurons_loaded_per_layer"]
+    assert ours.stats["bytes_read"] == ref.stats["bytes_read"]
+
+
+def test_mlx_device_errors(tiny_models):
+    model_dir = tiny_models("opt").model_dir
+    with pytest.raises(flashllm.FlashLLMError, match="--backend torch"):
+        mlx_model(model_dir, device="cuda")
+    with pytest.raises(flashllm.FlashLLMError, match="cpu and gpu"):
+        mlx_model(model_dir, device="tpu")
+    if not mx.is_available(mx.gpu):
+        with pytest.raises(flashllm.FlashLLMError, match="device 'gpu'"):
+            mlx_model(model_dir, device="gpu")
+    with pytest.raises(flashllm.FlashLLMError, match="dtype"):
+        mlx_model(model_dir, dtype="int8")

@@ -30,7 +30,7 @@ def cmd_convert(args) -> None:
 def cmd_generate(args) -> None:
     from . import load
 
-    options = {"context": args.context}
+    options = {"context": args.context, "dtype": args.dtype}
     if args.mode != "dense":
         options.update(dram_budget=args.dram_budget, gpu_budget=args.gpu_budget, window=args.window,
                        threads=args.threads, predictor=args.predictor)
@@ -116,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--backend", default="torch", choices=["torch", "mlx"])
-    g.add_argument("--device", default="cpu", help="cpu, cuda or gpu (default cpu)")
+    g.add_argument("--device", default=None, help="cpu, cuda or gpu (default: torch cpu, mlx Metal where present)")
+    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="compute dtype (default: the storage dtype; float32 for float16 files on a CPU)")
     g.add_argument("--mode", default="dense", choices=["dense", "naive", "hybrid", "sparse"])
     g.add_argument("--predictor", default="lowrank", choices=["lowrank", "oracle", "gate"],
                    help="sparse mode: trained low-rank predictors, the true activations (oracle), or a "

@@ -37,12 +37,13 @@ def make_backend(name: str, spec, device: str, dtype: str | None, storage_dtype,
 class Model:
     """A loaded model. `logits`, `generate` and `stream` run the same per-token path."""
 
-    def __init__(self, model_dir: str | Path, backend: str = "torch", device: str = "cpu", mode: str = "dense",
+    def __init__(self, model_dir: str | Path, backend: str = "torch", device: str | None = None, mode: str = "dense",
                  predictor: str = "lowrank", dram_budget: float | int | None = None, window: int = 4,
                  threads: int = 32, dtype: str | None = None, context: int | None = None,
                  verify: bool | None = None, hybrid_fraction: float | None = None,
                  gpu_budget: float | int | None = None):
-        """Options: `dram_budget` a fraction of the model size or bytes (None: unlimited), `window`
+        """Options: `device` None lets the backend choose (torch: cpu; mlx: Metal where present),
+        `dram_budget` a fraction of the model size or bytes (None: unlimited), `window`
         tokens whose neurons stay cached (sparse), `threads` flash readers, `dtype` compute dtype,
         `context` KV cache length, `verify` checksums (None: files up to 256 MiB); on a GPU, weights,
         KV and caches count against `gpu_budget` and host staging against `dram_budget`."""

@@ -177,8 +177,8 @@ class TorchBackend:
         return F.linear(h, w, self.w.get("lm_head.bias")).float().cpu().numpy()
 
 
-def _device(device: str) -> str:
-    device = "cuda" if device == "gpu" else device
+def _device(device: str | None) -> str:
+    device = "cuda" if device == "gpu" else device or "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise FlashLLMError(f"device {device!r}: CUDA is not available on this machine (use --device cpu)")
     if not (device == "cpu" or device.startswith("cuda")):

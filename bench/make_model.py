@@ -1,0 +1,316 @@
+"""Write a model of real size with random weights directly in flashllm's format (no checkpoint needed).
+
+Benchmarks of I/O and memory behaviour need the real byte sizes of a 7B model, not its knowledge:
+this writes e.g. an OPT-6.7B-shaped float16 model (13.4 GB) tensor by tensor, with bounded memory
+(one resident tensor or one FFN layer at a time), showing progress, into a temporary directory that
+is renamed into place when complete. Every tensor is drawn from its own generator seeded by
+(--seed, tensor name), so a `--no-bundle` copy and the `--hf` checkpoint hold identical weights.
+
+Weights: linear layers and embeddings N(0, 0.02²) (the HF init), norm weights 1, biases 0.
+Random weights have no real activation sparsity (about half of the ReLU neurons fire): pair the
+model with an activation trace (bench/trace.py) for sparse-mode measurements.
+
+    python bench/make_model.py --shape opt-6.7b --out /data/opt-6.7b [--dtype float16] [--hf] [--no-bundle]
+
+`--hf` also writes an HF checkpoint (config.json + one safetensors shard per layer + index) of the
+same weights into OUT/hf (or --hf-out), so the converter and other runtimes can be benchmarked on
+them. No tokenizer is written: drive these models with token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from flashllm import format as fmt  # noqa: E402
+from flashllm.spec import ArchSpec  # noqa: E402
+from flashllm.st_io import write_safetensors  # noqa: E402
+
+STD = 0.02
+OPT = dict(family="opt", norm="layernorm", norm_eps=1e-5, positional="learned", activation="relu", qkv_bias=True,
+           o_bias=True, ffn_bias=True, tied_embeddings=True, bos_token_id=2, eos_token_id=2)
+LLAMA = dict(family="llama", norm="rmsnorm", norm_eps=1e-6, positional="rotary", rope_theta=10000.0,
+             gated_ffn=True, activation="relu", tied_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def _shape(base: dict, vocab: int, d: int, layers: int, heads: int, ffn: int, positions: int, kv: int | None = None):
+    return dict(base, vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv or heads,
+                head_dim=d // heads, d_ffn=ffn, max_positions=positions)
+
+
+# The real models' dimensions. llama-7b uses ReLU (a "ReLU-fied" Llama as in the paper's sparse
+# Llama runs; pass --activation silu for the original, which has no activation sparsity).
+SHAPES = {
+    "opt-6.7b": _shape(OPT, 50272, 4096, 32, 32, 16384, 2048),
+    "opt-1.3b": _shape(OPT, 50272, 2048, 24, 32, 8192, 2048),
+    "llama-7b": _shape(LLAMA, 32000, 4096, 32, 32, 11008, 4096),
+    "tiny": _shape(OPT, 128, 64, 8, 4, 512, 128),  # smoke tests (naive fits a 50% budget)
+    "tiny-llama": _shape(LLAMA, 128, 64, 2, 4, 96, 128, kv=2),
+}
+
+
+def spec_for(shape: str, activation: str | None = None) -> ArchSpec:
+    fields = dict(SHAPES[shape])
+    if activation:
+        fields["activation"] = activation
+    return ArchSpec(**fields)
+
+
+def _seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+class RandomWeights:
+    """Every tensor of the model by canonical name, reproducible from (seed, name) alone."""
+
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype, seed: int):
+        self.spec, self.dtype, self.seed = spec, dtype, seed
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        last = name.rsplit(".", 1)[-1]
+        is_norm = "norm" in name
+        if is_norm and last == "weight":
+            return torch.ones(shape, dtype=self.dtype)
+        if last == "bias" or name.endswith("_bias"):
+            return torch.zeros(shape, dtype=self.dtype)
+        g = torch.Generator().manual_seed(_seed(self.seed, name))
+        out = torch.empty(shape, dtype=torch.float32)
+        out.normal_(0.0, STD, generator=g)
+        return out.to(self.dtype)
+
+    def ffn_rows(self, layer: int) -> dict[str, torch.Tensor]:
+        """Per bundle part, [d_ffn, d_model] rows (for `down`: the columns of the down projection)."""
+        s = self.spec
+        return {part: self.get(f"layers.{layer}.ffn_{part}", (s.d_ffn, s.d_model)) for part in s.bundle_parts}
+
+
+class _Dropper:
+    """Flush what was written to `path` so far and drop it from the page cache (keeps RSS of the
+    machine's page cache bounded while many GB are written)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, *_):
+        if not self.path.exists() or not hasattr(os, "posix_fadvise"):
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def model_bytes(spec: ArchSpec, itemsize: int, bundled: bool = True) -> int:
+    resident = sum(int(torch.tensor(s).prod()) for s in fmt.resident_shapes(spec).values()) * itemsize
+    return resident + fmt.FFNLayout.plan(spec, itemsize, bundled).file_size
+
+
+def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: int = 0, bundled: bool = True,
+                force: bool = False, progress: bool | None = None, shape_name: str = "") -> Path:
+    """Write the flashllm model directory `out` (atomically: temp dir + rename)."""
+    from tqdm import tqdm
+
+    from flashllm.converters.writer import _replace, write_ffn, write_manifest
+
+    out = Path(out)
+    if out.exists() and not force:
+        raise SystemExit(f"{out}: already exists (pass --force to replace it)")
+    dtype = fmt.STORAGE_DTYPES[dtype_name]
+    layout = fmt.FFNLayout.plan(spec, dtype.itemsize, bundled)
+    weights = RandomWeights(spec, dtype, seed)
+    shapes = fmt.resident_shapes(spec)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        total = model_bytes(spec, dtype.itemsize, bundled)
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {out.name}", file=sys.stderr,
+                  disable=None if progress is None else not progress) as bar:
+            drop = _Dropper(tmp / fmt.RESIDENT_FILE)
+
+            def produce(name):
+                t = weights.get(name, shapes[name])
+                bar.update(t.numel() * t.element_size())
+                if t.numel() * t.element_size() >= 64 << 20:
+                    drop()
+                return t
+
+            write_safetensors(tmp / fmt.RESIDENT_FILE, [(n, dtype, s) for n, s in shapes.items()], produce,
+                              metadata={"format": fmt.FORMAT_NAME})
+            drop()
+            drop_ffn = _Dropper(tmp / fmt.FFN_FILE)
+
+            def on_layer(_):
+                bar.update(layout.layer_offsets[1] if len(layout.layer_offsets) > 1 else layout.layer_bytes)
+                drop_ffn()
+
+            ffn_sha, layer_sha = write_ffn(tmp / fmt.FFN_FILE, layout, weights.ffn_rows, dtype, on_layer)
+            drop_ffn()
+        source = {"path": f"bench/make_model.py --shape {shape_name} --seed {seed}", "model_type": spec.family,
+                  "random_weights": True, "seed": seed}
+        write_manifest(tmp, spec, dtype_name, layout, ffn_sha, layer_sha, [], source=source)
+        drop()  # write_manifest read the resident file back for its checksum
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# -- the same weights as an HF checkpoint ------------------------------------------------------
+def hf_config(spec: ArchSpec, dtype_name: str) -> dict:
+    if spec.family == "opt":
+        return {"architectures": ["OPTForCausalLM"], "model_type": "opt", "vocab_size": spec.vocab_size,
+                "hidden_size": spec.d_model, "num_hidden_layers": spec.n_layers,
+                "num_attention_heads": spec.n_heads, "ffn_dim": spec.d_ffn,
+                "max_position_embeddings": spec.max_positions, "word_embed_proj_dim": spec.d_model,
+                "do_layer_norm_before": True, "enable_bias": True, "layer_norm_elementwise_affine": True,
+                "activation_function": spec.activation, "tie_word_embeddings": spec.tied_embeddings,
+                "bos_token_id": spec.bos_token_id, "eos_token_id": spec.eos_token_id, "pad_token_id": 1,
+                "dropout": 0.0, "attention_dropout": 0.0, "torch_dtype": dtype_name}
+    if spec.family == "llama":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": spec.vocab_size,
+                "hidden_size": spec.d_model, "num_hidden_layers": spec.n_layers,
+                "num_attention_heads": spec.n_heads, "num_key_value_heads": spec.n_kv_heads,
+                "intermediate_size": spec.d_ffn, "max_position_embeddings": spec.max_positions,
+                "rms_norm_eps": spec.norm_eps, "rope_theta": spec.rope_theta, "hidden_act": spec.activation,
+                "tie_word_embeddings": spec.tied_embeddings, "attention_bias": False, "mlp_bias": False,
+                "bos_token_id": spec.bos_token_id, "eos_token_id": spec.eos_token_id, "torch_dtype": dtype_name}
+    raise SystemExit(f"--hf: no HF config for family {spec.family!r}")
+
+
+def hf_tensors(spec: ArchSpec, weights: RandomWeights) -> list[list[tuple[str, tuple, callable]]]:
+    """Shards of (HF name, shape, produce): globals first, then one shard per layer."""
+    from flashllm.converters.families import FAMILIES
+
+    fam = next(f for f in FAMILIES if spec.family in f.model_types)
+    shapes = fmt.resident_shapes(spec)
+    shards: list[list] = [[]]
+    for name, shape in shapes.items():
+        if name.startswith("layers."):
+            continue
+        module, param = name.rsplit(".", 1)
+        hf = f"{fam.globals[module]}.{param}"
+        if name == "pos_embed.weight":  # OPT keeps 2 unused rows before position 0
+            full = (shape[0] + 2, shape[1])
+            shards[0].append((hf, full, lambda n=name, s=shape: torch.cat(
+                (weights.get("pos_embed.offset_rows", (2, s[1])), weights.get(n, s)))))
+        else:
+            shards[0].append((hf, shape, lambda n=name, s=shape: weights.get(n, s)))
+    for i in range(spec.n_layers):
+        prefix, shard = fam.layer_prefix.format(i=i), []
+        for name, shape in shapes.items():
+            if not name.startswith(f"layers.{i}."):
+                continue
+            module, param = name.split(".")[2], name.rsplit(".", 1)[-1]
+            if module.endswith("_bias"):
+                hf = f"{prefix}{fam.ffn[module[:-5]]}.bias"
+            else:
+                hf = f"{prefix}{fam.layer[module]}.{param}"
+            shard.append((hf, shape, lambda n=name, s=shape: weights.get(n, s)))
+        for part in spec.bundle_parts:
+            rows = (spec.d_ffn, spec.d_model)
+            if part == "down":
+                shard.append((f"{prefix}{fam.ffn[part]}.weight", (spec.d_model, spec.d_ffn),
+                              lambda n=f"layers.{i}.ffn_{part}": weights.get(n, rows).t().contiguous()))
+            else:
+                shard.append((f"{prefix}{fam.ffn[part]}.weight", rows,
+                              lambda n=f"layers.{i}.ffn_{part}": weights.get(n, rows)))
+        shards.append(shard)
+    return shards
+
+
+def write_hf(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: int = 0, force: bool = False,
+             progress: bool | None = None) -> Path:
+    """An HF checkpoint directory with the same weights as `write_model` (atomically)."""
+    from tqdm import tqdm
+
+    from flashllm.converters.writer import _replace
+
+    out = Path(out)
+    if out.exists() and not force:
+        raise SystemExit(f"{out}: already exists (pass --force to replace it)")
+    dtype = fmt.STORAGE_DTYPES[dtype_name]
+    weights = RandomWeights(spec, dtype, seed)
+    shards = hf_tensors(spec, weights)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        weight_map, total = {}, 0
+        for shard in shards:
+            for _, shape, _ in shard:
+                total += int(torch.tensor(shape).prod()) * dtype.itemsize
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {out.name}", file=sys.stderr,
+                  disable=None if progress is None else not progress) as bar:
+            for k, shard in enumerate(shards):
+                fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                produce_of = {n: p for n, _, p in shard}
+
+                def produce(name, produce_of=produce_of):
+                    t = produce_of[name]()
+                    bar.update(t.numel() * t.element_size())
+                    return t
+
+                write_safetensors(tmp / fname, [(n, dtype, s) for n, s, _ in shard], produce,
+                                  metadata={"format": "pt"})
+                _Dropper(tmp / fname)()
+                weight_map.update({n: fname for n, _, _ in shard})
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        (tmp / "config.json").write_text(json.dumps(hf_config(spec, dtype_name), indent=1))
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    p.add_argument("--out", required=True, help="model directory to write (flashllm format)")
+    p.add_argument("--dtype", default="float16", choices=sorted(fmt.STORAGE_DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-bundle", action="store_true",
+                   help="unbundled FFN layout (up rows and down columns in separate regions: the paper's "
+                        "baseline without row-column bundling)")
+    p.add_argument("--activation", default=None, help="override the shape's activation (e.g. silu)")
+    p.add_argument("--hf", action="store_true", help="also write an HF checkpoint of the same weights")
+    p.add_argument("--hf-out", default=None, help="where to write it (default OUT/hf)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None) -> Path:
+    args = setup_arg_parser().parse_args(argv)
+    spec = spec_for(args.shape, args.activation)
+    t0 = time.perf_counter()
+    out = write_model(spec, Path(args.out), args.dtype, args.seed, not args.no_bundle, args.force,
+                      False if args.quiet else None, args.shape)
+    size = sum(e["size"] for e in fmt.read_manifest(out, verify=False).data["files"].values())
+    print(f"{out}: {args.shape} {args.dtype} {'unbundled' if args.no_bundle else 'bundled'}, "
+          f"{size / 1e9:.2f} GB, seed {args.seed}, {time.perf_counter() - t0:.0f} s")
+    if args.hf:
+        hf = write_hf(spec, Path(args.hf_out) if args.hf_out else out / "hf", args.dtype, args.seed, args.force,
+                      False if args.quiet else None)
+        print(f"{hf}: HF checkpoint of the same weights")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+"""Activation traces: the active FFN neurons of a real (small) model, replayed onto a bigger model.
+
+A model with random weights has no real activation sparsity (about half of its ReLU neurons fire
+for any token), so sparse-mode measurements on a 7B-shaped random model take their active sets
+from a trace instead:
+
+1. `record`: the embedded real model (a trained ReLU OPT) decodes held-out text one token at a
+   time in flashllm's sparse mode (window 1, no DRAM limit), and for every token and layer the
+   active set its predictor chose is stored: the trained low-rank predictors when the model
+   directory has them, else the oracle (the true activations); the trace says which. The true
+   active set is stored beside it (for recall). Text is cut into sequences of --seq-len tokens,
+   each starting from an empty KV cache with the tokenizer's BOS, as separate documents would.
+2. `TracePredictor`: maps the trace onto a model with other dimensions. Large layer j follows
+   small layer floor(j * L_small / L_large) (proportional depth); in each large layer, neuron i
+   follows one small neuron, a fixed random assignment (numpy seed) in which every small neuron is
+   followed by the same number (±1) of large neurons, so the large layer has the same distribution
+   of per-neuron activation frequencies and the same token-to-token reuse as the small one.
+   Decode token t uses trace token t (wrapping around after the last). So that the predictor's own
+   cost is not left out, it also computes a stand-in low-rank predictor of rank --predictor-rank
+   with random weights per layer (sigmoid(B A x) in the compute dtype; result discarded) and
+   counts its weights in the DRAM budget.
+
+What this does not preserve: which neurons fire together beyond the small model's own
+co-activation (each small neuron's large copies always fire together), and any difference in
+sparsity between a small model and a real 7B model (OPT-6.7B is much sparser than the embedded
+model: the paper reports ~97% of its FFN neurons inactive per token).
+
+    python bench/trace.py record MODEL_DIR --data heldout.txt --out trace.npz --tokens 2048
+    python bench/trace.py info trace.npz [--json]
+
+MODEL_DIR is a converted flashllm model (with predictors.json for the low-rank predictors) or an
+HF checkpoint (converted to a temporary directory first; --predictors DIR copies trained predictor
+files into it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import flashllm  # noqa: E402
+from flashllm import format as fmt  # noqa: E402
+from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_META, OraclePredictor, make_predictor  # noqa: E402
+
+TRACE_FORMAT = "flashllm-activation-trace"
+TRACE_VERSION = 1
+DEFAULT_SEQ_LEN = 256
+
+
+# -- recording ---------------------------------------------------------------------------------
+class _Recorder:
+    """Wraps the runtime's predictor: returns its prediction unchanged and records it (and the truth)."""
+
+    def __init__(self, inner, oracle, n_layers: int):
+        self.inner, self.oracle, self.kind = inner, oracle, inner.kind
+        self.predicted = [[] for _ in range(n_layers)]
+        self.true = [[] for _ in range(n_layers)]
+
+    def predict(self, layer: int, x) -> np.ndarray:
+        mask = self.inner.predict(layer, x)
+        self.predicted[layer].append(np.packbits(mask, axis=1))
+        truth = mask if self.oracle is None else self.oracle.predict(layer, x)
+        self.true[layer].append(np.packbits(truth, axis=1))
+        return mask
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+
+def _prepare_model_dir(model_dir: Path, predictors: Path | None, tmp: Path) -> Path:
+    """A flashllm model directory: MODEL_DIR itself, or MODEL_DIR (an HF checkpoint) converted into tmp."""
+    if not (model_dir / fmt.MANIFEST).is_file():
+        if not (model_dir / "config.json").is_file():
+            raise SystemExit(f"{model_dir}: neither a flashllm model directory nor an HF checkpoint")
+        from flashllm.converters import convert
+
+        model_dir = convert(model_dir, tmp / "model", dtype="float32", progress=False)
+    if predictors is not None:
+        if model_dir.resolve() != (tmp / "model").resolve():
+            shutil.copytree(model_dir, tmp / "model")
+            model_dir = tmp / "model"
+        for name in (PREDICTOR_FILE, PREDICTOR_META):
+            shutil.copyfile(predictors / name, model_dir / name)
+    return model_dir
+
+
+def record(model_dir: str | Path, data: str | Path, out: str | Path, tokens: int = 2048, predictor: str = "auto",
+           predictors: str | Path | None = None, seq_len: int = DEFAULT_SEQ_LEN, threads: int = 4) -> dict:
+    """Decode `tokens` held-out tokens one at a time and write the trace to `out` (.npz); returns its meta."""
+    from flashllm.predictors.collect import tokens_of
+
+    src = Path(model_dir)
+    with tempfile.TemporaryDirectory(prefix="flashllm-trace-") as tmp:
+        root = _prepare_model_dir(src, Path(predictors) if predictors else None, Path(tmp))
+        kind = predictor
+        if kind == "auto":
+            kind = "lowrank" if (root / PREDICTOR_META).is_file() else "oracle"
+        holder = {}
+
+        def build(model):
+            inner = make_predictor(kind, model)
+            oracle = OraclePredictor(model) if kind != "oracle" else None
+            holder["rec"] = _Recorder(inner, oracle, model.spec.n_layers)
+            return holder["rec"]
+
+        model = flashllm.load(root, mode="sparse", predictor=build, window=1, dram_budget=None, threads=threads,
+                              context=seq_len)
+        rec, spec = holder["rec"], model.spec
+        chunks = tokens_of(model, data, seq_len, tokens)
+        t0 = time.perf_counter()
+        ids_all = []
+        for chunk in chunks:
+            model.logits(chunk, prefill=1)  # the first token alone, then one at a time
+            ids_all += chunk
+        seconds = time.perf_counter() - t0
+        pred = np.stack([np.concatenate(p) for p in rec.predicted])  # [layers, tokens, ceil(d_ffn/8)]
+        true = np.stack([np.concatenate(t) for t in rec.true])
+        n = pred.shape[1]
+        meta = {"format": TRACE_FORMAT, "format_version": TRACE_VERSION,
+                "model": str(src.resolve()), "model_sha256": fmt.read_manifest(root, verify=False).data["files"]
+                ["ffn"]["sha256"], "family": spec.family, "n_layers": spec.n_layers, "d_model": spec.d_model,
+                "d_ffn": spec.d_ffn, "predictor": rec.kind, "predictor_meta": getattr(rec.inner, "meta", None),
+                "data": str(Path(data).resolve()), "data_sha256": _sha(data), "tokens": n,
+                "sequences": len(chunks), "seq_len": seq_len, "seconds": round(seconds, 2),
+                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "token_ids_sha256": hashlib.sha256(
+                    np.asarray(ids_all, dtype=np.int64).tobytes()).hexdigest()}
+    trace = Trace(pred, true, meta)
+    meta["summary"] = trace.summary()
+    trace.save(out)
+    return meta
+
+
+def _sha(path) -> str:
+    return fmt.sha256_file(path)
+
+
+# -- the trace file ----------------------------------------------------------------------------
+class Trace:
+    """Per layer and token, the predicted (and true) active neurons of the recorded model."""
+
+    def __init__(self, predicted: np.ndarray, true: np.ndarray | None, meta: dict):
+        self.meta = meta
+        self.d_ffn = int(meta["d_ffn"])
+        self._packed, self._packed_true = predicted, true
+        self.n_layers, self.tokens = predicted.shape[:2]
+        self.predicted = np.unpackbits(predicted, axis=2, count=self.d_ffn).astype(bool)  # [L, N, d]
+
+    @property
+    def true(self) -> np.ndarray | None:
+        if self._packed_true is None:
+            return None
+        return np.unpackbits(self._packed_true, axis=2, count=self.d_ffn).astype(bool)
+
+    def save(self, path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".partial.npz")
+        arrays = {"predicted": self._packed, "meta": np.frombuffer(json.dumps(self.meta).encode(), dtype=np.uint8)}
+        if self._packed_true is not None:
+            arrays["true"] = self._packed_true
+        np.savez_compressed(tmp, **arrays)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path) -> "Trace":
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(z["meta"].tobytes().decode())
+                if meta.get("format") != TRACE_FORMAT or meta.get("format_version") != TRACE_VERSION:
+                    raise SystemExit(f"{path}: not a flashllm activation trace (version {TRACE_VERSION})")
+                return cls(z["predicted"], z["true"] if "true" in z.files else None, meta)
+        except (OSError, ValueError, KeyError) as exc:
+            raise SystemExit(f"{path}: unreadable trace ({exc})") from None
+
+    def summary(self, windows=(1, 2, 4, 8)) -> dict:
+        """Per layer: active fraction; fraction of the FFN new per token for a window of k tokens
+        (active now, not active in the previous k tokens); the union held for that window; recall."""
+        P = self.predicted
+        out = {"active": P.mean(axis=(1, 2)).round(4).tolist()}
+        for k in windows:
+            new, held = [], []
+            for layer in range(self.n_layers):
+                m = P[layer]
+                prev = np.zeros_like(m)
+                for j in range(1, k + 1):  # union of the previous k tokens
+                    prev[j:] |= m[:-j]
+                new.append(float((m & ~prev)[k:].mean()))
+                cur = np.zeros_like(m)
+                for j in range(k):  # union of the last k tokens, this one included (what the cache holds)
+                    cur[j:] |= m[:len(m) - j]
+                held.append(float(cur[k:].mean()))
+            out[f"new_w{k}"] = np.round(new, 4).tolist()
+            out[f"held_w{k}"] = np.round(held, 4).tolist()
+        true = self.true
+        if true is not None:
+            tp = (P & true).sum(axis=(1, 2))
+            out["recall"] = (tp / np.maximum(true.sum(axis=(1, 2)), 1)).round(4).tolist()
+            out["predicted_over_true"] = (P.sum(axis=(1, 2)) / np.maximum(true.sum(axis=(1, 2)), 1)).round(4).tolist()
+        out["mean_active"] = round(float(P.mean()), 4)
+        for k in windows:
+            out[f"mean_new_w{k}"] = round(float(np.mean(out[f"new_w{k}"])), 4)
+        return out
+
+
+# -- replaying a trace on a bigger model -------------------------------------------------------
+def layer_map(small_layers: int, large_layers: int) -> list[int]:
+    """Large layer j follows small layer floor(j * L_small / L_large)."""
+    return [min(small_layers - 1, j * small_layers // large_layers) for j in range(large_layers)]
+
+
+def neuron_map(small: int, large: int, rng: np.random.Generator) -> np.ndarray:
+    """For each large neuron the small neuron it follows: every small neuron equally often (±1)."""
+    reps = math.ceil(large / small)
+    return np.concatenate([rng.permutation(small) for _ in range(reps)])[:large]
+
+
+class TracePredictor:
+    """A predictor object (kind "trace") replaying a recorded trace on a model with `spec`.
+
+    `backend` (the model's backend) enables the cost stand-in: a random low-rank predictor of rank
+    `cost_rank` per layer, evaluated on each call (result discarded) and counted in nbytes().
+    """
+
+    kind = "trace"
+
+    def __init__(self, trace: "Trace | str | Path", spec, backend=None, seed: int = 0, cost_rank: int = 128):
+        self.trace = trace if isinstance(trace, Trace) else Trace.load(trace)
+        self.spec = spec
+        rng = np.random.default_rng(seed)
+        self.layers = layer_map(self.trace.n_layers, spec.n_layers)
+        self.neurons = [neuron_map(self.trace.d_ffn, spec.d_ffn, rng) for _ in range(spec.n_layers)]
+        self.next = 0
+        self.t0 = 0
+        self.backend, self.rank = backend, cost_rank
+        self.A, self.B, self.b = [], [], []
+        if backend is not None and cost_rank > 0:
+            import torch
+
+            g = torch.Generator().manual_seed(seed)
+            for _ in range(spec.n_layers):
+                self.A.append(backend.tensor(torch.randn(cost_rank, spec.d_model, generator=g) * spec.d_model ** -0.5))
+                self.B.append(backend.tensor(torch.randn(spec.d_ffn, cost_rank, generator=g) * cost_rank ** -0.5))
+                self.b.append(backend.tensor(torch.zeros(spec.d_ffn)))
+
+    def predict(self, layer: int, x) -> np.ndarray:
+        T = x.shape[0]
+        if layer == 0:  # a new forward: the next T trace tokens
+            self.t0, self.next = self.next, self.next + T
+        if self.A:
+            B = self.backend
+            B.greater(B.linear(B.linear(x, self.A[layer], None), self.B[layer], self.b[layer]), 0.0)
+        rows = (self.t0 + np.arange(T)) % self.trace.tokens
+        small = self.trace.predicted[self.layers[layer]][rows]
+        return small[:, self.neurons[layer]]
+
+    def nbytes(self) -> int:
+        """The stand-in predictor's weights (what real predictors of that rank would hold); the trace
+        itself is a measurement instrument and is not counted, like the oracle."""
+        if not self.A:
+            return 0
+        return sum(self.backend.nbytes_of(t) for ts in (self.A, self.B, self.b) for t in ts)
+
+    def describe(self) -> str:
+        m, s = self.trace.meta, self.trace.summary(windows=(4,)) if self.trace.tokens > 4 else {}
+        return (f"active sets replayed from a {m['tokens']}-token trace of {Path(m['model']).name} "
+                f"({m['n_layers']} layers, FFN {m['d_ffn']}; {m['predictor']} predictor) on held-out text "
+                f"{Path(m['data']).name}; large layer j follows small layer floor(j*{m['n_layers']}/"
+                f"{self.spec.n_layers}); each of the {self.spec.d_ffn} neurons follows one of the "
+                f"{m['d_ffn']} small neurons (fixed random balanced assignment); mean active "
+                f"{s.get('mean_active', float('nan')):.1%}, new per token with window 4 "
+                f"{s.get('mean_new_w4', float('nan')):.1%}; predictor cost stand-in: random rank "
+                f"{self.rank if self.A else 0}")
+
+
+def trace_predictor_factory(path, seed: int = 0, cost_rank: int = 128):
+    """`predictor=` argument for flashllm.load: a TracePredictor on the loaded model's spec and backend."""
+    trace = Trace.load(path)
+    return lambda model: TracePredictor(trace, model.spec, model.backend, seed, cost_rank)
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record", help="record a trace")
+    r.add_argument("model_dir")
+    r.add_argument("--data", required=True, help="held-out text (e.g. bench/stdlib_corpus.py --split heldout)")
+    r.add_argument("--out", required=True, help="trace file to write (.npz)")
+    r.add_argument("--tokens", type=int, default=2048)
+    r.add_argument("--predictor", choices=["auto", "lowrank", "oracle"], default="auto",
+                   help="auto: lowrank if the model directory has trained predictors, else oracle")
+    r.add_argument("--predictors", default=None, help="directory with predictors.safetensors/.json to use")
+    r.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)
+    r.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: a small model's ops gain nothing from more, and "
+                        "on a busy machine OpenMP spinning makes them many times slower)")
+    r.add_argument("--json", action="store_true")
+    i = sub.add_parser("info", help="summarize a trace")
+    i.add_argument("trace")
+    i.add_argument("--json", action="store_true")
+    return p
+
+
+def _print_summary(meta: dict, summary: dict) -> None:
+    print(f"trace of {meta['model']} ({meta['predictor']} predictor), {meta['tokens']} tokens of {meta['data']}")
+    print("| layer | active | new/token w1 | new/token w4 | held w4 | recall | predicted/true |")
+    print("|---|---|---|---|---|---|---|")
+    for k, a in enumerate(summary["active"]):
+        rec = summary.get("recall", [None] * len(summary["active"]))[k]
+        pot = summary.get("predicted_over_true", [None] * len(summary["active"]))[k]
+        print(f"| {k} | {a:.3f} | {summary['new_w1'][k]:.3f} | {summary['new_w4'][k]:.3f} | "
+              f"{summary['held_w4'][k]:.3f} | {rec if rec is not None else '-'} | {pot if pot is not None else '-'} |")
+    print(f"mean active {summary['mean_active']:.3f}, new per token w1 {summary['mean_new_w1']:.3f}, "
+          f"w4 {summary['mean_new_w4']:.3f}")
+
+
+def main(argv=None) -> dict:
+    args = setup_arg_parser().parse_args(argv)
+    if args.cmd == "record":
+        if args.torch_threads:
+            import torch
+
+            torch.set_num_threads(args.torch_threads)
+        meta = record(args.model_dir, args.data, args.out, args.tokens, args.predictor, args.predictors,
+                      args.seq_len)
+    else:
+        trace = Trace.load(args.trace)
+        meta = dict(trace.meta, summary=trace.summary())
+    if args.json:
+        print(json.dumps(meta))
+    else:
+        _print_summary(meta, meta["summary"])
+        if args.cmd == "record":
+            print(f"wrote {args.out} in {meta['seconds']:.1f} s")
+    return meta
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The paper benchmarks run end to end on the tiny shape: make_model, trace record, paper_tables --json."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import flashllm
+from flashllm import format as fmt
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def bench(name: str):
+    """A bench script as a module (loaded by path: bench/trace.py must not shadow the stdlib's trace)."""
+    key = f"flashllm_bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
+
+
+@pytest.fixture(scope="module")
+def tiny_random(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    out = bench("make_model").main(["--shape", "tiny", "--out", str(root / "tiny"), "--dtype", "float32", "--quiet"])
+    return root, out
+
+
+def test_make_model_writes_the_shape_and_the_same_weights_unbundled(tiny_random):
+    root, out = tiny_random
+    mm = bench("make_model")
+    m = fmt.read_manifest(out, verify=True)
+    assert m.spec == mm.spec_for("tiny") and m.layout.bundled
+    header = m.data["files"]["resident"]["size"] + m.data["files"]["ffn"]["size"] - mm.model_bytes(m.spec, 4)
+    assert 0 < header < 1 << 16  # all tensors of the shape, plus the safetensors header
+    nb = mm.main(["--shape", "tiny", "--out", str(root / "tiny-nb"), "--dtype", "float32", "--no-bundle", "--quiet"])
+    assert not fmt.read_manifest(nb).layout.bundled
+    ids = [5, 9, 17, 33, 2, 64]
+    np.testing.assert_array_equal(flashllm.load(nb).logits(ids), flashllm.load(out).logits(ids))
+    assert not list(root.glob(".*partial*"))  # written atomically: no leftovers
+
+
+def test_make_model_hf_checkpoint_converts_to_the_same_files(tmp_path):
+    from flashllm.converters import convert
+
+    out = bench("make_model").main(["--shape", "tiny-llama", "--out", str(tmp_path / "m"), "--hf", "--quiet"])
+    conv = convert(out / "hf", tmp_path / "conv", progress=False)
+    a, b = (fmt.read_manifest(d).data["files"] for d in (out, conv))
+    assert a["ffn"]["sha256"] == b["ffn"]["sha256"] and a["resident"]["sha256"] == b["resident"]["sha256"]
+
+
+def test_trace_record_and_replay_preserve_frequencies(tiny_random, tiny_models, tmp_path):
+    tr = bench("trace")
+    text = tmp_path / "heldout.txt"
+    text.write_text("def f(x):\n    return x * 2\n" * 40)
+    meta = tr.main(["record", str(tiny_models("opt").model_dir), "--data", str(text), "--out",
+                    str(tmp_path / "t.npz"), "--tokens", "40", "--seq-len", "20", "--json"])
+    assert meta["predictor"] == "oracle" and meta["tokens"] == 40 and meta["summary"]["recall"] == [1.0, 1.0]
+    trace = tr.Trace.load(tmp_path / "t.npz")
+    assert trace.predicted.shape == (2, 40, 128)
+    spec = fmt.read_manifest(tiny_random[1]).spec  # 8 layers, FFN 512: a "bigger" model
+    pred = tr.TracePredictor(trace, spec, seed=3)
+    x = np.zeros((1, spec.d_model), dtype=np.float32)
+    first = np.concatenate([pred.predict(layer, x) for layer in range(spec.n_layers)])  # trace token 0
+    assert first.shape == (8, 512) and first.dtype == bool
+    assert pred.layers == [0, 0, 0, 0, 1, 1, 1, 1]
+    counts = np.bincount(pred.neurons[5], minlength=128)
+    assert counts.min() == counts.max() == 4  # every small neuron followed by 4 large ones
+    replay = np.stack([np.concatenate([pred.predict(layer, x) for layer in range(8)]) for _ in range(39)])
+    # token t of layer 5 is small layer 1's token t, through the neuron map: same frequencies and reuse
+    small = trace.predicted[1, 1:40]
+    np.testing.assert_array_equal(replay[:, 5], small[:, pred.neurons[5]])
+
+
+def test_paper_tables_json(tiny_random, capsys):
+    root, out = tiny_random
+    report = bench("paper_tables").main([
+        str(out), "--dram-budget", "0.5", "--tokens", "3", "--warmup", "2", "--naive-tokens", "2",
+        "--hybrid-tokens", "2", "--fig7-windows", "1,4", "--fig8-tokens", "6", "--predictor-rank", "8",
+        "--threads", "4", "--torch-threads", "1", "--work-dir", str(root), "--json", "--quiet"])
+    printed = json.loads(capsys.readouterr().out)
+    assert set(printed) >= {"table2", "table3", "fig7", "fig8", "meta", "ratios"}
+    assert [r["config"] for r in printed["table2"]] == ["naive", "hybrid", "hybrid+predictor", "+windowing",
+                                                        "+bundling"]
+    t3 = {r["config"]: r for r in printed["table3"]}
+    assert list(t3) == ["naive", "hybrid", "all"]
+    for r in t3.values():
+        assert set(r) >= {"io_ms", "mem_ms", "compute_ms", "total_ms", "flash_gb_per_token", "dram_gb"}
+        assert r["total_ms"] > 0 and r["io_ms"] >= 0 and r["dram_gb"] > 0
+    assert t3["all"]["flash_gb_per_token"] < t3["hybrid"]["flash_gb_per_token"] < t3["naive"]["flash_gb_per_token"]
+    budget = report["meta"]["budget_gb"]
+    assert all(r["dram_allocated_gb"] <= budget * 1.0001 for r in printed["table2"])
+    t2 = {r["config"]: r for r in printed["table2"]}
+    assert t2["+bundling"]["reads_per_token"] < t2["+windowing"]["reads_per_token"]  # one read per neuron, not two
+    assert [r["window"] for r in printed["fig7"]] == [1, 4]
+    assert len(printed["fig8"]) == 6 and all(r["io_ms"] >= 0 for r in printed["fig8"])
+    assert printed["ratios"]["naive/all"]["flash_bytes"] > 1
+    assert not (root / "tiny-unbundled").exists()  # the unbundled copy it wrote is deleted

@@ -1,8 +1,9 @@
 """Flash I/O engine: parallel direct (page-cache-free) reads of FFN bundles into preallocated buffers.
 
-N worker threads are started once. Each call coalesces adjacent requests, splits the resulting reads
-into one share per thread, and every thread loops over its share with blocking ``os.preadv`` (which
-releases the GIL); the caller waits for all shares. One Python task per read is measurably slower.
+N worker threads are started once. Each call coalesces adjacent requests into a list of reads that
+the threads work through in a loop of blocking ``os.preadv`` calls (which release the GIL), pulling
+from one shared iterator so that none idles while reads are left; the caller waits for all of them.
+One Python task per read is measurably slower (bench/io_throughput.py --per-read-tasks).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ctypes
 import errno
 import os
 import queue
+import struct
 import sys
 import threading
 import time
@@ -25,8 +27,9 @@ from flashllm.errors import FlashLLMError
 _STATX_DIOALIGN = 0x2000
 _AT_FDCWD = -100
 _preadv = os.preadv  # module-level so tests can inject I/O errors
-_warned_devices: set = set()
-SHARED = False  # file systems already warned about (the fallback warns once each)
+_warned_devices: set = set()  # file systems already warned about (the fallback warns once each)
+# With the GIL, next() on a zip of lists is atomic, so all workers can pull from one shared iterator.
+_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
 class FlashIOError(FlashLLMError):
@@ -57,7 +60,7 @@ def aligned_empty(shape, dtype, align: int = 4096) -> np.ndarray:
 
 
 def dio_alignment(path: str) -> tuple[int, int]:
-    """(file offset alignment, memory alignment) for direct I/O on ``path``; (0, 0) if the FS refuses it.
+    """(file offset alignment, memory alignment) for direct I/O on ``path``; offset 0 if the FS refuses it.
 
     Asks statx(STATX_DIOALIGN) (Linux >= 6.1); otherwise the file system block size, a safe upper bound.
     """
@@ -66,10 +69,9 @@ def dio_alignment(path: str) -> tuple[int, int]:
             libc = ctypes.CDLL(None, use_errno=True)
             buf = ctypes.create_string_buffer(256)
             if libc.statx(_AT_FDCWD, os.fsencode(path), 0, _STATX_DIOALIGN, buf) == 0:
-                mask = int.from_bytes(buf.raw[0:4], "little")
+                mask, = struct.unpack_from("=I", buf, 0)
                 if mask & _STATX_DIOALIGN:
-                    mem = int.from_bytes(buf.raw[152:156], "little")
-                    off = int.from_bytes(buf.raw[156:160], "little")
+                    mem, off = struct.unpack_from("=II", buf, 152)  # stx_dio_mem_align, stx_dio_offset_align
                     return off, mem
         except (AttributeError, OSError):
             pass  # no statx in this libc: fall through
@@ -98,38 +100,42 @@ class _Call:
 
 
 def _worker(fd: int, jobs: queue.SimpleQueue, bounce: memoryview, align: int) -> None:
-    """Loop over shares of reads until the ``None`` sentinel; errors go back to the caller via ``_Call``."""
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        call, dest, reads = job
-        nbytes = nreads = 0
-        off = n = 0
-        preadv = _preadv
-        try:
-            for off, doff, n, direct in reads:
-                if direct:
-                    got = preadv(fd, (dest[doff:doff + n],), off)
-                    if got != n:
-                        raise _short(call.path, off, n, got)
-                else:  # read the covering aligned range into the bounce buffer and copy out
-                    a0 = off - off % align
-                    a1 = -(-(off + n) // align) * align
-                    got = preadv(fd, (bounce[:a1 - a0],), a0)
-                    if got < off + n - a0:
-                        raise _short(call.path, off, n, max(0, got - (off - a0)))
-                    dest[doff:doff + n] = bounce[off - a0:off - a0 + n]
-                nbytes += got
-                nreads += 1
-            call.finish(nbytes, nreads, None)
-        except OSError as e:
-            err = FlashIOError(f"{call.path}: read of {n} bytes at offset {off} failed: "
-                               f"[{errno.errorcode.get(e.errno, e.errno)}] {e.strerror}")
-            err.__cause__ = e
-            call.finish(nbytes, nreads, err)
-        except BaseException as e:  # FlashIOError (short read) or a bug: re-raised in the caller
-            call.finish(nbytes, nreads, e)
+    """Serve jobs until the ``None`` sentinel (holding no reference to a job's buffer in between)."""
+    while _serve(fd, bounce, align, jobs.get()):
+        pass
+
+
+def _serve(fd: int, bounce: memoryview, align: int, job) -> bool:
+    """Do the reads of one job; errors go back to the caller through ``_Call``. False on the sentinel."""
+    if job is None:
+        return False
+    call, dest, reads = job
+    nbytes = nreads = off = n = 0
+    preadv = _preadv
+    try:
+        for off, doff, n, direct in reads:
+            if direct:
+                got = preadv(fd, (dest[doff:doff + n],), off)
+                if got != n:
+                    raise _short(call.path, off, n, got)
+            else:  # read the covering aligned range into the bounce buffer and copy out
+                a0 = off - off % align
+                a1 = -(-(off + n) // align) * align
+                got = preadv(fd, (bounce[:a1 - a0],), a0)
+                if got < off + n - a0:
+                    raise _short(call.path, off, n, max(0, got - (off - a0)))
+                dest[doff:doff + n] = bounce[off - a0:off - a0 + n]
+            nbytes += got
+            nreads += 1
+        call.finish(nbytes, nreads, None)
+    except OSError as e:
+        err = FlashIOError(f"{call.path}: read of {n} bytes at offset {off} failed: "
+                           f"[{errno.errorcode.get(e.errno, e.errno)}] {e.strerror}")
+        err.__cause__ = e
+        call.finish(nbytes, nreads, err)
+    except BaseException as e:  # FlashIOError (short read) or a bug: re-raised in the caller
+        call.finish(nbytes, nreads, e)
+    return True
 
 
 def _short(path: str, off: int, n: int, got: int) -> FlashIOError:
@@ -324,20 +330,25 @@ class FlashReader:
         return self._run(flat, *pieces, nbytes, t0)
 
     def _run(self, flat: np.ndarray, file_offs, dest_offs, lens, requested: int, t0: float) -> IOStats:
-        """Deal the reads out round-robin to the workers, wait for all, and raise the first error."""
+        """Hand the reads (sorted by file offset) to the workers, wait for all, and raise the first error."""
         if self.direct and self.alignment > 1:
             inplace = ((file_offs | lens) % self.alignment == 0) & \
                       ((flat.ctypes.data + dest_offs) % self.mem_alignment == 0)
         else:
             inplace = np.ones(len(lens), dtype=bool)
-        mv = memoryview(flat)
         nw = min(self.threads, len(lens))
+        # Issue the reads as nw interleaved sequential streams (like fio's parallel sequential jobs),
+        # which measured up to 1.8x faster here than all threads walking one stream.
+        per = -(-len(lens) // nw)
+        order = np.arange(per * nw).reshape(nw, per).T.reshape(-1)
+        order = order[order < len(lens)]
+        cols = [a[order].tolist() for a in (file_offs, dest_offs, lens, inplace)]
+        mv = memoryview(flat)
         call = _Call(self.path, nw)
-        cols = [a.tolist() for a in (file_offs, dest_offs, lens, inplace)]
-        shared = zip(*cols)
+        shared = zip(*cols)  # work-sharing: no thread idles while reads are left (no straggler tail)
         for w in range(nw):
-            q = self._queues[(self._next + w) % self.threads]
-            q.put((call, mv, shared) if SHARED else (call, mv, zip(*(c[w::nw] for c in cols))))
+            share = shared if _GIL else zip(*(c[w::nw] for c in cols))  # free-threaded: fixed shares
+            self._queues[(self._next + w) % self.threads].put((call, mv, share))
         self._next = (self._next + nw) % self.threads
         call.event.wait()
         if not self.direct and hasattr(os, "posix_fadvise"):

@@ -1,0 +1,293 @@
+"""Flash read throughput of flashllm.flashio against fio at the same chunk size and thread count.
+
+For each cell (pattern, chunk size, threads) the engine and fio each read for --seconds, interleaved,
+for --rounds rounds; the table shows medians and the median of the per-round engine/fio ratios.
+Patterns: `random` (read_rows of random chunk-sized rows; fio randread), `sequential` (read_rows of
+consecutive rows, no coalescing; fio read, one slice per job), `layer` (read_range of a whole layer,
+--layer-bytes, in --layer-chunk pieces; fio read with bs=--layer-chunk).
+
+Test file: --file PATH is created once with random data (or reused when it already has --size bytes)
+and kept unless --no-keep. Without --file a file in the temp directory is used and deleted at the end
+unless --keep. Both sides bypass the page cache (O_DIRECT; fio --direct=1).
+
+    python bench/io_throughput.py --file /data/io.bin --size 2GiB --chunks 32K --threads 32 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from flashllm.flashio import FlashReader, aligned_empty
+
+MiB = 1 << 20
+UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+CALL_BYTES = 64 * MiB  # bytes requested per read_rows call (one call ~ many layers' worth of bundles)
+
+
+def parse_size(text: str) -> int:
+    """'32K', '2GiB', '1M', '4096' -> bytes (binary units)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in UNITS else ""
+    return int(float(t[:len(t) - len(unit)]) * UNITS[unit])
+
+
+def fmt_size(n: int) -> str:
+    for u in ("G", "M", "K"):
+        if n >= UNITS[u] and n % UNITS[u] == 0:
+            return f"{n // UNITS[u]}{u}"
+    return str(n)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--file", help="test file (created with random data, or reused if it has --size bytes)")
+    p.add_argument("--size", default="2GiB", help="test file size (default 2GiB)")
+    p.add_argument("--keep", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the test file afterwards (default: keep if --file was given, else delete)")
+    p.add_argument("--chunks", default="4K,8K,16K,32K,64K,128K,256K,512K,1M", help="comma list of chunk sizes")
+    p.add_argument("--threads", default="1,2,4,8,16,32,64", help="comma list of thread counts")
+    p.add_argument("--patterns", default="random,sequential,layer", help="comma list of random,sequential,layer")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved engine/fio rounds per cell (median)")
+    p.add_argument("--seconds", type=float, default=2.0, help="seconds per run (engine and fio each)")
+    p.add_argument("--layer-bytes", default="256M", help="bytes per read_range call in the layer pattern")
+    p.add_argument("--layer-chunk", default="1M", help="max_chunk_bytes for the layer pattern")
+    p.add_argument("--per-read-tasks", action="store_true",
+                   help="also measure one executor task per read (random pattern) to show why the engine "
+                        "uses per-thread loops")
+    p.add_argument("--hugepages", action="store_true",
+                   help="let the engine's destination buffers use transparent huge pages (numpy's default for "
+                        "large arrays); by default they use 4 KiB pages like fio's, for a like-for-like comparison")
+    p.add_argument("--no-fio", action="store_true", help="skip fio even if installed")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--plot", metavar="PNG", help="draw throughput vs chunk size, one line per thread count")
+    return p
+
+
+def make_file(path: str, size: int) -> None:
+    """Write ``size`` random bytes (reusing an existing fully allocated file of that size) and evict them."""
+    if os.path.exists(path):
+        st = os.stat(path)
+        if st.st_size == size and st.st_blocks * 512 >= size:
+            return
+        if st.st_size != size and path != default_path(size):
+            sys.exit(f"{path} exists with {st.st_size} bytes, not {size}; delete it or pass --size {st.st_size}")
+    if shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free < size + (1 << 30):
+        sys.exit(f"not enough free space for a {fmt_size(size)} test file at {path}")
+    print(f"writing {fmt_size(size)} of random data to {path}", file=sys.stderr)
+    rng = np.random.default_rng(0)
+    with open(path, "wb") as f:
+        for done in range(0, size, 64 * MiB):
+            f.write(rng.bytes(min(64 * MiB, size - done)))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def default_path(size: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"flashllm-io-bench-{fmt_size(size)}.bin")
+
+
+def dest_buffer(nbytes: int, hugepages: bool) -> np.ndarray:
+    """A page-aligned destination; with 4 KiB pages unless ``hugepages`` (fewer DMA segments per read)."""
+    if hugepages or not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return aligned_empty(nbytes, np.uint8)
+    m = mmap.mmap(-1, nbytes)
+    m.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(m, dtype=np.uint8)
+
+
+def engine_run(path: str, size: int, pattern: str, chunk: int, threads: int, seconds: float,
+               layer_bytes: int, rng: np.random.Generator, hugepages: bool, per_task: bool = False) -> float:
+    """MiB/s of the engine (or of one executor task per read) for one cell."""
+    reader = FlashReader(path, threads=threads, max_chunk_bytes=chunk)  # rows of `chunk`: no coalescing
+    if not reader.direct:
+        sys.exit(f"{path}: no direct I/O on this file system, so the numbers would measure the page cache")
+    if pattern == "layer":
+        dest = dest_buffer(layer_bytes, hugepages)
+        n_layers = size // layer_bytes
+    else:
+        n = max(threads, min(CALL_BYTES // chunk, 8192))
+        dest = dest_buffer(n * chunk, hugepages).reshape(n, chunk)
+        rows, n_rows = np.arange(n), size // chunk
+    pool = ThreadPoolExecutor(threads) if per_task else None
+    with reader:
+        cursor, total, t0 = int(rng.integers(0, 1 << 30)), 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            if pattern == "layer":
+                total += reader.read_range((cursor % n_layers) * layer_bytes, layer_bytes, dest).bytes_requested
+            else:
+                idx = (rng.integers(0, n_rows, n) if pattern == "random"
+                       else (cursor * n + rows) % n_rows)
+                if per_task:
+                    total += per_task_read(pool, reader.fileno(), idx * chunk, dest)
+                else:
+                    total += reader.read_rows(0, chunk, chunk, idx, dest, rows).bytes_requested
+            cursor += 1
+        elapsed = time.perf_counter() - t0
+    if pool:
+        pool.shutdown()
+    return total / elapsed / MiB
+
+
+def per_task_read(pool: ThreadPoolExecutor, fd: int, offsets: np.ndarray, dest: np.ndarray) -> int:
+    """The design the engine avoids: one executor task per read."""
+    futures = [pool.submit(os.preadv, fd, (row,), off) for off, row in zip(offsets.tolist(), dest)]
+    wait(futures)
+    return sum(f.result() for f in futures)
+
+
+def fio_run(path: str, size: int, pattern: str, chunk: int, threads: int, seconds: float) -> float:
+    """MiB/s of fio psync with the same chunk size, thread count and access pattern."""
+    cmd = ["fio", "--name=bench", f"--filename={path}", "--direct=1", "--ioengine=psync",
+           f"--numjobs={threads}", f"--bs={chunk}", "--group_reporting", "--output-format=json",
+           "--time_based", f"--runtime={int(seconds * 1000)}ms"]
+    if pattern == "random":
+        cmd += ["--rw=randread", f"--size={size}", "--norandommap", "--randrepeat=0"]
+    else:  # each job reads its own slice sequentially, like the engine's threads share one stream
+        part = size // threads // chunk * chunk
+        cmd += ["--rw=read", f"--size={part}", f"--offset_increment={part}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out[out.index("{"):])["jobs"][0]["read"]["bw_bytes"] / MiB
+
+
+def fio_version() -> str:
+    return subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{platform.system()} {platform.release()}, {os.cpu_count()} CPUs ({cpu})"
+
+
+def run(args) -> dict:
+    size = parse_size(args.size)
+    path = args.file or default_path(size)
+    keep = args.keep if args.keep is not None else bool(args.file)
+    chunks = [parse_size(c) for c in args.chunks.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    patterns = args.patterns.split(",")
+    layer_bytes, layer_chunk = parse_size(args.layer_bytes), parse_size(args.layer_chunk)
+    use_fio = not args.no_fio and shutil.which("fio") is not None
+    if layer_bytes > size or max(chunks) > size:
+        sys.exit(f"--size {args.size} is smaller than a chunk or --layer-bytes")
+    cells = [(p, c, t) for p in patterns if p != "layer" for c in chunks for t in threads]
+    cells += [("layer", layer_chunk, t) for t in threads if "layer" in patterns]
+    make_file(path, size)
+    rng = np.random.default_rng()
+    load_before = os.getloadavg()[0]
+    results = {cell: {"engine": [], "fio": [], "per_task": []} for cell in cells}
+    try:
+        for r in range(args.rounds):
+            for cell in cells:
+                pattern, chunk, t = cell
+                res = results[cell]
+                runs = [("engine", lambda: engine_run(path, size, *cell, args.seconds, layer_bytes, rng,
+                                                         args.hugepages))]
+                if use_fio:
+                    runs.append(("fio", lambda: fio_run(path, size, *cell, args.seconds)))
+                if args.per_read_tasks and pattern == "random":
+                    runs.append(("per_task", lambda: engine_run(path, size, *cell, args.seconds,
+                                                                layer_bytes, rng, args.hugepages, per_task=True)))
+                for name, fn in (runs if r % 2 == 0 else runs[::-1]):  # alternate who goes first
+                    res[name].append(fn())
+                print(f"round {r + 1}/{args.rounds} {pattern} {fmt_size(chunk)} x{t}: " +
+                      " ".join(f"{k} {v[-1]:.0f}" for k, v in res.items() if v), file=sys.stderr)
+    finally:
+        if not keep:
+            os.unlink(path)
+    rows = []
+    for (pattern, chunk, t), res in results.items():
+        eng = statistics.median(res["engine"])
+        fio = statistics.median(res["fio"]) if res["fio"] else None
+        ratio = statistics.median(e / f for e, f in zip(res["engine"], res["fio"])) if res["fio"] else None
+        row = {"chunk_bytes": chunk, "threads": t, "pattern": pattern, "engine_mibps": round(eng, 1),
+               "fio_mibps": None if fio is None else round(fio, 1),
+               "ratio": None if ratio is None else round(ratio, 3)}
+        if res["per_task"]:
+            row["per_task_mibps"] = round(statistics.median(res["per_task"]), 1)
+        rows.append(row)
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
+            "command": " ".join(["python"] + sys.argv), "file": path, "size": size, "rounds": args.rounds,
+            "seconds": args.seconds, "layer_bytes": layer_bytes, "hugepages": args.hugepages,
+            "fio": fio_version() if use_fio else None,
+            "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)], "rows": rows}
+
+
+def table(result: dict) -> str:
+    per_task = any("per_task_mibps" in r for r in result["rows"])
+    head = "| pattern | chunk | threads | engine MiB/s | fio MiB/s | engine/fio |"
+    lines = [head + (" per-read tasks MiB/s |" if per_task else ""),
+             "|---|---:|---:|---:|---:|---:|" + ("---:|" if per_task else "")]
+    for r in result["rows"]:
+        fio = "-" if r["fio_mibps"] is None else f"{r['fio_mibps']:.0f}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        line = (f"| {r['pattern']} | {fmt_size(r['chunk_bytes'])} | {r['threads']} | "
+                f"{r['engine_mibps']:.0f} | {fio} | {ratio} |")
+        if per_task:
+            line += f" {r['per_task_mibps']:.0f} |" if "per_task_mibps" in r else " - |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot(result: dict, png: str) -> None:
+    """Throughput vs chunk size, one line per thread count (engine solid, fio dashed), like Fig. 2b."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    patterns = [p for p in ("random", "sequential") if any(r["pattern"] == p for r in result["rows"])]
+    fig, axes = plt.subplots(1, len(patterns), figsize=(6 * len(patterns), 4.5), squeeze=False)
+    for ax, pattern in zip(axes[0], patterns):
+        rows = [r for r in result["rows"] if r["pattern"] == pattern]
+        for i, t in enumerate(sorted({r["threads"] for r in rows})):
+            pts = sorted((r["chunk_bytes"], r["engine_mibps"], r["fio_mibps"]) for r in rows if r["threads"] == t)
+            x = [p[0] // 1024 for p in pts]
+            ax.plot(x, [p[1] for p in pts], "o-", color=f"C{i}", label=f"{t} threads")
+            if all(p[2] is not None for p in pts):
+                ax.plot(x, [p[2] for p in pts], "--", color=f"C{i}", alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("chunk size (KiB)")
+        ax.set_ylabel("MiB/s")
+        ax.set_title(f"{pattern} reads (solid: flashio, dashed: fio psync)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main(argv=None) -> None:
+    args = setup_arg_parser().parse_args(argv)
+    result = run(args)
+    if args.plot:
+        plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{result['date']}  {result['machine']}\n{result['command']}\n"
+              f"file {result['file']} ({fmt_size(result['size'])}), {result['rounds']} rounds x "
+              f"{result['seconds']} s per run, interleaved; ratio = median of per-round engine/fio; "
+              f"{result['fio'] or 'no fio'}; 1-min load average before/after {result['loadavg_1min']}\n")
+        print(table(result))
+
+
+if __name__ == "__main__":
+    main()

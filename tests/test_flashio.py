@@ -1,0 +1,262 @@
+"""The flash I/O engine returns exactly the file's bytes, coalesces as promised, and fails loudly."""
+
+import errno
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flashllm.flashio as flashio
+from flashllm.errors import FlashLLMError
+from flashllm.flashio import FlashIOError, FlashReader, IOStats, aligned_empty
+
+FILE_BYTES = 3 << 20
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("flashio") / "ffn.bin"
+    data = np.random.default_rng(0).integers(0, 256, FILE_BYTES, dtype=np.uint8)
+    data.tofile(path)
+    return str(path), data
+
+
+def expected_rows(data, base, stride, row_bytes, indices, dest, dest_rows):
+    """What dest must look like after read_rows: the requested rows written, every other byte untouched."""
+    want = dest.copy()
+    raw = want.view(np.uint8)
+    for i, r in zip(indices, dest_rows):
+        raw[r, :row_bytes] = data[base + i * stride:base + i * stride + row_bytes]
+    return want
+
+
+@st.composite
+def row_requests(draw):
+    """A random read_rows request: stride aligned or not, dest pitch equal to the stride or not."""
+    stride = draw(st.sampled_from([512, 700, 4096, 4096 * 3, 1536, 8192 + 100]))
+    row_bytes = draw(st.sampled_from([stride, stride, max(1, stride - 96), 1]))
+    base = draw(st.sampled_from([0, 4096, 513]))
+    n_file = (FILE_BYTES - base - row_bytes) // stride + 1
+    n_dest = draw(st.integers(1, 64))
+    n = draw(st.integers(0, n_dest))
+    dest_rows = draw(st.permutations(range(n_dest)))[:n]
+    if draw(st.booleans()):  # runs of adjacent rows in both file and dest: the coalescable case
+        start = draw(st.integers(0, max(0, n_file - n)))
+        indices = list(range(start, start + n))
+        dest_rows = sorted(dest_rows) if draw(st.booleans()) else list(range(n))
+    else:
+        indices = draw(st.lists(st.integers(0, n_file - 1), min_size=n, max_size=n))
+    pitch = draw(st.sampled_from([stride, row_bytes + 8, ((row_bytes + 511) // 512) * 512]))
+    pitch = max(pitch, row_bytes)
+    return base, stride, row_bytes, np.array(indices, dtype=np.int64), np.array(dest_rows, dtype=np.int64), \
+        n_dest, pitch, draw(st.sampled_from([0, 8]))  # dest misalignment in bytes
+
+
+@FAST
+@given(req=row_requests(), max_chunk=st.sampled_from([1, 4096, 64 << 10, 1 << 20]),
+       direct=st.booleans())
+def test_read_rows_returns_file_bytes(data_file, req, max_chunk, direct):
+    path, data = data_file
+    base, stride, row_bytes, indices, dest_rows, n_dest, pitch, skew = req
+    buf = aligned_empty(n_dest * pitch + skew, np.uint8)
+    buf[:] = 0xA5
+    dest = buf[skew:].reshape(n_dest, pitch)
+    want = expected_rows(data, base, stride, row_bytes, indices, dest, dest_rows)
+    with FlashReader(path, threads=3, max_chunk_bytes=max_chunk, direct=direct) as r:
+        stats = r.read_rows(base, stride, row_bytes, indices, dest, dest_rows)
+    np.testing.assert_array_equal(dest, want)
+    assert stats.bytes_requested == len(indices) * row_bytes
+    assert stats.bytes_read >= stats.bytes_requested
+    assert stats.reads >= (1 if len(indices) else 0) and stats.reads >= -(-stats.bytes_requested // max_chunk)
+
+
+@FAST
+@given(offset=st.integers(0, FILE_BYTES), nbytes=st.integers(0, 1 << 20),
+       max_chunk=st.sampled_from([512, 4096, 100_000, 1 << 20]), skew=st.sampled_from([0, 8, 512]),
+       threads=st.sampled_from([1, 4]))
+def test_read_range_returns_file_bytes(data_file, offset, nbytes, max_chunk, skew, threads):
+    path, data = data_file
+    nbytes = min(nbytes, FILE_BYTES - offset)
+    dest = aligned_empty(nbytes + skew + 16, np.uint8)[skew:]
+    dest[:] = 7
+    with FlashReader(path, threads=threads, max_chunk_bytes=max_chunk) as r:
+        stats = r.read_range(offset, nbytes, dest)
+    np.testing.assert_array_equal(dest[:nbytes], data[offset:offset + nbytes])
+    assert (dest[nbytes:] == 7).all()
+    assert stats.bytes_requested == nbytes and stats.reads == -(-nbytes // max_chunk)
+
+
+def test_coalescing_merges_adjacent_rows_up_to_max_chunk(data_file):
+    path, data = data_file
+    dest = aligned_empty((40, 4096), np.uint8)
+    with FlashReader(path, threads=4, max_chunk_bytes=64 << 10) as r:
+        stats = r.read_rows(0, 4096, 4096, np.arange(100, 140), dest, np.arange(40))
+        assert stats.reads == 3  # 16 + 16 + 8 rows
+        assert (dest.reshape(-1) == data[100 * 4096:140 * 4096]).all()
+        assert r.read_rows(0, 4096, 4096, np.arange(100, 140), dest, np.arange(40)[::-1]).reads == 40
+    with FlashReader(path, threads=4, max_chunk_bytes=4096) as r:
+        assert r.read_rows(0, 4096, 4096, np.arange(100, 140), dest, np.arange(40)).reads == 40
+
+
+def test_aligned_rows_land_in_place_and_unaligned_ones_bounce(data_file):
+    path, data = data_file
+    with FlashReader(path, threads=2, max_chunk_bytes=4096) as r:
+        if not r.direct:
+            pytest.skip("no direct I/O on this file system")
+        assert r.alignment >= 512 and (r.alignment & (r.alignment - 1)) == 0
+        dest = aligned_empty((8, 4096), np.uint8)
+        stats = r.read_rows(0, 4096, 4096, np.arange(8) * 3, dest, np.arange(8))
+        assert stats.bytes_read == stats.bytes_requested  # no alignment waste: read straight into dest
+        dest = aligned_empty((8, 700), np.uint8)
+        stats = r.read_rows(0, 700, 700, np.arange(8) * 3, dest, np.arange(8))
+        assert stats.bytes_read > stats.bytes_requested
+        for k in range(8):
+            assert (dest[k] == data[k * 3 * 700:k * 3 * 700 + 700]).all()
+
+
+def test_32_threads_large_random_request(data_file):
+    path, data = data_file
+    rng = np.random.default_rng(1)
+    indices = rng.integers(0, FILE_BYTES // 16384, 2000)
+    dest = aligned_empty((2000, 16384 // 4), np.float32)  # any dtype: rows are viewed as bytes
+    with FlashReader(path) as r:
+        assert r.threads == 32
+        stats = r.read_rows(0, 16384, 16384, indices, dest, np.arange(2000))
+    want = data.reshape(-1, 16384)[indices]
+    np.testing.assert_array_equal(dest.view(np.uint8), want)
+    assert stats.reads <= 2000
+
+
+def test_dest_can_be_a_torch_tensor_view(data_file):
+    torch = pytest.importorskip("torch")
+    path, data = data_file
+    t = torch.zeros(10, 2048, dtype=torch.float16)
+    with FlashReader(path, threads=2) as r:
+        r.read_rows(0, 4096, 4096, np.arange(10), t.numpy(), np.arange(10))
+    assert bytes(t.view(torch.uint8).numpy().reshape(-1)) == data[:10 * 4096].tobytes()
+
+
+def test_short_read_from_truncated_file_raises_naming_file_and_offset(tmp_path):
+    path = tmp_path / "ffn.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    with FlashReader(path, threads=4) as r:
+        os.truncate(path, 100_000)
+        dest = aligned_empty((16, 4096), np.uint8)
+        with pytest.raises(FlashIOError, match=r"ffn\.bin.*short read at offset \d+"):
+            r.read_rows(0, 4096, 4096, np.arange(16) * 10, dest, np.arange(16))
+        with pytest.raises(FlashIOError, match="short read"):
+            r.read_range(0, 1 << 20, aligned_empty(1 << 20, np.uint8))
+
+
+def test_io_error_in_a_worker_is_raised_in_the_caller(data_file, monkeypatch):
+    path, _ = data_file
+    with FlashReader(path, threads=4) as r:
+        def eio(fd, buffers, offset):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        monkeypatch.setattr(flashio, "_preadv", eio)
+        dest = aligned_empty((8, 4096), np.uint8)
+        with pytest.raises(FlashIOError, match=r"ffn\.bin: read of 4096 bytes at offset \d+ failed: \[EIO\]"):
+            r.read_rows(0, 4096, 4096, np.arange(8) * 2, dest, np.arange(8))
+        monkeypatch.undo()
+        assert r.read_rows(0, 4096, 4096, np.arange(8) * 2, dest, np.arange(8)).reads == 8  # workers alive
+
+
+def test_out_of_range_and_malformed_requests_raise(data_file):
+    path, _ = data_file
+    dest = aligned_empty((4, 4096), np.uint8)
+    with FlashReader(path, threads=2) as r:
+        last = FILE_BYTES // 4096 - 1
+        r.read_rows(0, 4096, 4096, [last], dest, [0])
+        for idx, rows, match in [([last + 1], [0], "outside the file"), ([-1], [0], "outside the file"),
+                                 ([0], [4], r"dest_rows must lie in \[0, 4\)"),
+                                 ([0, 1], [0], "2 indices but 1 dest_rows")]:
+            with pytest.raises(FlashIOError, match=match):
+                r.read_rows(0, 4096, 4096, idx, dest, rows)
+        with pytest.raises(FlashIOError, match="hold row_bytes=8192"):
+            r.read_rows(0, 8192, 8192, [0], dest, [0])
+        with pytest.raises(FlashIOError, match="2-D"):
+            r.read_rows(0, 4096, 4096, [0], dest.reshape(-1), [0])
+        with pytest.raises(FlashIOError, match="contiguous"):
+            r.read_rows(0, 4096, 2048, [0], dest[:, ::2], [0])
+        with pytest.raises(FlashIOError, match="outside the file"):
+            r.read_range(FILE_BYTES - 10, 11, aligned_empty(11, np.uint8))
+        with pytest.raises(FlashIOError, match="dest holds 10 bytes"):
+            r.read_range(0, 11, aligned_empty(10, np.uint8))
+
+
+def test_closed_reader_raises_and_threads_are_gone(data_file):
+    path, _ = data_file
+    r = FlashReader(path, threads=4)
+    workers = list(r._threads)
+    r.close()
+    r.close()
+    assert r.closed and not any(t.is_alive() for t in workers)
+    with pytest.raises(FlashIOError, match="closed"):
+        r.read_rows(0, 4096, 4096, [0], aligned_empty((1, 4096), np.uint8), [0])
+    with pytest.raises(FlashIOError, match="closed"):
+        r.read_range(0, 10, aligned_empty(10, np.uint8))
+
+
+def test_missing_file_is_a_flashllm_error_naming_the_path(tmp_path):
+    with pytest.raises(FlashLLMError, match=r"nope\.bin: no such file"):
+        FlashReader(tmp_path / "nope.bin")
+
+
+def test_buffered_fallback_when_direct_io_is_refused(data_file, monkeypatch):
+    path, data = data_file
+    real_open = os.open
+
+    def refusing_open(p, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *a)
+
+    monkeypatch.setattr(flashio.os, "open", refusing_open)
+    monkeypatch.setattr(flashio, "_warned_devices", set())
+    if hasattr(os, "O_DIRECT"):
+        with pytest.warns(RuntimeWarning, match="does not support direct I/O"):
+            r = FlashReader(path, threads=2)
+    else:
+        r = FlashReader(path, threads=2)
+    with r, warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning is given once, not per reader or per read
+        FlashReader(path, threads=1).close()
+        dest = np.zeros((5, 700), np.uint8)  # unaligned everything: buffered reads need no bounce
+        stats = r.read_rows(13, 700, 700, np.array([9, 0, 4, 5, 6]), dest, np.array([4, 3, 0, 1, 2]))
+        assert r.alignment == 1 and stats.bytes_read == stats.bytes_requested
+    for k, i in zip([4, 3, 0, 1, 2], [9, 0, 4, 5, 6]):
+        assert (dest[k] == data[13 + i * 700:13 + i * 700 + 700]).all()
+
+
+def test_iostats_add():
+    total = IOStats(1, 2, 3, 0.5) + IOStats(10, 20, 30, 1.0)
+    assert total == IOStats(11, 22, 33, 1.5)
+
+
+def test_aligned_empty_is_aligned():
+    for align in (512, 4096, 65536):
+        a = aligned_empty((3, 5), np.float16, align)
+        assert a.ctypes.data % align == 0 and a.shape == (3, 5) and a.dtype == np.float16
+
+
+def test_open_reader_does_not_hang_interpreter_exit(data_file):
+    path, _ = data_file
+    code = ("import numpy as np; from flashllm.flashio import FlashReader, aligned_empty; "
+            f"r = FlashReader({path!r}); r.read_range(0, 4096, aligned_empty(4096, np.uint8))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], cwd=root, timeout=60, check=True)
+
+
+def test_no_reference_to_dest_is_kept_after_a_call(data_file):
+    path, _ = data_file
+    dest = np.zeros((4, 4096), np.uint8)
+    with FlashReader(path, threads=4) as r:
+        r.read_rows(0, 4096, 4096, np.arange(4), dest, np.arange(4))
+        r.read_range(0, 4096, dest)
+        dest.resize((8, 4096))  # raises if a worker still holds a view of the buffer

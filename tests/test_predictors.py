@@ -1,0 +1,215 @@
+"""Predictor collection, training and evaluation: a planted low-rank rule is recovered, the files
+round-trip into the runtime, and bad inputs give one-line errors."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import flashllm
+from flashllm.cli import main as cli_main
+from flashllm.predictors import collect as col
+from flashllm.predictors import train as tr
+from tiny import TEXT, make_hf_model, save_checkpoint
+
+WORDS = TEXT.split()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one torch thread is faster (and kinder to a shared 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def write_words(path, n, seed):
+    rng = np.random.default_rng(seed)
+    path.write_text(" ".join(rng.choice(WORDS, n)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    return {"train": write_words(root / "train.txt", 2500, 1), "heldout": write_words(root / "heldout.txt", 600, 2)}
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """A tiny OPT whose fc1 is rank 4 (fc1.weight = U @ V): activation is a low-rank rule of x."""
+    from flashllm.converters import convert
+
+    root = tmp_path_factory.mktemp("planted")
+    hf = make_hf_model("opt")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in hf.model.decoder.layers:
+            d_ffn, d = layer.fc1.weight.shape
+            U, V = torch.randn(d_ffn, 4, generator=gen), torch.randn(4, d, generator=gen) / d ** 0.5
+            layer.fc1.weight.copy_(U @ V)
+            layer.fc1.bias.copy_(0.3 * torch.randn(d_ffn, generator=gen))
+    return convert(save_checkpoint(hf, "opt", root / "hf"), root / "flash", dtype="float32", progress=False)
+
+
+def own_copy(tiny_models, family, tmp_path):
+    """A private copy of a shared converted tiny model, so that written predictors stay in this test."""
+    import shutil
+
+    return shutil.copytree(tiny_models(family).model_dir, tmp_path / family)
+
+
+def run_cli(capsys, *argv):
+    capsys.readouterr()  # drop what building the fixtures printed
+    code = cli_main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_training_recovers_planted_low_rank_rule(planted, texts, capsys):
+    code, out, err = run_cli(capsys, "predictors", "train", planted, "--data", texts["train"], "--rank", 8,
+                             "--max-tokens", 2000, "--recall-target", 0.99, "--quiet", "--json")
+    assert code == 0, err
+    meta = json.loads(out)
+    assert [layer["rank"] for layer in meta["layers"]] == [8, 8]
+    for layer in meta["layers"]:
+        assert layer["recall"] >= 0.99
+        assert layer["precision"] >= 0.9  # the rule itself, not "predict everything"
+    # on other text, through the runtime's own predictor
+    code, out, err = run_cli(capsys, "predictors", "eval", planted, "--data", texts["heldout"], "--max-tokens", 300,
+                             "--gen-tokens", 8, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["recall"] >= 0.99 and result["precision"] >= 0.9
+
+
+def test_predictor_files_round_trip_into_the_runtime(tiny_models, texts, tmp_path):
+    model_dir = own_copy(tiny_models, "opt", tmp_path)
+    model = col.open_model(model_dir, seq_len=64)
+    rule = col.activation_rule(model.spec)
+    cal = col.collect(model, col.tokens_of(model, texts["train"], 64, 600), rule, progress=False)
+    try:
+        settings = tr.TrainSettings(rank=4, epochs=2, seed=3)
+        results = [tr.train_layer(*cal.load(i), cal.d_ffn, settings, i) for i in range(cal.n_layers)]
+        freqs = [cal.frequencies(i) for i in range(cal.n_layers)]
+        x, packed = cal.load(1)
+        true = col.unpack_mask(packed, cal.d_ffn)
+    finally:
+        cal.cleanup()
+    assert x.shape == (600, model.spec.d_model) and true.mean() == pytest.approx(freqs[1].mean(), abs=1e-6)
+    tr.write_predictors(model_dir, results, freqs, {"seed": 3})
+    meta = json.loads((model_dir / "predictors.json").read_text())
+    assert meta["format"] == "flashllm-predictors" and meta["format_version"] == 1
+    assert meta["sha256"] == tr.sha256_of(model_dir / "predictors.safetensors")
+    sparse = flashllm.load(model_dir, mode="sparse", predictor="lowrank")
+    xt = torch.from_numpy(x.astype(np.float32))
+    for i, r in enumerate(results):
+        assert meta["layers"][i]["rank"] == 4 and meta["layers"][i]["threshold"] == r.threshold
+        np.testing.assert_array_equal(sparse.predictor.predict(i, xt), tr.predict(r, xt))
+    # and the file carries the activation frequencies for hot-neuron pinning
+    from safetensors.numpy import load_file
+
+    st = load_file(model_dir / "predictors.safetensors")
+    np.testing.assert_allclose(st["layers.1.freq"], freqs[1])
+    sparse.logits([1, 5, 9, 12, 7, 3], prefill=2)  # runs end to end
+
+
+def test_low_memory_collection_matches_dense(tiny_models, texts):
+    model_dir = tiny_models("llama-relu").model_dir
+    shards = []
+    for low in (False, True):
+        model = col.open_model(model_dir, low_memory=low, seq_len=32)
+        cal = col.collect(model, col.tokens_of(model, texts["train"], 32, 100), col.activation_rule(model.spec),
+                          progress=False)
+        shards.append([cal.load(i) for i in range(cal.n_layers)])
+        cal.cleanup()
+    for (xd, md), (xn, mn) in zip(*shards):
+        np.testing.assert_allclose(xd.astype(np.float32), xn.astype(np.float32), atol=2e-3)
+        assert (md != mn).mean() < 0.01  # bits may only flip for pre-activations within rounding of 0
+
+
+def test_training_is_deterministic_with_a_seed(tiny_models, texts, capsys, tmp_path):
+    model_dir = own_copy(tiny_models, "llama-fatrelu", tmp_path)
+    digests = []
+    for _ in range(2):
+        code, _, err = run_cli(capsys, "predictors", "train", model_dir, "--data", texts["train"], "--rank", 4,
+                               "--max-tokens", 300, "--epochs", 2, "--seed", 5, "--quiet")
+        assert code == 0, err
+        meta = json.loads((model_dir / "predictors.json").read_text())
+        digests.append(meta["sha256"])
+        assert meta["activation_rule"]["kind"] == "pre" and meta["activation_rule"]["threshold"] > 0
+    assert digests[0] == digests[1]
+
+
+@pytest.mark.parametrize("problem", ["missing", "empty", "blank", "binary", "not-utf8", "directory"])
+def test_bad_data_file_is_a_one_line_error(tiny_models, tmp_path, capsys, problem):
+    path = tmp_path / "data.txt"
+    if problem == "empty":
+        path.write_text("")
+    elif problem == "blank":
+        path.write_text(" \n\n  \n")
+    elif problem == "binary":
+        path.write_bytes(b"abc\x00\x01\x02")
+    elif problem == "not-utf8":
+        path.write_bytes(b"caf\xe9 au lait " * 10)
+    elif problem == "directory":
+        path.mkdir()
+    for command in ("train", "eval"):
+        code, out, err = run_cli(capsys, "predictors", command, tiny_models("opt").model_dir, "--data", path)
+        assert code == 1 and out == ""
+        assert err.startswith("flashllm: error: data file") and err.count("\n") == 1, err
+
+
+def test_invalid_model_dir_is_a_one_line_error(tmp_path, texts, capsys):
+    code, _, err = run_cli(capsys, "predictors", "train", tmp_path / "nope", "--data", texts["train"])
+    assert code == 1 and err.startswith("flashllm: error:") and err.count("\n") == 1
+
+
+def test_eval_without_trained_predictors_says_how_to_train(tiny_models, texts, capsys):
+    model_dir = tiny_models("falcon-seq").model_dir
+    code, _, err = run_cli(capsys, "predictors", "eval", model_dir, "--data", texts["heldout"])
+    assert code == 1 and "predictors train" in err
+
+
+def test_silu_model_needs_an_explicit_threshold_rule(tiny_models, texts, capsys, tmp_path):
+    model_dir = own_copy(tiny_models, "llama", tmp_path)
+    code, _, err = run_cli(capsys, "predictors", "train", model_dir, "--data", texts["train"], "--max-tokens", 200)
+    assert code == 1 and "silu" in err and "--activation-threshold" in err and err.count("\n") == 1
+    assert not (model_dir / "predictors.json").exists()
+    code, _, err = run_cli(capsys, "predictors", "train", model_dir, "--data", texts["train"], "--max-tokens", 300,
+                           "--activation-threshold", 0.05, "--epochs", 2, "--quiet")
+    assert code == 0, err
+    meta = json.loads((model_dir / "predictors.json").read_text())
+    assert meta["activation_rule"]["kind"] == "abs_act" and meta["activation_rule"]["threshold"] == 0.05
+    assert 0 < meta["layers"][0]["true_fraction"] < 1
+    model = flashllm.load(model_dir, mode="sparse", predictor="lowrank")
+    assert model.logits([1, 4, 8, 15, 16, 23, 42], prefill=3).shape == (7, 96)
+
+
+def test_eval_json_has_the_documented_keys(tiny_models, texts, capsys, tmp_path):
+    model_dir = own_copy(tiny_models, "opt", tmp_path)
+    code, _, err = run_cli(capsys, "predictors", "train", model_dir, "--data", texts["train"], "--max-tokens", 400,
+                           "--epochs", 2, "--quiet")
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "predictors", "eval", model_dir, "--data", texts["heldout"], "--max-tokens", 200,
+                             "--gen-tokens", 12, "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    for key in ("recall", "predicted_over_true", "ppl_dense", "ppl_sparse", "top1_agreement",
+                "bytes_per_token_sparse", "bytes_per_token_naive", "layers"):
+        assert key in r
+    assert len(r["layers"]) == 2 and {"recall", "precision", "predicted_fraction"} <= set(r["layers"][0])
+    assert r["top1_agreement_tokens"] == 12 and 0 <= r["top1_agreement"] <= 1
+    assert r["bytes_per_token_sparse"] < r["bytes_per_token_naive"]
+    assert r["ppl_dense"] > 1 and r["ppl_sparse"] > 1
+    code, out, _ = run_cli(capsys, "predictors", "eval", model_dir, "--data", texts["heldout"], "--max-tokens", 100,
+                           "--gen-tokens", 4)
+    assert code == 0 and "perplexity: dense" in out and "pred/true" in out
+
+
+def test_memory_estimate_fits_a_7b_model_in_24_gib():
+    e = tr.memory_estimate(n_layers=32, d_model=4096, d_ffn=11008, tokens=100_000)
+    assert e["shard_bytes_per_layer"] == 100_000 * (4096 * 2 + 11008 // 8)
+    assert e["train_peak_bytes"] < 24 * tr.GiB and e["collect_low_memory_peak_bytes_excl_embeddings"] < 8 * tr.GiB

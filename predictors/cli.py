@@ -26,6 +26,8 @@ def _train_epilog() -> str:
 
 def add_parsers(sub) -> None:
     """Add `train` and `eval` to the subparsers of `flashllm predictors`."""
+    from flashllm.cli import _budget  # the same budget syntax as `flashllm generate`
+
     from .train import RANK_LADDER, TrainSettings
 
     d = TrainSettings()
@@ -70,8 +72,9 @@ def add_parsers(sub) -> None:
     e.add_argument("--gen-tokens", type=int, default=256, help="greedy tokens for the top-1 agreement")
     e.add_argument("--prompt-tokens", type=int, default=32, help="held-out prompt length for generation")
     e.add_argument("--seq-len", type=int, default=None, help="tokens per scored sequence (default 256)")
-    e.add_argument("--dram-budget", type=float, default=None,
-                   help="sparse mode DRAM budget: fraction of the model or bytes (default: unlimited)")
+    e.add_argument("--dram-budget", type=_budget, default=None,
+                   help="sparse mode DRAM budget: a fraction of the model size or bytes, e.g. 0.5 or 512MiB "
+                   "(default: unlimited)")
     e.add_argument("--threads", type=int, default=4, help="flash reader threads")
     e.add_argument("--device", default="cpu")
     e.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -93,6 +93,10 @@ class LowRankPredictor:
             raise FlashLLMError(f"{meta_path}: unreadable predictor metadata ({exc})") from None
         if not ok or len(layers) != spec.n_layers:
             raise FlashLLMError(f"{meta_path}: not predictors for this model (format/version or layer count)")
+        trained_for = (meta.get("model") or {}).get("sha256", {}).get("ffn")
+        if trained_for and trained_for != model.manifest.data["files"]["ffn"]["sha256"]:
+            raise FlashLLMError(f"{meta_path}: these predictors were trained for different weights "
+                                f"(ffn.bin sha256 {trained_for[:12]}...); train them again for this model")
         if meta.get("sha256") and fmt.sha256_file(st_path) != meta["sha256"]:
             raise FlashLLMError(f"{st_path}: checksum mismatch (train the predictors again)")
         st = SafetensorsFile(st_path)

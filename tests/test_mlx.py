@@ -13,7 +13,7 @@ mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install -
 
 import flashllm  # noqa: E402
 from flashllm import format as fmt  # noqa: E402
-from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_FORMAT, PREDICTOR_META, PREDICTOR_VERSION  # noqa: E402
+from tiny import write_random_predictors  # noqa: E402
 
 rng = np.random.default_rng(1)
 IDS = [int(t) for t in rng.integers(3, 96, size=14)]  # a 6-token prompt, then 8 decode steps
@@ -105,26 +105,6 @@ def test_mlx_half_storage_matches_torch(tiny_models, tmp_path, storage):
     for mode, kw in (("dense", {}), ("sparse", dict(predictor="oracle")), ("naive", {})):
         ours = mlx_model(model_dir, mode, dtype="float32", **kw).logits(IDS, prefill=PREFILL)
         np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4, err_msg=mode)
-
-
-def write_random_predictors(model_dir, rank: int = 8, seed: int = 0) -> None:
-    """Random low-rank predictors in the runtime's predictor format (a stand-in for trained ones)."""
-    import torch
-
-    from flashllm.st_io import write_safetensors
-
-    spec = fmt.read_manifest(model_dir).spec
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i in range(spec.n_layers):
-        tensors[f"layers.{i}.A"] = torch.randn(rank, spec.d_model, generator=g) / spec.d_model ** 0.5
-        tensors[f"layers.{i}.B"] = torch.randn(spec.d_ffn, rank, generator=g)
-        tensors[f"layers.{i}.b"] = torch.randn(spec.d_ffn, generator=g) * 0.1
-    write_safetensors(model_dir / PREDICTOR_FILE, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()],
-                      tensors.__getitem__)
-    meta = {"format": PREDICTOR_FORMAT, "format_version": PREDICTOR_VERSION,
-            "layers": [{"rank": rank, "threshold": 0.5} for _ in range(spec.n_layers)]}
-    (model_dir / PREDICTOR_META).write_text(json.dumps(meta))
 
 
 @pytest.mark.parametrize("family", ["opt", "llama-relu"])

@@ -110,3 +110,18 @@ def test_gate_predictor_for_relu_gated_models(tiny_models, dense_logits):
     assert model.stats["predictor"] == "gate" and model.predictor.nbytes() > 0
     with pytest.raises(flashllm.FlashLLMError, match="gated FFN with a sparse activation"):
         flashllm.load(tiny_models("llama").model_dir, mode="sparse", predictor="gate")
+
+
+def test_lowrank_predictors_of_other_weights_are_refused(tiny_models, tmp_path):
+    import shutil
+
+    from tiny import write_random_predictors
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_models("opt").model_dir, model_dir)
+    write_random_predictors(model_dir, trained_for="0" * 64)
+    with pytest.raises(flashllm.FlashLLMError, match="trained for different weights"):
+        flashllm.load(model_dir, mode="sparse", predictor="lowrank")
+    own = fmt.read_manifest(model_dir).data["files"]["ffn"]["sha256"]
+    write_random_predictors(model_dir, trained_for=own)
+    assert flashllm.load(model_dir, mode="sparse", predictor="lowrank").predictor.kind == "lowrank"

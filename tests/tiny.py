@@ -87,3 +87,25 @@ def save_checkpoint(model, family: str, path: Path, **save_kw) -> Path:
         cfg.update(hidden_act="fatrelu", hidden_act_param=FATRELU_THRESHOLD)
         (path / "config.json").write_text(json.dumps(cfg))
     return path
+
+
+def write_random_predictors(model_dir: Path, rank: int = 8, seed: int = 0, trained_for: str | None = None) -> None:
+    """Random low-rank predictors in the runtime's predictor format (a stand-in for trained ones)."""
+    from flashllm import format as fmt
+    from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_FORMAT, PREDICTOR_META, PREDICTOR_VERSION
+    from flashllm.st_io import write_safetensors
+
+    spec = fmt.read_manifest(model_dir).spec
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(spec.n_layers):
+        tensors[f"layers.{i}.A"] = torch.randn(rank, spec.d_model, generator=g) / spec.d_model ** 0.5
+        tensors[f"layers.{i}.B"] = torch.randn(spec.d_ffn, rank, generator=g)
+        tensors[f"layers.{i}.b"] = torch.randn(spec.d_ffn, generator=g) * 0.1
+    write_safetensors(model_dir / PREDICTOR_FILE, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()],
+                      tensors.__getitem__)
+    meta = {"format": PREDICTOR_FORMAT, "format_version": PREDICTOR_VERSION,
+            "layers": [{"rank": rank, "threshold": 0.5} for _ in range(spec.n_layers)]}
+    if trained_for:
+        meta["model"] = {"sha256": {"ffn": trained_for}}
+    (model_dir / PREDICTOR_META).write_text(json.dumps(meta))

@@ -11,7 +11,7 @@ from ..spec import ArchSpec
 from .staging import StagingRing, host_array
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-STAGING_BYTES = 4 << 20  # per staging buffer (two per backend)
+STAGING_BYTES = 1 << 20  # per staging buffer (two per backend); the I/O engine's largest read
 
 
 def _act(name: str, threshold: float):
@@ -80,9 +80,8 @@ class TorchBackend:
     def staging_bytes(self, stride: int) -> int:
         return 0 if self.reads_in_place(self._storage_dtype) else 2 * self._staging_rows(stride) * stride
 
-    @staticmethod
-    def _staging_rows(stride: int) -> int:
-        return max(1, STAGING_BYTES // stride)
+    def _staging_rows(self, stride: int) -> int:
+        return max(1, min(STAGING_BYTES // stride, self.spec.d_ffn))
 
     def staging(self, stride: int) -> StagingRing:
         """One staging ring shared by every cache of this backend (caches fill one after another)."""

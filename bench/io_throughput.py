@@ -16,6 +16,7 @@ unless --keep. Both sides bypass the page cache (O_DIRECT; fio --direct=1).
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import mmap
@@ -69,6 +70,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-read-tasks", action="store_true",
                    help="also measure one executor task per read (random pattern) to show why the engine "
                         "uses per-thread loops")
+    p.add_argument("--inflight", type=int, default=2,
+                   help="engine calls kept in flight (default 2: submit the next call before waiting for the "
+                        "last, as a runtime that prefetches would; 1: one blocking read_rows at a time)")
     p.add_argument("--hugepages", action="store_true",
                    help="let the engine's destination buffers use transparent huge pages (numpy's default for "
                         "large arrays); by default they use 4 KiB pages like fio's, for a like-for-like comparison")
@@ -111,33 +115,36 @@ def dest_buffer(nbytes: int, hugepages: bool) -> np.ndarray:
     return np.frombuffer(m, dtype=np.uint8)
 
 
-def engine_run(path: str, size: int, pattern: str, chunk: int, threads: int, seconds: float,
-               layer_bytes: int, rng: np.random.Generator, hugepages: bool, per_task: bool = False) -> float:
-    """MiB/s of the engine (or of one executor task per read) for one cell."""
+def engine_run(path: str, size: int, pattern: str, chunk: int, threads: int, seconds: float, layer_bytes: int,
+               rng: np.random.Generator, hugepages: bool, inflight: int = 1, per_task: bool = False) -> float:
+    """MiB/s of the engine with ``inflight`` calls outstanding (or of one executor task per read) for one cell."""
     reader = FlashReader(path, threads=threads, max_chunk_bytes=chunk)  # rows of `chunk`: no coalescing
     if not reader.direct:
         sys.exit(f"{path}: no direct I/O on this file system, so the numbers would measure the page cache")
-    if pattern == "layer":
-        dest = dest_buffer(layer_bytes, hugepages)
-        n_layers = size // layer_bytes
-    else:
-        n = max(threads, min(CALL_BYTES // chunk, 8192))
-        dest = dest_buffer(n * chunk, hugepages).reshape(n, chunk)
-        rows, n_rows = np.arange(n), size // chunk
+    layer = pattern == "layer"
+    n = 1 if layer else max(threads, min(CALL_BYTES // chunk, 8192))  # rows per read_rows call
+    bufs = [dest_buffer(layer_bytes if layer else n * chunk, hugepages) for _ in range(inflight)]
+    bufs = bufs if layer else [b.reshape(n, chunk) for b in bufs]
+    rows, n_rows, n_layers = np.arange(n), size // chunk, size // layer_bytes
     pool = ThreadPoolExecutor(threads) if per_task else None
+    pending = collections.deque()
     with reader:
         cursor, total, t0 = int(rng.integers(0, 1 << 30)), 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            if pattern == "layer":
-                total += reader.read_range((cursor % n_layers) * layer_bytes, layer_bytes, dest).bytes_requested
+            if len(pending) == inflight:  # the oldest call used the buffer we are about to reuse
+                total += pending.popleft().wait().bytes_requested
+            dest = bufs[cursor % inflight]
+            if layer:
+                pending.append(reader.submit_range((cursor % n_layers) * layer_bytes, layer_bytes, dest))
             else:
-                idx = (rng.integers(0, n_rows, n) if pattern == "random"
-                       else (cursor * n + rows) % n_rows)
+                idx = rng.integers(0, n_rows, n) if pattern == "random" else (cursor * n + rows) % n_rows
                 if per_task:
                     total += per_task_read(pool, reader.fileno(), idx * chunk, dest)
                 else:
-                    total += reader.read_rows(0, chunk, chunk, idx, dest, rows).bytes_requested
+                    pending.append(reader.submit_rows(0, chunk, chunk, idx, dest, rows))
             cursor += 1
+        while pending:
+            total += pending.popleft().wait().bytes_requested
         elapsed = time.perf_counter() - t0
     if pool:
         pool.shutdown()
@@ -202,7 +209,7 @@ def run(args) -> dict:
                 pattern, chunk, t = cell
                 res = results[cell]
                 runs = [("engine", lambda: engine_run(path, size, *cell, args.seconds, layer_bytes, rng,
-                                                         args.hugepages))]
+                                                         args.hugepages, args.inflight))]
                 if use_fio:
                     runs.append(("fio", lambda: fio_run(path, size, *cell, args.seconds)))
                 if args.per_read_tasks and pattern == "random":
@@ -228,7 +235,8 @@ def run(args) -> dict:
         rows.append(row)
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
             "command": " ".join(["python"] + sys.argv), "file": path, "size": size, "rounds": args.rounds,
-            "seconds": args.seconds, "layer_bytes": layer_bytes, "hugepages": args.hugepages,
+            "seconds": args.seconds, "layer_bytes": layer_bytes, "inflight": args.inflight,
+            "hugepages": args.hugepages,
             "fio": fio_version() if use_fio else None,
             "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)], "rows": rows}
 
@@ -285,6 +293,7 @@ def main(argv=None) -> None:
         print(f"{result['date']}  {result['machine']}\n{result['command']}\n"
               f"file {result['file']} ({fmt_size(result['size'])}), {result['rounds']} rounds x "
               f"{result['seconds']} s per run, interleaved; ratio = median of per-round engine/fio; "
+              f"engine: {result['inflight']} call(s) in flight, {'huge' if result['hugepages'] else '4 KiB'} pages; "
               f"{result['fio'] or 'no fio'}; 1-min load average before/after {result['loadavg_1min']}\n")
         print(table(result))
 

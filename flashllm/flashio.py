@@ -2,7 +2,8 @@
 
 N worker threads are started once. Each call coalesces adjacent requests into a list of reads that
 the threads work through in a loop of blocking ``os.preadv`` calls (which release the GIL), pulling
-from one shared iterator so that none idles while reads are left; the caller waits for all of them.
+from one shared iterator so that none idles while reads are left. ``read_*`` wait for the reads;
+``submit_*`` return a handle to wait on later, so that I/O overlaps compute or the next call.
 One Python task per read is measurably slower (bench/io_throughput.py --per-read-tasks).
 """
 
@@ -28,8 +29,7 @@ _STATX_DIOALIGN = 0x2000
 _AT_FDCWD = -100
 _preadv = os.preadv  # module-level so tests can inject I/O errors
 _warned_devices: set = set()  # file systems already warned about (the fallback warns once each)
-# With the GIL, next() on a zip of lists is atomic, so all workers can pull from one shared iterator.
-_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
+_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()  # False on free-threaded Python: no shared iterator
 
 
 class FlashIOError(FlashLLMError):
@@ -79,24 +79,46 @@ def dio_alignment(path: str) -> tuple[int, int]:
     return bsize, bsize
 
 
-class _Call:
-    """Completion state of one call: workers add their counts; the last one wakes the caller."""
+class PendingRead:
+    """A submitted call: ``wait()`` blocks until all its reads are done, then returns IOStats or raises."""
 
-    def __init__(self, path: str, pending: int):
-        self.path, self.pending = path, pending
+    def __init__(self, path: str, pending: int, requested: int, t0: float, fadvise=None):
+        self.path, self.pending, self._requested, self._t0, self._fadvise = path, pending, requested, t0, fadvise
         self.lock, self.event = threading.Lock(), threading.Event()
         self.bytes_read = self.reads = 0
         self.error: BaseException | None = None
+        self._stats: IOStats | None = None
+        if pending == 0:
+            self.event.set()
 
     def finish(self, nbytes: int, nreads: int, error: BaseException | None) -> None:
+        """Called by each worker once it has no more reads of this call."""
         with self.lock:
             self.bytes_read += nbytes
             self.reads += nreads
             if error is not None and self.error is None:
                 self.error = error
             self.pending -= 1
-            if self.pending == 0:
-                self.event.set()
+            if self.pending:
+                return
+        if self._fadvise is not None:  # buffered fallback: drop what this call read from the page cache
+            try:
+                os.posix_fadvise(*self._fadvise, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass  # only a hint
+        self.event.set()
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self) -> IOStats:
+        """Wait for the reads; raise the first error (a failed call must not be treated as loaded)."""
+        self.event.wait()
+        if self.error is not None:
+            raise self.error
+        if self._stats is None:
+            self._stats = IOStats(self._requested, self.bytes_read, self.reads, time.perf_counter() - self._t0)
+        return self._stats
 
 
 def _worker(fd: int, jobs: queue.SimpleQueue, bounce: memoryview, align: int) -> None:
@@ -106,11 +128,12 @@ def _worker(fd: int, jobs: queue.SimpleQueue, bounce: memoryview, align: int) ->
 
 
 def _serve(fd: int, bounce: memoryview, align: int, job) -> bool:
-    """Do the reads of one job; errors go back to the caller through ``_Call``. False on the sentinel."""
+    """Do the reads of one job; errors go back to the caller through ``PendingRead``. False on the sentinel."""
     if job is None:
         return False
     call, dest, reads = job
     nbytes = nreads = off = n = 0
+    error = None
     preadv = _preadv
     try:
         for off, doff, n, direct in reads:
@@ -127,14 +150,13 @@ def _serve(fd: int, bounce: memoryview, align: int, job) -> bool:
                 dest[doff:doff + n] = bounce[off - a0:off - a0 + n]
             nbytes += got
             nreads += 1
-        call.finish(nbytes, nreads, None)
     except OSError as e:
-        err = FlashIOError(f"{call.path}: read of {n} bytes at offset {off} failed: "
-                           f"[{errno.errorcode.get(e.errno, e.errno)}] {e.strerror}")
-        err.__cause__ = e
-        call.finish(nbytes, nreads, err)
+        error = FlashIOError(f"{call.path}: read of {n} bytes at offset {off} failed: "
+                             f"[{errno.errorcode.get(e.errno, e.errno)}] {e.strerror}")
+        error.__cause__ = e
     except BaseException as e:  # FlashIOError (short read) or a bug: re-raised in the caller
-        call.finish(nbytes, nreads, e)
+        error = e
+    call.finish(nbytes, nreads, error)
     return True
 
 
@@ -264,6 +286,15 @@ class FlashReader:
         Requests adjacent in the file and in dest are coalesced (up to max_chunk_bytes) when
         row_bytes == stride == dest pitch; only the first row_bytes bytes of each dest row are written.
         """
+        return self.submit_rows(base_offset, stride, row_bytes, indices, dest, dest_rows).wait()
+
+    def read_range(self, offset: int, nbytes: int, dest: np.ndarray) -> IOStats:
+        """Read file bytes [offset, offset + nbytes) into the first nbytes bytes of dest (C-contiguous)."""
+        return self.submit_range(offset, nbytes, dest).wait()
+
+    def submit_rows(self, base_offset: int, stride: int, row_bytes: int, indices: np.ndarray,
+                    dest: np.ndarray, dest_rows: np.ndarray) -> PendingRead:
+        """Start a read_rows call and return at once (to overlap I/O with compute or with the next call)."""
         t0 = time.perf_counter()
         self._check_open()
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -279,7 +310,7 @@ class FlashReader:
         if len(indices) != len(dest_rows):
             raise FlashIOError(f"{self.path}: {len(indices)} indices but {len(dest_rows)} dest_rows")
         if len(indices) == 0 or row_bytes == 0:
-            return IOStats(wall_s=time.perf_counter() - t0)
+            return PendingRead(self.path, 0, 0, t0)
         if row_bytes < 0 or stride < 0 or base_offset < 0:
             raise FlashIOError(f"{self.path}: negative base_offset/stride/row_bytes "
                                f"({base_offset}, {stride}, {row_bytes})")
@@ -308,10 +339,10 @@ class FlashReader:
         pieces = _split(base_offset + idx * stride, rows * pitch, lens, self.max_chunk_bytes)
         span = (dest.shape[0] - 1) * pitch + dest.shape[1] * dest.itemsize
         flat = np.lib.stride_tricks.as_strided(dest.view(np.uint8), shape=(span,), strides=(1,))
-        return self._run(flat, *pieces, len(indices) * row_bytes, t0)
+        return self._submit(flat, *pieces, len(indices) * row_bytes, t0)
 
-    def read_range(self, offset: int, nbytes: int, dest: np.ndarray) -> IOStats:
-        """Read file bytes [offset, offset + nbytes) into the first nbytes bytes of dest (C-contiguous)."""
+    def submit_range(self, offset: int, nbytes: int, dest: np.ndarray) -> PendingRead:
+        """Start a read_range call and return at once; ``wait()`` on the result."""
         t0 = time.perf_counter()
         self._check_open()
         offset, nbytes = int(offset), int(nbytes)
@@ -323,14 +354,14 @@ class FlashReader:
             raise FlashIOError(f"{self.path}: range at offset {offset} of {nbytes} bytes is outside the "
                                f"file of {self.size} bytes")
         if nbytes == 0:
-            return IOStats(wall_s=time.perf_counter() - t0)
+            return PendingRead(self.path, 0, 0, t0)
         flat = dest.reshape(-1).view(np.uint8)
         one = np.array([0], dtype=np.int64)
         pieces = _split(one + offset, one, one + nbytes, self.max_chunk_bytes)
-        return self._run(flat, *pieces, nbytes, t0)
+        return self._submit(flat, *pieces, nbytes, t0)
 
-    def _run(self, flat: np.ndarray, file_offs, dest_offs, lens, requested: int, t0: float) -> IOStats:
-        """Hand the reads (sorted by file offset) to the workers, wait for all, and raise the first error."""
+    def _submit(self, flat: np.ndarray, file_offs, dest_offs, lens, requested: int, t0: float) -> PendingRead:
+        """Queue the reads (sorted by file offset) for the workers; the returned handle waits for them."""
         if self.direct and self.alignment > 1:
             inplace = ((file_offs | lens) % self.alignment == 0) & \
                       ((flat.ctypes.data + dest_offs) % self.mem_alignment == 0)
@@ -343,17 +374,18 @@ class FlashReader:
         order = np.arange(per * nw).reshape(nw, per).T.reshape(-1)
         order = order[order < len(lens)]
         cols = [a[order].tolist() for a in (file_offs, dest_offs, lens, inplace)]
+        fadvise = None
+        if not self.direct and hasattr(os, "posix_fadvise"):
+            lo = int(file_offs.min())
+            fadvise = (self._fd, lo, int((file_offs + lens).max()) - lo)
+        call = PendingRead(self.path, nw, requested, t0, fadvise)
         mv = memoryview(flat)
-        call = _Call(self.path, nw)
-        shared = zip(*cols)  # work-sharing: no thread idles while reads are left (no straggler tail)
+        # Work-sharing: all workers pull from one iterator, so none idles while reads are left (no straggler
+        # tail). next() on a zip of list iterators is atomic under the GIL; do not put map() or anything that
+        # allocates between the items in here: a GC run mid-item can switch threads and mix up reads.
+        shared = zip(*cols)
         for w in range(nw):
             share = shared if _GIL else zip(*(c[w::nw] for c in cols))  # free-threaded: fixed shares
             self._queues[(self._next + w) % self.threads].put((call, mv, share))
         self._next = (self._next + nw) % self.threads
-        call.event.wait()
-        if not self.direct and hasattr(os, "posix_fadvise"):
-            lo = int(file_offs.min())
-            os.posix_fadvise(self._fd, lo, int((file_offs + lens).max()) - lo, os.POSIX_FADV_DONTNEED)
-        if call.error is not None:
-            raise call.error
-        return IOStats(requested, call.bytes_read, call.reads, time.perf_counter() - t0)
+        return call

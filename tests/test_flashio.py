@@ -260,3 +260,20 @@ def test_no_reference_to_dest_is_kept_after_a_call(data_file):
         r.read_rows(0, 4096, 4096, np.arange(4), dest, np.arange(4))
         r.read_range(0, 4096, dest)
         dest.resize((8, 4096))  # raises if a worker still holds a view of the buffer
+
+
+def test_submitted_calls_overlap_and_wait_returns_their_stats(data_file, monkeypatch):
+    path, data = data_file
+    a, b = aligned_empty((64, 8192), np.uint8), aligned_empty(1 << 20, np.uint8)
+    with FlashReader(path, threads=4) as r:
+        pa = r.submit_rows(0, 8192, 8192, np.arange(64) * 2, a, np.arange(64))
+        pb = r.submit_range(4096, 1 << 20, b)
+        stats_b, stats_a = pb.wait(), pa.wait()
+        assert pa.done() and pa.wait() is stats_a and stats_a.bytes_requested == 64 * 8192
+        assert stats_b.bytes_requested == 1 << 20
+        monkeypatch.setattr(flashio, "_preadv", lambda fd, bufs, off: 0)  # every read comes back short
+        pending = r.submit_range(0, 4096, b)
+        with pytest.raises(FlashIOError, match="short read"):
+            pending.wait()
+    assert (a == data.reshape(-1, 8192)[0:128:2]).all()
+    assert (b == data[4096:4096 + (1 << 20)]).all()

@@ -160,7 +160,7 @@ class Model:
                  "dram_budget": self.dram_budget, "gpu_budget": self.gpu_budget, "model_bytes": self.model_bytes,
                  "gpu_bytes": self.memory()[1] if self.backend.on_gpu else 0}
         if self.mode == "sparse":
-            extra.update(window=self.plan.window, cache_capacity=self.plan.capacity, predictor=self.predictor.kind)
+            extra.update(window=self.plan.window, cache_capacity=self.plan.capacities, predictor=self.predictor.kind)
         if self.mode == "hybrid":
             extra.update(resident_neurons=self.plan.h)
         return summarize(self._costs, self.dram_bytes(), extra)

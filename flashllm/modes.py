@@ -57,6 +57,21 @@ class DensePlan:
         pass
 
 
+def split_rows(total: int, weights: list[float], cap: int) -> list[int]:
+    """Share `total` cache rows among layers in proportion to `weights`, at most `cap` each;
+    rows a capped layer cannot use go to the others."""
+    rows, open_ = [0] * len(weights), list(range(len(weights)))
+    while open_ and sum(rows) < total:
+        left, wsum = total - sum(rows), sum(weights[i] for i in open_)
+        for i in open_:
+            rows[i] = min(cap, rows[i] + max(1, int(left * weights[i] / wsum)))
+        open_ = [i for i in open_ if rows[i] < cap]
+    excess = sum(rows) - total  # the max(1, ...) above may overshoot by a few rows
+    for i in sorted(range(len(rows)), key=lambda i: -rows[i])[:max(excess, 0)]:
+        rows[i] -= 1
+    return rows
+
+
 class StreamingPlan:
     """Shared by the flash-reading plans: the FFN reader and a dense read of neuron ranges."""
 
@@ -196,19 +211,24 @@ class SparsePlan(StreamingPlan):
         base = B.nbytes() + predictor.nbytes()
         row = model.compute_row_bytes()
         if budget is None:
-            capacity = lay.d_ffn
+            self.capacities = [lay.d_ffn] * L
         else:
             avail = budget - model.counted(B.staging_bytes(lay.stride), base)
             if avail < L * row:
                 raise _too_small(model, budget, base + L * row,
                                  "resident weights, KV cache, predictors and one cached neuron per layer")
-            capacity = min(lay.d_ffn, avail // (L * row))
+            need = getattr(predictor, "expected_fraction", lambda: None)() or [1.0] * L
+            self.capacities = split_rows(avail // row, need, lay.d_ffn)
         self.caches = []
-        for i in range(L):
+        for i, capacity in enumerate(self.capacities):
             up_b, gate_b, _ = model.ffn_biases[i]
             store = B.row_store(capacity, lay, model.manifest.dtype, {"up": up_b, "gate": gate_b})
             self.caches.append(NeuronCache(capacity, lay.d_ffn, store))
-        self.capacity = capacity
+
+    @property
+    def capacity(self) -> int:
+        """The largest per-layer cache (all equal unless the predictor knows per-layer needs)."""
+        return max(self.capacities)
 
     def reset(self) -> None:
         for c in self.caches:

@@ -54,6 +54,10 @@ class OraclePredictor:
     def nbytes(self) -> int:
         return 0  # a test instrument: not counted against the DRAM budget
 
+    def expected_fraction(self) -> list[float] | None:
+        """Per layer, the fraction of neurons expected active per token (None: unknown)."""
+        return None
+
 
 class GatePredictor(OraclePredictor):
     """ReLU-gated FFNs: the gate projection itself, kept resident, decides (paper App. C.5).
@@ -114,6 +118,11 @@ class LowRankPredictor:
             t = float(info["threshold"])
             self.threshold.append(float(np.log(t / (1 - t))))
         self.meta = meta
+
+    def expected_fraction(self) -> list[float] | None:
+        """The predicted-active fraction measured per layer at training (sizes the caches)."""
+        fractions = [layer.get("predicted_fraction") for layer in self.meta["layers"]]
+        return fractions if all(isinstance(f, (int, float)) and f > 0 for f in fractions) else None
 
     def predict(self, layer: int, x) -> np.ndarray:
         B = self.backend

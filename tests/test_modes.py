@@ -65,7 +65,7 @@ def test_budget_sizes_the_caches_and_is_reported(tiny_models):
     full = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle")
     budget = full.backend.nbytes() + 2 * 40 * full.compute_row_bytes()  # 40 rows per layer
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8)
-    assert model.plan.capacity == 40
+    assert model.plan.capacities == [40, 40]
     model.logits(IDS, prefill=PREFILL)
     stats = model.stats
     assert stats["dram_bytes"] <= budget
@@ -125,3 +125,13 @@ def test_lowrank_predictors_of_other_weights_are_refused(tiny_models, tmp_path):
     own = fmt.read_manifest(model_dir).data["files"]["ffn"]["sha256"]
     write_random_predictors(model_dir, trained_for=own)
     assert flashllm.load(model_dir, mode="sparse", predictor="lowrank").predictor.kind == "lowrank"
+
+
+def test_cache_rows_follow_each_layers_need():
+    from flashllm.modes import split_rows
+
+    assert split_rows(100, [1.0, 1.0], 80) == [50, 50]
+    assert split_rows(100, [3.0, 1.0], 60) == [60, 40]  # the capped layer's share goes to the other
+    assert split_rows(50, [0.7, 0.1, 0.2], 1000) == [35, 5, 10]
+    assert split_rows(500, [1.0, 1.0], 100) == [100, 100]
+    assert sum(split_rows(97, [0.3, 0.3, 0.4], 1000)) == 97

@@ -6,6 +6,13 @@ Patterns: `random` (read_rows of random chunk-sized rows; fio randread), `sequen
 consecutive rows, no coalescing; fio read, one slice per job), `layer` (read_range of a whole layer,
 --layer-bytes, in --layer-chunk pieces; fio read with bs=--layer-chunk).
 
+The engine keeps --inflight calls outstanding (each 64 MiB of rows, or one layer) and reads into
+buffers from aligned_empty, as the runtime's neuron cache does; numpy backs such large arrays with
+transparent huge pages, so a read needs fewer DMA segments (--small-pages: 4 KiB pages, like fio's).
+--per-read-tasks adds one executor task per read, the design the engine avoids.
+The output notes how many CPU cores other processes kept busy: on a shared machine that disturbs the
+engine (whose threads need the GIL between reads) more than fio.
+
 Test file: --file PATH is created once with random data (or reused when it already has --size bytes)
 and kept unless --no-keep. Without --file a file in the temp directory is used and deleted at the end
 unless --keep. Both sides bypass the page cache (O_DIRECT; fio --direct=1).
@@ -73,9 +80,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--inflight", type=int, default=2,
                    help="engine calls kept in flight (default 2: submit the next call before waiting for the "
                         "last, as a runtime that prefetches would; 1: one blocking read_rows at a time)")
-    p.add_argument("--hugepages", action="store_true",
-                   help="let the engine's destination buffers use transparent huge pages (numpy's default for "
-                        "large arrays); by default they use 4 KiB pages like fio's, for a like-for-like comparison")
+    p.add_argument("--small-pages", action="store_true",
+                   help="engine buffers with 4 KiB pages like fio's malloc'd ones, instead of aligned_empty's "
+                        "(numpy's transparent huge pages for large arrays, as the runtime's neuron cache gets)")
     p.add_argument("--no-fio", action="store_true", help="skip fio even if installed")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="PNG", help="draw throughput vs chunk size, one line per thread count")
@@ -106,24 +113,27 @@ def default_path(size: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"flashllm-io-bench-{fmt_size(size)}.bin")
 
 
-def dest_buffer(nbytes: int, hugepages: bool) -> np.ndarray:
-    """A page-aligned destination; with 4 KiB pages unless ``hugepages`` (fewer DMA segments per read)."""
-    if hugepages or not hasattr(mmap, "MADV_NOHUGEPAGE"):
-        return aligned_empty(nbytes, np.uint8)
-    m = mmap.mmap(-1, nbytes)
-    m.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(m, dtype=np.uint8)
+def dest_buffer(nbytes: int, small_pages: bool) -> np.ndarray:
+    """A page-aligned, touched destination from aligned_empty, or with 4 KiB pages if ``small_pages``."""
+    if not small_pages or not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf = aligned_empty(nbytes, np.uint8)
+    else:
+        m = mmap.mmap(-1, nbytes)
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+        buf = np.frombuffer(m, dtype=np.uint8)
+    buf.fill(0)  # fault the pages in before timing, as fio's buffers are (a runtime allocates its cache once)
+    return buf
 
 
 def engine_run(path: str, size: int, pattern: str, chunk: int, threads: int, seconds: float, layer_bytes: int,
-               rng: np.random.Generator, hugepages: bool, inflight: int = 1, per_task: bool = False) -> float:
+               rng: np.random.Generator, small_pages: bool, inflight: int = 1, per_task: bool = False) -> float:
     """MiB/s of the engine with ``inflight`` calls outstanding (or of one executor task per read) for one cell."""
     reader = FlashReader(path, threads=threads, max_chunk_bytes=chunk)  # rows of `chunk`: no coalescing
     if not reader.direct:
         sys.exit(f"{path}: no direct I/O on this file system, so the numbers would measure the page cache")
     layer = pattern == "layer"
     n = 1 if layer else max(threads, min(CALL_BYTES // chunk, 8192))  # rows per read_rows call
-    bufs = [dest_buffer(layer_bytes if layer else n * chunk, hugepages) for _ in range(inflight)]
+    bufs = [dest_buffer(layer_bytes if layer else n * chunk, small_pages) for _ in range(inflight)]
     bufs = bufs if layer else [b.reshape(n, chunk) for b in bufs]
     rows, n_rows, n_layers = np.arange(n), size // chunk, size // layer_bytes
     pool = ThreadPoolExecutor(threads) if per_task else None
@@ -172,6 +182,26 @@ def fio_run(path: str, size: int, pattern: str, chunk: int, threads: int, second
     return json.loads(out[out.index("{"):])["jobs"][0]["read"]["bw_bytes"] / MiB
 
 
+def busy_cpu_seconds() -> tuple | None:
+    """(CPU seconds busy machine-wide, CPU seconds of this process and its children, wall time); Linux only."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    t = os.times()
+    busy = (ticks[0] + ticks[1] + ticks[2]) / os.sysconf("SC_CLK_TCK")  # user, nice, system (not irq)
+    return busy, t.user + t.system + t.children_user + t.children_system, time.perf_counter()
+
+
+def other_cpu_cores(before: tuple | None) -> float | None:
+    """Average number of cores other processes kept busy since ``before``: how disturbed the run was."""
+    after = busy_cpu_seconds()
+    if before is None or after is None:
+        return None
+    return round(((after[0] - before[0]) - (after[1] - before[1])) / (after[2] - before[2]), 2)
+
+
 def fio_version() -> str:
     return subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
 
@@ -201,7 +231,7 @@ def run(args) -> dict:
     cells += [("layer", layer_chunk, t) for t in threads if "layer" in patterns]
     make_file(path, size)
     rng = np.random.default_rng()
-    load_before = os.getloadavg()[0]
+    busy_before = busy_cpu_seconds()
     results = {cell: {"engine": [], "fio": [], "per_task": []} for cell in cells}
     try:
         for r in range(args.rounds):
@@ -209,12 +239,12 @@ def run(args) -> dict:
                 pattern, chunk, t = cell
                 res = results[cell]
                 runs = [("engine", lambda: engine_run(path, size, *cell, args.seconds, layer_bytes, rng,
-                                                         args.hugepages, args.inflight))]
+                                                         args.small_pages, args.inflight))]
                 if use_fio:
                     runs.append(("fio", lambda: fio_run(path, size, *cell, args.seconds)))
                 if args.per_read_tasks and pattern == "random":
                     runs.append(("per_task", lambda: engine_run(path, size, *cell, args.seconds,
-                                                                layer_bytes, rng, args.hugepages, per_task=True)))
+                                                                layer_bytes, rng, args.small_pages, per_task=True)))
                 for name, fn in (runs if r % 2 == 0 else runs[::-1]):  # alternate who goes first
                     res[name].append(fn())
                 print(f"round {r + 1}/{args.rounds} {pattern} {fmt_size(chunk)} x{t}: " +
@@ -236,9 +266,9 @@ def run(args) -> dict:
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
             "command": " ".join(["python"] + sys.argv), "file": path, "size": size, "rounds": args.rounds,
             "seconds": args.seconds, "layer_bytes": layer_bytes, "inflight": args.inflight,
-            "hugepages": args.hugepages,
+            "small_pages": args.small_pages,
             "fio": fio_version() if use_fio else None,
-            "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)], "rows": rows}
+            "other_cpu_cores": other_cpu_cores(busy_before), "rows": rows}
 
 
 def table(result: dict) -> str:
@@ -293,8 +323,10 @@ def main(argv=None) -> None:
         print(f"{result['date']}  {result['machine']}\n{result['command']}\n"
               f"file {result['file']} ({fmt_size(result['size'])}), {result['rounds']} rounds x "
               f"{result['seconds']} s per run, interleaved; ratio = median of per-round engine/fio; "
-              f"engine: {result['inflight']} call(s) in flight, {'huge' if result['hugepages'] else '4 KiB'} pages; "
-              f"{result['fio'] or 'no fio'}; 1-min load average before/after {result['loadavg_1min']}\n")
+              f"engine: {result['inflight']} call(s) in flight, "
+              f"{'4 KiB-page' if result['small_pages'] else 'aligned_empty'} buffers; "
+              f"{result['fio'] or 'no fio'}; CPU cores busy with other processes during the run: "
+              f"{result['other_cpu_cores']}\n")
         print(table(result))
 
 

@@ -38,6 +38,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work-dir", default="/tmp/flashllm-paper", help="models, trace and text go here")
     p.add_argument("--results", default=str(ROOT / "bench" / "results"), help="where the report is written")
+    p.add_argument("--name", default="paper_tables", help="report file stem: NAME.md, NAME.json (plots: "
+                   "paper_*.png for the default name, else NAME_*.png)")
+    p.add_argument("--predictor", choices=["auto", "lowrank", "oracle"], default="auto",
+                   help="for the trace: auto = the embedded predictors if trained on this model, else oracle")
     p.add_argument("--shape", default="opt-6.7b")
     p.add_argument("--dtype", default="float16", help="storage dtype of the random model")
     p.add_argument("--dram-budget", default="0.5")
@@ -65,12 +69,12 @@ def main(argv=None) -> None:
     heldout = work / "heldout.txt"
     if not heldout.is_file():
         sh([py, "bench/stdlib_corpus.py", "--split", "heldout", "--out", heldout, "--max-bytes", "4000000"])
-    trace = work / "trace.npz"
+    trace = work / f"trace-{args.predictor}.npz"
     if args.retrace or not trace.is_file():
         if not (DATA / "tiny-opt" / "config.json").is_file():
             raise SystemExit(f"{DATA / 'tiny-opt'}: the embedded model is missing (bench/train_tiny_model.py)")
         cmd = [py, "bench/trace.py", "record", DATA / "tiny-opt", "--data", heldout, "--out", trace,
-               "--tokens", args.trace_tokens]
+               "--tokens", args.trace_tokens, "--predictor", args.predictor]
         if (DATA / "tiny-opt-predictors" / "predictors.json").is_file():
             cmd += ["--predictors", DATA / "tiny-opt-predictors"]
         sh(cmd)
@@ -86,8 +90,9 @@ def main(argv=None) -> None:
     cmd = [py, "bench/paper_tables.py", model, "--dram-budget", args.dram_budget, "--tokens", args.tokens,
            "--warmup", args.warmup, "--naive-tokens", args.naive_tokens, "--hybrid-tokens", args.hybrid_tokens,
            "--fig7-tokens", args.fig7_tokens, "--fig8-tokens", args.fig8_tokens, "--trace", trace,
-           "--unbundled-dir", unbundled, "--plot", results, "--markdown", results / "paper_tables.md",
-           "--json-out", results / "paper_tables.json", "--isolate"]
+           "--unbundled-dir", unbundled, "--plot", results, "--markdown", results / f"{args.name}.md",
+           "--plot-prefix", "paper_" if args.name == "paper_tables" else f"{args.name}_",
+           "--json-out", results / f"{args.name}.json", "--isolate", "--profile"]
     if not args.no_cgroup:
         cmd.append("--cgroup")
     if args.torch_threads:
@@ -101,7 +106,7 @@ def main(argv=None) -> None:
         if not args.keep_models:
             for d in (model, unbundled):
                 shutil.rmtree(d, ignore_errors=True)
-    summary = json.loads((results / "paper_tables.json").read_text())
+    summary = json.loads((results / f"{args.name}.json").read_text())
     print(json.dumps({"table3": summary["table3"], "ratios": summary["ratios"], "targets": summary["targets"]},
                      indent=1))
 

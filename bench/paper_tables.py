@@ -146,11 +146,19 @@ def measure(run: dict) -> dict:
         _counted_predictions(model.predictor, predicted_acc)
     ids = np.random.default_rng(run["seed"]).integers(3, model.spec.vocab_size, size=n).tolist()
     read_ms, predicted = [], []
+    prof = None
     for pos in range(n):
+        if run.get("profile") and pos == 1 + run["warmup"]:  # profile the measured tokens only
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         read_acc[0], predicted_acc[0] = 0.0, 0
         model.forward([ids[pos]], pos)
         read_ms.append(read_acc[0] * 1e3)
         predicted.append(predicted_acc[0])
+    if prof is not None:
+        prof.disable()
     costs = model.token_stats  # the 1-token prompt first, then each decode token
     decode = costs[1:]
     for c, r, p in zip(decode, read_ms[1:], predicted[1:]):
@@ -189,11 +197,27 @@ def measure(run: dict) -> dict:
     if run.get("per_token"):
         out["per_token"] = [{key: c[key] for key in ("bytes_read", "reads", "io_ms", "read_ms", "mem_ms", "total_ms",
                                                      "neurons_dropped")} for c in decode]
+    if prof is not None:
+        out["profile"] = profile_rows(prof, max(run["tokens"], 1))
     out["rss_peak"] = _vm("VmHWM")
     out["cgroup"] = _own_memory_cgroup()
     del model, plan
     gc.collect()
     return out
+
+
+def profile_rows(prof, tokens: int, top: int = 25) -> list[dict]:
+    """The main thread's functions by own time, per measured token (cProfile; I/O threads not included)."""
+    import pstats
+
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (cc, nc, tt, ct, _) in st.stats.items():
+        where = f"{Path(file).name}:{line}({func})" if line else func
+        rows.append({"function": where, "calls_per_token": nc / tokens, "own_ms_per_token": tt * 1e3 / tokens,
+                     "cumulative_ms_per_token": ct * 1e3 / tokens})
+    rows.sort(key=lambda r: -r["own_ms_per_token"])
+    return rows[:top]
 
 
 def _kv_bytes(model) -> int:
@@ -330,6 +354,7 @@ class Runner:
         self.isolate, self.group, self.drop_paths, self.log = isolate or group is not None, group, drop_paths, log
 
     def __call__(self, run: dict) -> dict:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         before = cached_fraction(self.drop_paths)
         drop_page_cache(self.drop_paths)
         after = cached_fraction(self.drop_paths)
@@ -345,6 +370,7 @@ class Runner:
         else:
             result = self._child(run)
         result["label"] = run["label"]
+        result["load_average_at_start"] = load
         result["page_cache_before_drop"], result["page_cache_at_start"] = before, after
         result["wall_s"] = time.perf_counter() - t0
         if "error" not in result:
@@ -403,7 +429,8 @@ def plan_runs(args, model_dir: Path, unbundled: Path | None, budget: float, pred
         if backend == "torch" and unbundled is not None:
             runs["hybrid+predictor"] = run("hybrid+predictor", "sparse", bundled=False, window=1)
             runs["+windowing"] = run("+windowing", "sparse", bundled=False, window=k)
-        runs["all" + suffix] = run("all" + suffix, "sparse", window=k, backend=backend)
+        runs["all" + suffix] = run("all" + suffix, "sparse", window=k, backend=backend,
+                                   profile=args.profile and backend == "torch")
     for w in args.fig7_windows:
         if w != k:
             runs[f"window {w}"] = run(f"window {w}", "sparse", window=w, tokens=args.fig7_tokens or args.tokens)
@@ -535,6 +562,8 @@ def markdown(report: dict) -> str:
     L.append(f"- date: {m['date']}")
     L.append(f"- command: `{m['command']}`")
     L.append(f"- machine: {m['machine']}")
+    if m.get("code"):
+        L.append(f"- code: {m['code']}")
     L.append(f"- model: `{m['model_dir']}`: {m['model_desc']}")
     L.append(f"- DRAM budget: {m['budget_gb']:.2f} GB ({m['budget_arg']} of {m['model_gb']:.2f} GB); the runtime "
              "counts resident weights (in the compute dtype), KV cache, neuron caches and predictors against it")
@@ -582,6 +611,14 @@ def markdown(report: dict) -> str:
         L.append("|---|---|---|---|")
         for t in report["targets"]:
             L.append(f"| {t['what']} | {t['paper']} | {t['here']} | {yes[t['met']] if t['met'] is not None else '-'} |")
+    prof = (report["runs"].get("all") or {}).get("profile")
+    if prof:
+        L.append("\n## Where the \"all\" token goes (cProfile of the measured tokens, main thread)\n")
+        L.append("| function | calls/token | own ms/token | cumulative ms/token |")
+        L.append("|---|---|---|---|")
+        for r in prof[:15]:
+            L.append(f"| `{r['function']}` | {r['calls_per_token']:.0f} | {r['own_ms_per_token']:.1f} | "
+                     f"{r['cumulative_ms_per_token']:.1f} |")
     if report["fig7"]:
         L.append("\n## Figure 7 analogue: window size vs DRAM vs latency (bundled)\n")
         L.append(f"| window | DRAM in use ({U}) | flash→DRAM ({U}/token) | I/O (ms) | memory mgmt (ms) | total (ms) | "
@@ -642,8 +679,8 @@ def markdown(report: dict) -> str:
         L += [f"- {f}" for f in failed]
     L.append("\n## Runs\n")
     L.append(f"| run | mode | window | layout | load (s) | tokens (warm-up+measured) | peak RSS ({U}) | cgroup peak ({U}) | "
-             "page cache at start |")
-    L.append("|---|---|---|---|---|---|---|---|---|")
+             "page cache at start | machine load average at start |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in report["runs"].items():
         if not _ok(r):
             continue
@@ -652,7 +689,8 @@ def markdown(report: dict) -> str:
         L.append(f"| {name} | {r['run']['mode']} | {r['run'].get('window') or '-'} | "
                  f"{'bundled' if r['bundled'] else 'unbundled'} | {_f(r['load_s'], 1)} | "
                  f"{r['warmup_tokens']}+{r['decode_tokens']} | {g((r.get('rss_peak') or 0) / GB)} | "
-                 f"{g(cg / GB) if cg else '-'} | {'-' if pc is None else f'{pc:.1%}'} |")
+                 f"{g(cg / GB) if cg else '-'} | {'-' if pc is None else f'{pc:.1%}'} | "
+                 f"{_f(r.get('load_average_at_start'), 1)} |")
     return "\n".join(L) + "\n"
 
 
@@ -674,7 +712,7 @@ def targets(report: dict) -> list[dict]:
     return out
 
 
-def plot(report: dict, out_dir: Path) -> list[str]:
+def plot(report: dict, out_dir: Path, prefix: str = "paper_") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -695,7 +733,7 @@ def plot(report: dict, out_dir: Path) -> list[str]:
         ax.set_ylabel("seconds per token")
         ax.set_title("Table 3 analogue: time per decode token")
         ax.legend()
-        p = out_dir / "paper_table3.png"
+        p = out_dir / f"{prefix}table3.png"
         fig.tight_layout()
         fig.savefig(p, dpi=120)
         plt.close(fig)
@@ -715,7 +753,7 @@ def plot(report: dict, out_dir: Path) -> list[str]:
         ax.legend(lines, [ln.get_label() for ln in lines], loc="upper center")
         ax.set_title("Figure 7 analogue: window size vs DRAM vs latency")
         fig.tight_layout()
-        p = out_dir / "paper_fig7.png"
+        p = out_dir / f"{prefix}fig7.png"
         fig.savefig(p, dpi=120)
         plt.close(fig)
         paths.append(str(p))
@@ -734,7 +772,7 @@ def plot(report: dict, out_dir: Path) -> list[str]:
         ax.set_title("Figure 8 analogue: I/O latency per token")
         ax.legend()
         fig.tight_layout()
-        p = out_dir / "paper_fig8.png"
+        p = out_dir / f"{prefix}fig8.png"
         fig.savefig(p, dpi=120)
         plt.close(fig)
         paths.append(str(p))
@@ -742,6 +780,19 @@ def plot(report: dict, out_dir: Path) -> list[str]:
 
 
 # -- description of the setting ----------------------------------------------------------------
+def code_version() -> str:
+    """The commit measured, and the runtime files that differ from it (the tree is shared while others work)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=BENCH.parent, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "flashllm", "converters"], capture_output=True,
+                               text=True, cwd=BENCH.parent, check=True).stdout.split("\n")
+        dirty = [line[3:] for line in dirty if line.strip() and not line[3:].startswith("flashllm/data")]
+        return f"commit {head}" + (f", with uncommitted changes in {', '.join(dirty)}" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -838,6 +889,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", type=lambda s: [b for b in s.split(",") if b], default=["torch"])
     p.add_argument("--mlx-max-gb", type=float, default=3.0, help="skip MLX (CPU build, 10-30x slower) above this size")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="cProfile the measured tokens of the torch \"all\" run "
+                   "(main thread; the table lists functions by own time per token)")
     p.add_argument("--only", type=lambda s: s.split(","), default=None, help="run only these runs (by name)")
     p.add_argument("--isolate", action="store_true", help="each run in a child process")
     p.add_argument("--cgroup", action="store_true", help="each run in a child process inside a cgroup v1 memory "
@@ -848,6 +901,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-out", default=None, help="also write that JSON object to this file")
     p.add_argument("--markdown", default=None, help="also write the markdown report to this file")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument("--plot-prefix", default="paper_", help="PNG file names: PREFIX{table3,fig7,fig8}.png")
     p.add_argument("--command", default=None, help="command line to record in the report (default: this one)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
@@ -871,6 +925,7 @@ def main(argv=None) -> dict:
     log = (lambda msg: None) if args.quiet else (lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}",
                                                                    file=sys.stderr, flush=True))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup (cgroup, unbundled copy)
+    machine_desc = machine()
     model_dir = Path(args.model_dir)
     manifest = fmt.read_manifest(model_dir, verify=False)
     model_bytes = sum(e["size"] for k, e in manifest.data["files"].items() if k in ("resident", "ffn"))
@@ -933,7 +988,7 @@ def main(argv=None) -> dict:
         "meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                  "command": args.command or " ".join(shlex.quote(a) for a in [sys.executable.split('/')[-1],
                                                                                *sys.argv]),
-                 "machine": machine(), "model_dir": str(model_dir), "model_desc": model_desc(manifest, model_bytes),
+                 "machine": f"{machine_desc}, {os.getloadavg()[0]:.1f} at the end", "code": code_version(), "model_dir": str(model_dir), "model_desc": model_desc(manifest, model_bytes),
                  "model_gb": model_bytes / GB, "budget_gb": budget / GB, "budget_arg": args.dram_budget,
                  "compute": f"torch CPU, {cdt} (storage {manifest.data['dtype']}; --dtype {args.dtype}); "
                             f"{args.threads} flash reader threads; torch intra-op threads "
@@ -958,7 +1013,7 @@ def main(argv=None) -> dict:
     report["targets"] = targets(report)
     report["notes_table3"] = notes3
     if args.plot:
-        report["plots"] = plot(report, Path(args.plot))
+        report["plots"] = plot(report, Path(args.plot), args.plot_prefix)
     md = markdown(report)
     if args.markdown:
         Path(args.markdown).write_text(md)

@@ -105,7 +105,13 @@ def record(model_dir: str | Path, data: str | Path, out: str | Path, tokens: int
         root = _prepare_model_dir(src, Path(predictors) if predictors else None, Path(tmp))
         kind = predictor
         if kind == "auto":
-            kind = "lowrank" if (root / PREDICTOR_META).is_file() else "oracle"
+            kind = "lowrank" if predictors_match(root) else "oracle"
+            if predictors_match(root) is False:
+                print(f"warning: {root / PREDICTOR_META} was trained for another model; recording the oracle "
+                      "(true) active sets instead", file=sys.stderr)
+        if kind == "lowrank" and predictors_match(root) is False:
+            raise SystemExit(f"{root / PREDICTOR_META}: trained for another model (its ffn sha256 differs from "
+                             "this model's): train them again, or use --predictor oracle")
         holder = {}
 
         def build(model):
@@ -139,6 +145,17 @@ def record(model_dir: str | Path, data: str | Path, out: str | Path, tokens: int
     meta["summary"] = trace.summary()
     trace.save(out)
     return meta
+
+
+def predictors_match(model_dir: Path) -> bool | None:
+    """Whether the model directory's predictors were trained on this very model (None: no predictors)."""
+    meta_path = Path(model_dir) / PREDICTOR_META
+    if not meta_path.is_file():
+        return None
+    meta = json.loads(meta_path.read_text())
+    want = (meta.get("model") or {}).get("sha256", {}).get("ffn")
+    have = fmt.read_manifest(model_dir, verify=False).data["files"]["ffn"]["sha256"]
+    return want is None or want == have
 
 
 def _sha(path) -> str:
@@ -299,7 +316,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, help="trace file to write (.npz)")
     r.add_argument("--tokens", type=int, default=2048)
     r.add_argument("--predictor", choices=["auto", "lowrank", "oracle"], default="auto",
-                   help="auto: lowrank if the model directory has trained predictors, else oracle")
+                   help="auto: lowrank if the model directory has predictors trained on it, else oracle")
     r.add_argument("--predictors", default=None, help="directory with predictors.safetensors/.json to use")
     r.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)
     r.add_argument("--torch-threads", type=int, default=1,

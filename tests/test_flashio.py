@@ -1,6 +1,7 @@
 """The flash I/O engine returns exactly the file's bytes, coalesces as promised, and fails loudly."""
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -277,3 +278,18 @@ def test_submitted_calls_overlap_and_wait_returns_their_stats(data_file, monkeyp
             pending.wait()
     assert (a == data.reshape(-1, 8192)[0:128:2]).all()
     assert (b == data[4096:4096 + (1 << 20)]).all()
+
+
+def test_io_throughput_bench_prints_one_json_object(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "bench", "io_throughput.py"), "--file", str(tmp_path / "io.bin"),
+           "--size", "8MiB", "--chunks", "32K", "--threads", "2", "--rounds", "1", "--seconds", "0.05",
+           "--layer-bytes", "4M", "--no-fio", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if "no direct I/O" in out.stderr:
+        pytest.skip("no direct I/O on this file system")
+    result = json.loads(out.stdout)
+    assert [(r["pattern"], r["chunk_bytes"], r["threads"]) for r in result["rows"]] == \
+        [("random", 32768, 2), ("sequential", 32768, 2), ("layer", 1 << 20, 2)]
+    assert all(r["engine_mibps"] > 0 and r["fio_mibps"] is None and r["ratio"] is None for r in result["rows"])
+    assert (tmp_path / "io.bin").stat().st_size == 8 << 20  # --file given: kept for reuse

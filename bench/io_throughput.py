@@ -61,6 +61,9 @@ def fmt_size(n: int) -> str:
     return str(n)
 
 
+EXTRAS = {"per_task": "per-read tasks", "preadv": "preadv threads"}  # optional comparison engines
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--file", help="test file (created with random data, or reused if it has --size bytes)")
@@ -83,6 +86,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--small-pages", action="store_true",
                    help="engine buffers with 4 KiB pages like fio's malloc'd ones, instead of aligned_empty's "
                         "(numpy's transparent huge pages for large arrays, as the runtime's neuron cache gets)")
+    p.add_argument("--aio-depth", type=int, default=32,
+                   help="reads in flight per native-AIO thread (FlashReader aio_depth, default 32; 0: 32 threads of preadv)")
+    p.add_argument("--compare-preadv", action="store_true",
+                   help="also run the engine with --aio-depth 0 (one blocking preadv per read in each of the threads)")
+    p.add_argument("--cpu-hogs", type=int, default=0,
+                   help="run N busy-looping processes during the measurement, to compare engine and fio on a "
+                        "loaded machine (the runtime computes between reads; other tenants share the cores)")
     p.add_argument("--no-fio", action="store_true", help="skip fio even if installed")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="PNG", help="draw throughput vs chunk size, one line per thread count")
@@ -126,9 +136,11 @@ def dest_buffer(nbytes: int, small_pages: bool) -> np.ndarray:
 
 
 def engine_run(path: str, size: int, pattern: str, chunk: int, threads: int, seconds: float, layer_bytes: int,
-               rng: np.random.Generator, small_pages: bool, inflight: int = 1, per_task: bool = False) -> float:
+               rng: np.random.Generator, small_pages: bool, inflight: int = 1, per_task: bool = False,
+               aio_depth: int = 32) -> float:
     """MiB/s of the engine with ``inflight`` calls outstanding (or of one executor task per read) for one cell."""
-    reader = FlashReader(path, threads=threads, max_chunk_bytes=chunk)  # rows of `chunk`: no coalescing
+    reader = FlashReader(path, threads=threads, max_chunk_bytes=chunk,  # rows of `chunk`: no coalescing
+                         aio_depth=0 if per_task else aio_depth)
     if not reader.direct:
         sys.exit(f"{path}: no direct I/O on this file system, so the numbers would measure the page cache")
     layer = pattern == "layer"
@@ -231,25 +243,33 @@ def run(args) -> dict:
     cells += [("layer", layer_chunk, t) for t in threads if "layer" in patterns]
     make_file(path, size)
     rng = np.random.default_rng()
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.cpu_hogs)]
     busy_before = busy_cpu_seconds()
-    results = {cell: {"engine": [], "fio": [], "per_task": []} for cell in cells}
+    results = {cell: {"engine": [], "fio": [], "per_task": [], "preadv": []} for cell in cells}
     try:
         for r in range(args.rounds):
             for cell in cells:
                 pattern, chunk, t = cell
                 res = results[cell]
                 runs = [("engine", lambda: engine_run(path, size, *cell, args.seconds, layer_bytes, rng,
-                                                         args.small_pages, args.inflight))]
+                                                         args.small_pages, args.inflight,
+                                                         aio_depth=args.aio_depth))]
                 if use_fio:
                     runs.append(("fio", lambda: fio_run(path, size, *cell, args.seconds)))
                 if args.per_read_tasks and pattern == "random":
                     runs.append(("per_task", lambda: engine_run(path, size, *cell, args.seconds,
                                                                 layer_bytes, rng, args.small_pages, per_task=True)))
+                if args.compare_preadv and args.aio_depth:
+                    runs.append(("preadv", lambda: engine_run(path, size, *cell, args.seconds, layer_bytes, rng,
+                                                              args.small_pages, args.inflight, aio_depth=0)))
                 for name, fn in (runs if r % 2 == 0 else runs[::-1]):  # alternate who goes first
                     res[name].append(fn())
                 print(f"round {r + 1}/{args.rounds} {pattern} {fmt_size(chunk)} x{t}: " +
                       " ".join(f"{k} {v[-1]:.0f}" for k, v in res.items() if v), file=sys.stderr)
     finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
         if not keep:
             os.unlink(path)
     rows = []
@@ -260,29 +280,30 @@ def run(args) -> dict:
         row = {"chunk_bytes": chunk, "threads": t, "pattern": pattern, "engine_mibps": round(eng, 1),
                "fio_mibps": None if fio is None else round(fio, 1),
                "ratio": None if ratio is None else round(ratio, 3)}
-        if res["per_task"]:
-            row["per_task_mibps"] = round(statistics.median(res["per_task"]), 1)
+        for extra in EXTRAS:
+            if res[extra]:
+                row[f"{extra}_mibps"] = round(statistics.median(res[extra]), 1)
         rows.append(row)
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
             "command": " ".join(["python"] + sys.argv), "file": path, "size": size, "rounds": args.rounds,
-            "seconds": args.seconds, "layer_bytes": layer_bytes, "inflight": args.inflight,
+            "seconds": args.seconds, "layer_bytes": layer_bytes, "inflight": args.inflight, "aio_depth": args.aio_depth, "cpu_hogs": args.cpu_hogs,
             "small_pages": args.small_pages,
             "fio": fio_version() if use_fio else None,
             "other_cpu_cores": other_cpu_cores(busy_before), "rows": rows}
 
 
 def table(result: dict) -> str:
-    per_task = any("per_task_mibps" in r for r in result["rows"])
+    extras = [e for e in EXTRAS if any(f"{e}_mibps" in r for r in result["rows"])]
     head = "| pattern | chunk | threads | engine MiB/s | fio MiB/s | engine/fio |"
-    lines = [head + (" per-read tasks MiB/s |" if per_task else ""),
-             "|---|---:|---:|---:|---:|---:|" + ("---:|" if per_task else "")]
+    lines = [head + "".join(f" {EXTRAS[e]} MiB/s |" for e in extras),
+             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(extras)]
     for r in result["rows"]:
         fio = "-" if r["fio_mibps"] is None else f"{r['fio_mibps']:.0f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         line = (f"| {r['pattern']} | {fmt_size(r['chunk_bytes'])} | {r['threads']} | "
                 f"{r['engine_mibps']:.0f} | {fio} | {ratio} |")
-        if per_task:
-            line += f" {r['per_task_mibps']:.0f} |" if "per_task_mibps" in r else " - |"
+        for e in extras:
+            line += f" {r[f'{e}_mibps']:.0f} |" if f"{e}_mibps" in r else " - |"
         lines.append(line)
     return "\n".join(lines)
 
@@ -324,8 +345,10 @@ def main(argv=None) -> None:
               f"file {result['file']} ({fmt_size(result['size'])}), {result['rounds']} rounds x "
               f"{result['seconds']} s per run, interleaved; ratio = median of per-round engine/fio; "
               f"engine: {result['inflight']} call(s) in flight, "
+              f"{'native AIO, %d reads in flight per thread' % result['aio_depth'] if result['aio_depth'] else 'preadv threads'}, "
               f"{'4 KiB-page' if result['small_pages'] else 'aligned_empty'} buffers; "
-              f"{result['fio'] or 'no fio'}; CPU cores busy with other processes during the run: "
+              f"{result['fio'] or 'no fio'}; {result['cpu_hogs']} busy-looping processes started by the bench; "
+              f"CPU cores busy with other processes during the run: "
               f"{result['other_cpu_cores']}\n")
         print(table(result))
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -62,6 +63,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = setup_arg_parser().parse_args(argv)
+    # Idle OpenMP threads sleep instead of spinning: on 2 cores a spinning torch thread starves the I/O threads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     work, results = Path(args.work_dir), Path(args.results)
     work.mkdir(parents=True, exist_ok=True)
     results.mkdir(parents=True, exist_ok=True)

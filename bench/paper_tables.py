@@ -206,6 +206,16 @@ def measure(run: dict) -> dict:
     return out
 
 
+def io_engine(manifest, threads: int) -> str:
+    """How the flash I/O engine reads this model's FFN file here (native AIO or preadv threads)."""
+    from flashllm.flashio import FlashReader
+
+    with FlashReader(manifest.path("ffn"), threads=threads) as r:
+        if r.engine == "aio":
+            return f"{threads} in flight, native AIO from {-(-threads // r.aio_depth)} thread(s)"
+        return f"{threads} preadv threads ({'O_DIRECT' if r.direct else 'buffered'})"
+
+
 def profile_rows(prof, tokens: int, top: int = 25) -> list[dict]:
     """The main thread's functions by own time, per measured token (cProfile; I/O threads not included)."""
     import pstats
@@ -991,7 +1001,7 @@ def main(argv=None) -> dict:
                  "machine": f"{machine_desc}, {os.getloadavg()[0]:.1f} at the end", "code": code_version(), "model_dir": str(model_dir), "model_desc": model_desc(manifest, model_bytes),
                  "model_gb": model_bytes / GB, "budget_gb": budget / GB, "budget_arg": args.dram_budget,
                  "compute": f"torch CPU, {cdt} (storage {manifest.data['dtype']}; --dtype {args.dtype}); "
-                            f"{args.threads} flash reader threads; torch intra-op threads "
+                            f"flash reads: {io_engine(manifest, args.threads)}; torch intra-op threads "
                             f"{args.torch_threads or 'default'}",
                  "active_method": method, "memory_limit": memory_limit,
                  "page_cache": "model files (and the unbundled copy) evicted with posix_fadvise(DONTNEED) before "

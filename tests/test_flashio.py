@@ -61,15 +61,15 @@ def row_requests(draw):
 
 @FAST
 @given(req=row_requests(), max_chunk=st.sampled_from([1, 4096, 64 << 10, 1 << 20]),
-       direct=st.booleans())
-def test_read_rows_returns_file_bytes(data_file, req, max_chunk, direct):
+       direct=st.booleans(), aio_depth=st.sampled_from([0, 1, 3]))
+def test_read_rows_returns_file_bytes(data_file, req, max_chunk, direct, aio_depth):
     path, data = data_file
     base, stride, row_bytes, indices, dest_rows, n_dest, pitch, skew = req
     buf = aligned_empty(n_dest * pitch + skew, np.uint8)
     buf[:] = 0xA5
     dest = buf[skew:].reshape(n_dest, pitch)
     want = expected_rows(data, base, stride, row_bytes, indices, dest, dest_rows)
-    with FlashReader(path, threads=3, max_chunk_bytes=max_chunk, direct=direct) as r:
+    with FlashReader(path, threads=3, max_chunk_bytes=max_chunk, direct=direct, aio_depth=aio_depth) as r:
         stats = r.read_rows(base, stride, row_bytes, indices, dest, dest_rows)
     np.testing.assert_array_equal(dest, want)
     assert stats.bytes_requested == len(indices) * row_bytes
@@ -80,13 +80,13 @@ def test_read_rows_returns_file_bytes(data_file, req, max_chunk, direct):
 @FAST
 @given(offset=st.integers(0, FILE_BYTES), nbytes=st.integers(0, 1 << 20),
        max_chunk=st.sampled_from([512, 4096, 100_000, 1 << 20]), skew=st.sampled_from([0, 8, 512]),
-       threads=st.sampled_from([1, 4]))
-def test_read_range_returns_file_bytes(data_file, offset, nbytes, max_chunk, skew, threads):
+       threads=st.sampled_from([1, 4]), aio_depth=st.sampled_from([0, 2]))
+def test_read_range_returns_file_bytes(data_file, offset, nbytes, max_chunk, skew, threads, aio_depth):
     path, data = data_file
     nbytes = min(nbytes, FILE_BYTES - offset)
     dest = aligned_empty(nbytes + skew + 16, np.uint8)[skew:]
     dest[:] = 7
-    with FlashReader(path, threads=threads, max_chunk_bytes=max_chunk) as r:
+    with FlashReader(path, threads=threads, max_chunk_bytes=max_chunk, aio_depth=aio_depth) as r:
         stats = r.read_range(offset, nbytes, dest)
     np.testing.assert_array_equal(dest[:nbytes], data[offset:offset + nbytes])
     assert (dest[nbytes:] == 7).all()
@@ -157,7 +157,7 @@ def test_short_read_from_truncated_file_raises_naming_file_and_offset(tmp_path):
 
 def test_io_error_in_a_worker_is_raised_in_the_caller(data_file, monkeypatch):
     path, _ = data_file
-    with FlashReader(path, threads=4) as r:
+    with FlashReader(path, threads=4, aio_depth=0) as r:
         def eio(fd, buffers, offset):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         monkeypatch.setattr(flashio, "_preadv", eio)
@@ -166,6 +166,47 @@ def test_io_error_in_a_worker_is_raised_in_the_caller(data_file, monkeypatch):
             r.read_rows(0, 4096, 4096, np.arange(8) * 2, dest, np.arange(8))
         monkeypatch.undo()
         assert r.read_rows(0, 4096, 4096, np.arange(8) * 2, dest, np.arange(8)).reads == 8  # workers alive
+
+
+def aio_reader(path, **kw):
+    r = FlashReader(path, **kw)
+    if r.engine != "aio":
+        r.close()
+        pytest.skip("no native AIO with direct I/O here")
+    return r
+
+
+def test_aio_engine_is_used_for_direct_reads_and_reads_in_batches(data_file):
+    path, data = data_file
+    with aio_reader(path, threads=2, aio_depth=5) as r:
+        dest = aligned_empty((23, 4096), np.uint8)
+        stats = r.read_rows(0, 4096, 4096, np.arange(23) * 7, dest, np.arange(23))
+        assert stats.reads == 23 and stats.bytes_read == 23 * 4096
+        assert (dest == data.reshape(-1, 4096)[0:161:7]).all()
+    with FlashReader(path, aio_depth=0) as r:
+        assert r.engine == "preadv" and r.aio_depth == 0
+
+
+def test_aio_errors_name_the_read_and_leave_workers_alive(data_file, monkeypatch):
+    path, _ = data_file
+    real = flashio.AioContext.reap
+    dest = aligned_empty((8, 4096), np.uint8)
+    with aio_reader(path, threads=4, aio_depth=3) as r:
+        def eio_in_event(self, min_nr, max_nr):
+            events = real(self, min_nr, max_nr)
+            events["res"][-1] = -errno.EIO
+            return events
+        monkeypatch.setattr(flashio.AioContext, "reap", eio_in_event)
+        with pytest.raises(FlashIOError, match=r"ffn\.bin: read of 4096 bytes at offset \d+ failed: \[EIO\]"):
+            r.read_rows(0, 4096, 4096, np.arange(8) * 2, dest, np.arange(8))
+
+        def refused(self, iocbs):
+            raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+        monkeypatch.setattr(flashio.AioContext, "submit", refused)
+        with pytest.raises(FlashIOError, match=r"reads from offset \d+ could not be submitted"):
+            r.read_rows(0, 4096, 4096, np.arange(8) * 2, dest, np.arange(8))
+        monkeypatch.undo()
+        assert r.read_rows(0, 4096, 4096, np.arange(8) * 2, dest, np.arange(8)).reads == 8
 
 
 def test_out_of_range_and_malformed_requests_raise(data_file):
@@ -266,7 +307,7 @@ def test_no_reference_to_dest_is_kept_after_a_call(data_file):
 def test_submitted_calls_overlap_and_wait_returns_their_stats(data_file, monkeypatch):
     path, data = data_file
     a, b = aligned_empty((64, 8192), np.uint8), aligned_empty(1 << 20, np.uint8)
-    with FlashReader(path, threads=4) as r:
+    with FlashReader(path, threads=4, aio_depth=0) as r:
         pa = r.submit_rows(0, 8192, 8192, np.arange(64) * 2, a, np.arange(64))
         pb = r.submit_range(4096, 1 << 20, b)
         stats_b, stats_a = pb.wait(), pa.wait()

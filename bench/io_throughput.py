@@ -86,10 +86,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--small-pages", action="store_true",
                    help="engine buffers with 4 KiB pages like fio's malloc'd ones, instead of aligned_empty's "
                         "(numpy's transparent huge pages for large arrays, as the runtime's neuron cache gets)")
-    p.add_argument("--aio-depth", type=int, default=32,
-                   help="reads in flight per native-AIO thread (FlashReader aio_depth, default 32; 0: 32 threads of preadv)")
+    p.add_argument("--aio-depth", type=int, default=0,
+                   help="reads in flight per native-AIO thread (FlashReader aio_depth; default 0: one preadv per read in each thread)")
     p.add_argument("--compare-preadv", action="store_true",
-                   help="also run the engine with --aio-depth 0 (one blocking preadv per read in each of the threads)")
+                   help="with --aio-depth > 0: also run the default engine (one blocking preadv per read in each thread)")
     p.add_argument("--cpu-hogs", type=int, default=0,
                    help="run N busy-looping processes during the measurement, to compare engine and fio on a "
                         "loaded machine (the runtime computes between reads; other tenants share the cores)")
@@ -137,7 +137,7 @@ def dest_buffer(nbytes: int, small_pages: bool) -> np.ndarray:
 
 def engine_run(path: str, size: int, pattern: str, chunk: int, threads: int, seconds: float, layer_bytes: int,
                rng: np.random.Generator, small_pages: bool, inflight: int = 1, per_task: bool = False,
-               aio_depth: int = 32) -> float:
+               aio_depth: int = 0) -> float:
     """MiB/s of the engine with ``inflight`` calls outstanding (or of one executor task per read) for one cell."""
     reader = FlashReader(path, threads=threads, max_chunk_bytes=chunk,  # rows of `chunk`: no coalescing
                          aio_depth=0 if per_task else aio_depth)
@@ -283,6 +283,8 @@ def run(args) -> dict:
         for extra in EXTRAS:
             if res[extra]:
                 row[f"{extra}_mibps"] = round(statistics.median(res[extra]), 1)
+                if res["fio"]:
+                    row[f"{extra}_ratio"] = round(statistics.median(x / f for x, f in zip(res[extra], res["fio"])), 3)
         rows.append(row)
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
             "command": " ".join(["python"] + sys.argv), "file": path, "size": size, "rounds": args.rounds,

@@ -1,11 +1,12 @@
 """Flash I/O engine: parallel direct (page-cache-free) reads of FFN bundles into preallocated buffers.
 
 N worker threads are started once. Each call coalesces adjacent requests into a list of reads that
-the threads work through, pulling from one shared iterator so that none idles while reads are left.
-Aligned direct reads go through Linux native AIO (aio.py): ``threads`` reads kept in flight by
-ceil(threads / aio_depth) threads, a few io_submit/io_getevents per many reads, which measured the
-same MiB/s as 32 preadv threads at half the CPU or less. Elsewhere, and for unaligned reads, each
-of the ``threads`` threads loops over blocking ``os.preadv`` calls (which release the GIL). ``read_*`` wait for the reads;
+the threads work through in a loop of blocking ``os.preadv`` calls (which release the GIL), pulling
+from one shared iterator so that none idles while reads are left. With ``aio_depth > 0`` aligned
+direct reads go through Linux native AIO instead (aio.py): ``threads`` reads kept in flight by
+ceil(threads / aio_depth) threads. That costs half the CPU or less, but on a loaded 2-core machine
+it measured 5-15% below the preadv threads at 16-32 KiB (bench/results/io_throughput.md), so it
+is opt-in. ``read_*`` wait for the reads;
 ``submit_*`` return a handle to wait on later, so that I/O overlaps compute or the next call.
 One Python task per read is measurably slower (bench/io_throughput.py --per-read-tasks).
 """
@@ -248,13 +249,13 @@ class FlashReader:
 
     ``direct=True`` uses O_DIRECT (Linux) / F_NOCACHE (macOS); where the file system refuses, it warns
     once and falls back to buffered reads plus ``posix_fadvise(DONTNEED)``, like ``direct=False``.
-    ``threads`` is the number of reads in flight. Where native AIO works (Linux, direct I/O) aligned
-    reads go through it, ``aio_depth`` in flight per AIO thread; ``aio_depth=0`` keeps one blocking
-    preadv per read and thread. ``engine`` says which one is in use.
+    ``threads`` is the number of reads in flight: by default one blocking preadv per read in each of
+    ``threads`` threads. ``aio_depth > 0`` sends aligned reads through native AIO where it works
+    (Linux, direct I/O), ``aio_depth`` in flight per AIO thread. ``engine`` says which one is in use.
     """
 
     def __init__(self, path, threads: int = 32, max_chunk_bytes: int = 1 << 20, direct: bool = True,
-                 aio_depth: int = 32):
+                 aio_depth: int = 0):
         if threads < 1 or max_chunk_bytes < 1:
             raise FlashIOError(f"{path}: threads and max_chunk_bytes must be >= 1, "
                                f"got {threads} and {max_chunk_bytes}")

@@ -192,13 +192,15 @@ def test_aio_errors_name_the_read_and_leave_workers_alive(data_file, monkeypatch
     real = flashio.AioContext.reap
     dest = aligned_empty((8, 4096), np.uint8)
     with aio_reader(path, threads=4, aio_depth=3) as r:
-        def eio_in_event(self, min_nr, max_nr):
-            events = real(self, min_nr, max_nr)
-            events["res"][-1] = -errno.EIO
-            return events
-        monkeypatch.setattr(flashio.AioContext, "reap", eio_in_event)
-        with pytest.raises(FlashIOError, match=r"ffn\.bin: read of 4096 bytes at offset \d+ failed: \[EIO\]"):
-            r.read_rows(0, 4096, 4096, np.arange(8) * 2, dest, np.arange(8))
+        for res, match in [(-errno.EIO, r"ffn\.bin: read of 4096 bytes at offset \d+ failed: \[EIO\]"),
+                           (100, r"ffn\.bin: short read at offset \d+: got 100 of 4096 bytes")]:
+            def bad_event(self, min_nr, max_nr, res=res):
+                events = real(self, min_nr, max_nr)
+                events["res"][-1] = res
+                return events
+            monkeypatch.setattr(flashio.AioContext, "reap", bad_event)
+            with pytest.raises(FlashIOError, match=match):
+                r.read_rows(0, 4096, 4096, np.arange(8) * 2, dest, np.arange(8))
 
         def refused(self, iocbs):
             raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))

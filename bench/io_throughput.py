@@ -137,8 +137,9 @@ def dest_buffer(nbytes: int, small_pages: bool) -> np.ndarray:
 
 def engine_run(path: str, size: int, pattern: str, chunk: int, threads: int, seconds: float, layer_bytes: int,
                rng: np.random.Generator, small_pages: bool, inflight: int = 1, per_task: bool = False,
-               aio_depth: int = 0) -> float:
-    """MiB/s of the engine with ``inflight`` calls outstanding (or of one executor task per read) for one cell."""
+               aio_depth: int = 0) -> tuple[float, float]:
+    """(MiB/s, CPU cores this process used) of the engine with ``inflight`` calls outstanding (or of one
+    executor task per read) for one cell."""
     reader = FlashReader(path, threads=threads, max_chunk_bytes=chunk,  # rows of `chunk`: no coalescing
                          aio_depth=0 if per_task else aio_depth)
     if not reader.direct:
@@ -151,7 +152,7 @@ def engine_run(path: str, size: int, pattern: str, chunk: int, threads: int, sec
     pool = ThreadPoolExecutor(threads) if per_task else None
     pending = collections.deque()
     with reader:
-        cursor, total, t0 = int(rng.integers(0, 1 << 30)), 0, time.perf_counter()
+        cursor, total, t0, cpu0 = int(rng.integers(0, 1 << 30)), 0, time.perf_counter(), os.times()
         while time.perf_counter() - t0 < seconds:
             if len(pending) == inflight:  # the oldest call used the buffer we are about to reuse
                 total += pending.popleft().wait().bytes_requested
@@ -167,10 +168,10 @@ def engine_run(path: str, size: int, pattern: str, chunk: int, threads: int, sec
             cursor += 1
         while pending:
             total += pending.popleft().wait().bytes_requested
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu1 = time.perf_counter() - t0, os.times()
     if pool:
         pool.shutdown()
-    return total / elapsed / MiB
+    return total / elapsed / MiB, (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / elapsed
 
 
 def per_task_read(pool: ThreadPoolExecutor, fd: int, offsets: np.ndarray, dest: np.ndarray) -> int:
@@ -245,7 +246,7 @@ def run(args) -> dict:
     rng = np.random.default_rng()
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.cpu_hogs)]
     busy_before = busy_cpu_seconds()
-    results = {cell: {"engine": [], "fio": [], "per_task": [], "preadv": []} for cell in cells}
+    results = {cell: collections.defaultdict(list) for cell in cells}
     try:
         for r in range(args.rounds):
             for cell in cells:
@@ -263,9 +264,13 @@ def run(args) -> dict:
                     runs.append(("preadv", lambda: engine_run(path, size, *cell, args.seconds, layer_bytes, rng,
                                                               args.small_pages, args.inflight, aio_depth=0)))
                 for name, fn in (runs if r % 2 == 0 else runs[::-1]):  # alternate who goes first
-                    res[name].append(fn())
+                    v = fn()
+                    if isinstance(v, tuple):  # an engine run: (MiB/s, CPU cores used)
+                        v, res[name + "_cpu"] = v[0], res[name + "_cpu"] + [v[1]]
+                    res[name].append(v)
                 print(f"round {r + 1}/{args.rounds} {pattern} {fmt_size(chunk)} x{t}: " +
-                      " ".join(f"{k} {v[-1]:.0f}" for k, v in res.items() if v), file=sys.stderr)
+                      " ".join(f"{k} {v[-1]:.0f}" for k, v in res.items() if v and not k.endswith("_cpu")),
+                      file=sys.stderr)
     finally:
         for h in hogs:
             h.kill()
@@ -279,10 +284,12 @@ def run(args) -> dict:
         ratio = statistics.median(e / f for e, f in zip(res["engine"], res["fio"])) if res["fio"] else None
         row = {"chunk_bytes": chunk, "threads": t, "pattern": pattern, "engine_mibps": round(eng, 1),
                "fio_mibps": None if fio is None else round(fio, 1),
-               "ratio": None if ratio is None else round(ratio, 3)}
+               "ratio": None if ratio is None else round(ratio, 3),
+               "engine_cpu_cores": round(statistics.median(res["engine_cpu"]), 2)}
         for extra in EXTRAS:
             if res[extra]:
                 row[f"{extra}_mibps"] = round(statistics.median(res[extra]), 1)
+                row[f"{extra}_cpu_cores"] = round(statistics.median(res[extra + "_cpu"]), 2)
                 if res["fio"]:
                     row[f"{extra}_ratio"] = round(statistics.median(x / f for x, f in zip(res[extra], res["fio"])), 3)
         rows.append(row)
@@ -295,17 +302,18 @@ def run(args) -> dict:
 
 
 def table(result: dict) -> str:
+    """Markdown: engine and fio per cell, ratio, CPU cores the engine used; then any comparison engines."""
     extras = [e for e in EXTRAS if any(f"{e}_mibps" in r for r in result["rows"])]
-    head = "| pattern | chunk | threads | engine MiB/s | fio MiB/s | engine/fio |"
-    lines = [head + "".join(f" {EXTRAS[e]} MiB/s |" for e in extras),
-             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(extras)]
+    f0 = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    lines = ["| pattern | chunk | threads | engine MiB/s | fio MiB/s | engine/fio | engine CPU cores |" +
+             "".join(f" {EXTRAS[e]} MiB/s | {EXTRAS[e]}/fio | {EXTRAS[e]} CPU cores |" for e in extras),
+             "|---|---:|---:|---:|---:|---:|---:|" + "---:|---:|---:|" * len(extras)]
     for r in result["rows"]:
-        fio = "-" if r["fio_mibps"] is None else f"{r['fio_mibps']:.0f}"
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        line = (f"| {r['pattern']} | {fmt_size(r['chunk_bytes'])} | {r['threads']} | "
-                f"{r['engine_mibps']:.0f} | {fio} | {ratio} |")
+        line = (f"| {r['pattern']} | {fmt_size(r['chunk_bytes'])} | {r['threads']} | {r['engine_mibps']:.0f} | "
+                f"{f0(r['fio_mibps'], '.0f')} | {f0(r['ratio'], '.2f')} | {f0(r.get('engine_cpu_cores'), '.2f')} |")
         for e in extras:
-            line += f" {r[f'{e}_mibps']:.0f} |" if f"{e}_mibps" in r else " - |"
+            line += (f" {f0(r.get(f'{e}_mibps'), '.0f')} | {f0(r.get(f'{e}_ratio'), '.2f')} | "
+                     f"{f0(r.get(f'{e}_cpu_cores'), '.2f')} |")
         lines.append(line)
     return "\n".join(lines)
 

@@ -134,7 +134,7 @@ def measure(run: dict) -> dict:
     t0 = time.perf_counter()
     model = flashllm.load(run["model_dir"], backend=run["backend"], mode=run["mode"], predictor=predictor,
                           dram_budget=run["budget"], window=run.get("window") or 1, threads=run["threads"],
-                          dtype=run.get("dtype"), context=n + 1)
+                          aio_depth=run.get("aio_depth", 0), dtype=run.get("dtype"), context=n + 1)
     load_s = time.perf_counter() - t0
     read_acc, predicted_acc = [0.0], [0]
     plan = model.plan
@@ -206,11 +206,11 @@ def measure(run: dict) -> dict:
     return out
 
 
-def io_engine(manifest, threads: int) -> str:
+def io_engine(manifest, threads: int, aio_depth: int) -> str:
     """How the flash I/O engine reads this model's FFN file here (native AIO or preadv threads)."""
     from flashllm.flashio import FlashReader
 
-    with FlashReader(manifest.path("ffn"), threads=threads) as r:
+    with FlashReader(manifest.path("ffn"), threads=threads, aio_depth=aio_depth) as r:
         if r.engine == "aio":
             return f"{threads} in flight, native AIO from {-(-threads // r.aio_depth)} thread(s)"
         return f"{threads} preadv threads ({'O_DIRECT' if r.direct else 'buffered'})"
@@ -421,8 +421,9 @@ class Runner:
 
 def plan_runs(args, model_dir: Path, unbundled: Path | None, budget: float, predictor: str) -> dict:
     """Every measurement of the report, by name."""
-    base = dict(backend="torch", budget=budget, threads=args.threads, trace=args.trace, seed=args.seed,
-                predictor=predictor, predictor_rank=args.predictor_rank, torch_threads=args.torch_threads)
+    base = dict(backend="torch", budget=budget, threads=args.threads, aio_depth=args.aio_depth, trace=args.trace,
+                seed=args.seed, predictor=predictor, predictor_rank=args.predictor_rank,
+                torch_threads=args.torch_threads)
 
     def run(label, mode, bundled=True, window=None, tokens=args.tokens, warmup=args.warmup, backend="torch", **kw):
         d = model_dir if bundled else unbundled
@@ -894,7 +895,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-unbundled", action="store_true", help="keep an unbundled copy this run wrote")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (bfloat16 for float16 models), float32, "
                    "bfloat16, float16")
-    p.add_argument("--threads", type=int, default=32, help="flash reader threads")
+    p.add_argument("--threads", type=int, default=32, help="flash reads in flight (reader threads)")
+    p.add_argument("--aio-depth", type=int, default=0, help="native AIO reads in flight per thread (0: preadv threads)")
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--backends", type=lambda s: [b for b in s.split(",") if b], default=["torch"])
     p.add_argument("--mlx-max-gb", type=float, default=3.0, help="skip MLX (CPU build, 10-30x slower) above this size")
@@ -1001,7 +1003,7 @@ def main(argv=None) -> dict:
                  "machine": f"{machine_desc}, {os.getloadavg()[0]:.1f} at the end", "code": code_version(), "model_dir": str(model_dir), "model_desc": model_desc(manifest, model_bytes),
                  "model_gb": model_bytes / GB, "budget_gb": budget / GB, "budget_arg": args.dram_budget,
                  "compute": f"torch CPU, {cdt} (storage {manifest.data['dtype']}; --dtype {args.dtype}); "
-                            f"flash reads: {io_engine(manifest, args.threads)}; torch intra-op threads "
+                            f"flash reads: {io_engine(manifest, args.threads, args.aio_depth)}; torch intra-op threads "
                             f"{args.torch_threads or 'default'}",
                  "active_method": method, "memory_limit": memory_limit,
                  "page_cache": "model files (and the unbundled copy) evicted with posix_fadvise(DONTNEED) before "

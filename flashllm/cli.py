@@ -33,7 +33,7 @@ def cmd_generate(args) -> None:
     options = {"context": args.context, "dtype": args.dtype}
     if args.mode != "dense":
         options.update(dram_budget=args.dram_budget, gpu_budget=args.gpu_budget, window=args.window,
-                       threads=args.threads, predictor=args.predictor)
+                       threads=args.threads, aio_depth=args.aio_depth, predictor=args.predictor)
     model = load(args.model_dir, backend=args.backend, device=args.device, mode=args.mode, **options)
     sample = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.json:
@@ -128,7 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-budget", type=_budget, default=None,
                    help="on a GPU: device memory for weights, KV and caches (fraction of the model or bytes)")
     g.add_argument("--window", type=int, default=4, help="sparse mode: keep neurons active in the last K tokens")
-    g.add_argument("--threads", type=int, default=32, help="flash reader threads")
+    g.add_argument("--threads", type=int, default=32, help="flash reads in flight (reader threads)")
+    g.add_argument("--aio-depth", type=int, default=0,
+                   help="Linux, direct I/O: serve the reads with native AIO, this many in flight per thread "
+                        "(less CPU per read; 0: one blocking read per thread)")
     g.add_argument("--context", type=int, default=None, help="KV cache length (default min(model, 4096))")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)

@@ -11,9 +11,9 @@ from .format import FFNLayout
 class FFNReader:
     """One read per neuron (bundled layout) or per neuron and part (unbundled), coalesced by the engine."""
 
-    def __init__(self, path, layout: FFNLayout, threads: int):
+    def __init__(self, path, layout: FFNLayout, threads: int, aio_depth: int = 0):
         self.layout = layout
-        self.io = FlashReader(path, threads=threads)
+        self.io = FlashReader(path, threads=threads, aio_depth=aio_depth)
 
     def read(self, layer: int, ids: np.ndarray, dest: np.ndarray, dest_rows: np.ndarray) -> IOStats:
         """Neuron ids[k] of `layer` into row dest_rows[k] of `dest` (uint8, >= stride bytes per row)."""

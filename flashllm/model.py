@@ -41,16 +41,18 @@ class Model:
                  predictor: str = "lowrank", dram_budget: float | int | None = None, window: int = 4,
                  threads: int = 32, dtype: str | None = None, context: int | None = None,
                  verify: bool | None = None, hybrid_fraction: float | None = None,
-                 gpu_budget: float | int | None = None):
+                 gpu_budget: float | int | None = None, aio_depth: int = 0):
         """Options: `device` None lets the backend choose (torch: cpu; mlx: Metal where present),
         `dram_budget` a fraction of the model size or bytes (None: unlimited), `window`
-        tokens whose neurons stay cached (sparse), `threads` flash readers, `dtype` compute dtype,
+        tokens whose neurons stay cached (sparse), `threads` flash reads in flight (`aio_depth` > 0: of
+        them per native-AIO thread, see flashio.FlashReader), `dtype` compute dtype,
         `context` KV cache length, `verify` checksums (None: files up to 256 MiB); on a GPU, weights,
         KV and caches count against `gpu_budget` and host staging against `dram_budget`."""
         if mode not in MODES:
             raise FlashLLMError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
         self.manifest = fmt.read_manifest(model_dir, verify=verify)
         self.spec, self.layout, self.mode = self.manifest.spec, self.manifest.layout, mode
+        self.aio_depth = aio_depth
         self.context = min(context or DEFAULT_CONTEXT, self.spec.max_positions)
         if self.context < 1:
             raise FlashLLMError(f"context {context}: must be at least 1")

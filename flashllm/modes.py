@@ -77,7 +77,7 @@ class StreamingPlan:
 
     def __init__(self, model, threads: int):
         self.model, self.lay = model, model.layout
-        self.reader = FFNReader(model.manifest.path("ffn"), model.layout, threads)
+        self.reader = FFNReader(model.manifest.path("ffn"), model.layout, threads, model.aio_depth)
 
     def before_layer(self, layer: int, cost) -> None:
         pass
@@ -108,7 +108,7 @@ class NaivePlan(StreamingPlan):
             end = max(st.entries[n]["data_offsets"][1] for n in names)
             self.spans.append((st.data_start + begin, end - begin, names))
         self.st = st
-        self.attn_reader = FlashReader(st.path, threads=threads)
+        self.attn_reader = FlashReader(st.path, threads=threads, aio_depth=model.aio_depth)
         self.attn_buf = model.backend.host_buffer((max(n for _, n, _ in self.spans),))
         self.ffn_buf = model.backend.host_buffer((self.lay.d_ffn, self.lay.stride))
         needed = model.counted(self.host_bytes(), model.backend.nbytes() + self.device_bytes())

@@ -23,9 +23,10 @@ def dense_logits():
     return get
 
 
-@pytest.mark.parametrize("window", [1, 4])
-def test_sparse_oracle_matches_dense(tiny, dense_logits, window):
-    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=window, threads=4)
+@pytest.mark.parametrize("window, aio_depth", [(1, 0), (4, 2)])  # preadv threads; native AIO where available
+def test_sparse_oracle_matches_dense(tiny, dense_logits, window, aio_depth):
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=window, threads=4,
+                          aio_depth=aio_depth)
     np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
     stats = model.stats
     assert stats["decode_tokens"] == len(IDS) - PREFILL
@@ -36,9 +37,9 @@ def test_sparse_oracle_matches_dense(tiny, dense_logits, window):
     assert stats["bytes_read"] - stats["bytes_wasted"] == pytest.approx(loaded * lay.stride)
 
 
-@pytest.mark.parametrize("mode", ["naive", "hybrid"])
-def test_streaming_modes_match_dense(tiny, dense_logits, mode):
-    model = flashllm.load(tiny.model_dir, mode=mode, threads=4)
+@pytest.mark.parametrize("mode, aio_depth", [("naive", 2), ("hybrid", 0)])
+def test_streaming_modes_match_dense(tiny, dense_logits, mode, aio_depth):
+    model = flashllm.load(tiny.model_dir, mode=mode, threads=4, aio_depth=aio_depth)
     np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
 
 

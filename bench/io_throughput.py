@@ -266,7 +266,8 @@ def run(args) -> dict:
                 for name, fn in (runs if r % 2 == 0 else runs[::-1]):  # alternate who goes first
                     v = fn()
                     if isinstance(v, tuple):  # an engine run: (MiB/s, CPU cores used)
-                        v, res[name + "_cpu"] = v[0], res[name + "_cpu"] + [v[1]]
+                        v, cpu = v
+                        res[name + "_cpu"].append(cpu)
                     res[name].append(v)
                 print(f"round {r + 1}/{args.rounds} {pattern} {fmt_size(chunk)} x{t}: " +
                       " ".join(f"{k} {v[-1]:.0f}" for k, v in res.items() if v and not k.endswith("_cpu")),

@@ -9,6 +9,7 @@ reaps them in another, with the request records built by numpy. Only used for O_
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import platform
 import sys
@@ -22,7 +23,6 @@ IOCB = np.dtype([("data", "<u8"), ("key", "<u4"), ("rw_flags", "<i4"), ("opcode"
 EVENT = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8")])
 _CMD_PREAD = 0
 _SYSCALLS = {"x86_64": (206, 207, 209, 208), "aarch64": (0, 1, 2, 4)}  # setup, destroy, submit, getevents
-_EINTR = 4
 
 
 def _libc():
@@ -86,7 +86,7 @@ class AioContext:
                                 ctypes.c_void_p(ptrs.ctypes.data + 8 * done))
             if got < 0:
                 err = ctypes.get_errno()
-                if err != _EINTR:
+                if err != errno.EINTR:
                     raise OSError(err, os.strerror(err))
                 continue
             done += got
@@ -99,5 +99,5 @@ class AioContext:
             if got >= 0:
                 return self.events[:got]
             err = ctypes.get_errno()
-            if err != _EINTR:
+            if err != errno.EINTR:
                 raise OSError(err, os.strerror(err))  # cannot happen with a valid context

@@ -239,8 +239,7 @@ def _shutdown(fd: int, queues: list, threads: list, aios: list) -> None:
         if t is not threading.current_thread():
             t.join()
     for a in aios:
-        if a is not None:
-            a.close()
+        a.close()
     os.close(fd)
 
 
@@ -256,9 +255,9 @@ class FlashReader:
 
     def __init__(self, path, threads: int = 32, max_chunk_bytes: int = 1 << 20, direct: bool = True,
                  aio_depth: int = 0):
-        if threads < 1 or max_chunk_bytes < 1:
-            raise FlashIOError(f"{path}: threads and max_chunk_bytes must be >= 1, "
-                               f"got {threads} and {max_chunk_bytes}")
+        if threads < 1 or max_chunk_bytes < 1 or aio_depth < 0:
+            raise FlashIOError(f"{path}: threads and max_chunk_bytes must be >= 1 and aio_depth >= 0, "
+                               f"got {threads}, {max_chunk_bytes} and {aio_depth}")
         self.path = os.fspath(path)
         self.threads, self.max_chunk_bytes = int(threads), int(max_chunk_bytes)
         self.direct, self.alignment, self.mem_alignment = False, 1, 1

@@ -232,6 +232,9 @@ def test_out_of_range_and_malformed_requests_raise(data_file):
             r.read_range(FILE_BYTES - 10, 11, aligned_empty(11, np.uint8))
         with pytest.raises(FlashIOError, match="dest holds 10 bytes"):
             r.read_range(0, 11, aligned_empty(10, np.uint8))
+    for kw in ({"threads": 0}, {"max_chunk_bytes": 0}, {"aio_depth": -1}):
+        with pytest.raises(FlashIOError, match="must be >= 1 and aio_depth >= 0"):
+            FlashReader(path, **kw)
 
 
 def test_closed_reader_raises_and_threads_are_gone(data_file):

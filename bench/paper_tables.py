@@ -55,7 +55,7 @@ import numpy as np
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # run from a checkout
 from flashllm import format as fmt  # noqa: E402
-from flashllm.modes import budget_bytes  # noqa: E402
+from flashllm.budget import budget_bytes, parse_budget  # noqa: E402
 
 GB = 1e9  # decimal, as the paper (13.4 GB = 6.7e9 float16 parameters)
 MiB = 1 << 20
@@ -877,7 +877,8 @@ def parse_list(text: str) -> list[int]:
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", nargs="?")
-    p.add_argument("--dram-budget", type=float, default=0.5, help="fraction of the model size (<= 1) or bytes")
+    p.add_argument("--dram-budget", type=parse_budget, default=0.5,
+                   help="a fraction of the model (0.5, 50%%), a size (6GiB) or bytes (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=32, help="measured decode tokens per sparse run")
     p.add_argument("--warmup", type=int, default=8, help="decode tokens before the measured ones (sparse runs)")
     p.add_argument("--naive-tokens", type=int, default=3)

@@ -9,14 +9,63 @@ import sys
 from .errors import FlashLLMError
 
 
-def _budget(text: str) -> float:
-    """A DRAM budget: a fraction of the model size (0 < f <= 1) or a byte count (e.g. 6e9, 512MiB)."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1e3, "mb": 1e6, "gb": 1e9}
-    low = text.strip().lower()
-    for suffix, mult in units.items():
-        if low.endswith(suffix):
-            return float(low[: -len(suffix)]) * mult
-    return float(low)
+def _budget(text: str):
+    """argparse type for budgets: see flashllm.budget for the accepted forms."""
+    from .budget import parse_budget
+
+    try:
+        return parse_budget(text)
+    except FlashLLMError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_load_options(parser: argparse.ArgumentParser) -> None:
+    """Every LoadOptions field as a CLI option, with its default and a line of help (generate, serve, chat)."""
+    from .modes import PLANS
+    from .options import BACKENDS, DTYPES, ON_OVERFLOW, LoadOptions
+    from .predictor import PREDICTORS
+
+    d = LoadOptions()
+    g = parser.add_argument_group("loading")
+    g.add_argument("--backend", default=d.backend, choices=BACKENDS, help="array library (default: %(default)s)")
+    g.add_argument("--device", default=d.device,
+                   help="cpu, cuda or gpu (default: torch cpu, mlx Metal where present)")
+    g.add_argument("--dtype", choices=DTYPES, default=d.dtype,
+                   help="compute dtype (default: the storage dtype; float32 for float16 files on a CPU)")
+    g.add_argument("--mode", default=d.mode, choices=list(PLANS), help="how layer weights are obtained: " + "; ".join(
+        f"{name}: {cls.summary}" for name, cls in PLANS.items())
+        + " (default: %(default)s)")
+    g.add_argument("--predictor", default=d.predictor, choices=list(PREDICTORS),
+                   help="sparse mode: trained low-rank predictors, the true activations (oracle), or a "
+                   "ReLU-gated model's own gate projection kept resident (gate) (default: %(default)s)")
+    g.add_argument("--dram-budget", type=_budget, default=d.dram_budget, metavar="BUDGET",
+                   help="DRAM for weights, caches and KV: a fraction of the model (0.5 or 50%%), a size (6GiB, "
+                   "700MiB, 20M) or bytes (default: unlimited, as in the Python API)")
+    g.add_argument("--gpu-budget", type=_budget, default=d.gpu_budget, metavar="BUDGET",
+                   help="on a GPU: device memory for weights, KV and caches, same forms (default: unlimited)")
+    g.add_argument("--window", type=int, default=d.window,
+                   help="sparse mode: keep neurons active in the last K tokens (default: %(default)s)")
+    g.add_argument("--on-overflow", default=d.on_overflow, choices=ON_OVERFLOW,
+                   help="sparse mode, when a token's predicted neurons exceed a layer's cache: drop the "
+                   "lowest-scored ones (warned once on stderr) or stop with an error (default: %(default)s)")
+    g.add_argument("--hybrid-fraction", type=float, default=d.hybrid_fraction,
+                   help="hybrid mode: share of each FFN kept resident (default: sized by the budget)")
+    g.add_argument("--threads", type=int, default=d.threads, help="flash reads in flight (default: %(default)s)")
+    g.add_argument("--aio-depth", type=int, default=d.aio_depth,
+                   help="Linux, direct I/O: serve the reads with native AIO, this many in flight per thread "
+                        "(less CPU per read; 0: one blocking read per thread) (default: %(default)s)")
+    g.add_argument("--context", type=int, default=d.context,
+                   help="KV cache length (default: min(model, 4096))")
+
+
+def load_options(args: argparse.Namespace):
+    """The LoadOptions that `add_load_options` parsed."""
+    import dataclasses
+
+    from .options import LoadOptions
+
+    return LoadOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LoadOptions)
+                          if hasattr(args, f.name)})
 
 
 def cmd_convert(args) -> None:
@@ -30,11 +79,7 @@ def cmd_convert(args) -> None:
 def cmd_generate(args) -> None:
     from . import load
 
-    options = {"context": args.context, "dtype": args.dtype}
-    if args.mode != "dense":
-        options.update(dram_budget=args.dram_budget, gpu_budget=args.gpu_budget, window=args.window,
-                       threads=args.threads, aio_depth=args.aio_depth, predictor=args.predictor)
-    model = load(args.model_dir, backend=args.backend, device=args.device, mode=args.mode, **options)
+    model = load(args.model_dir, load_options(args))
     sample = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.json:
         ids = model.tokenizer.encode(args.prompt)
@@ -115,24 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("model_dir")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--backend", default="torch", choices=["torch", "mlx"])
-    g.add_argument("--device", default=None, help="cpu, cuda or gpu (default: torch cpu, mlx Metal where present)")
-    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="compute dtype (default: the storage dtype; float32 for float16 files on a CPU)")
-    g.add_argument("--mode", default="dense", choices=["dense", "naive", "hybrid", "sparse"])
-    g.add_argument("--predictor", default="lowrank", choices=["lowrank", "oracle", "gate"],
-                   help="sparse mode: trained low-rank predictors, the true activations (oracle), or a "
-                   "ReLU-gated model's own gate projection kept resident (gate)")
-    g.add_argument("--dram-budget", type=_budget, default=0.5,
-                   help="DRAM for weights, caches and KV: a fraction of the model size or bytes (e.g. 6GiB)")
-    g.add_argument("--gpu-budget", type=_budget, default=None,
-                   help="on a GPU: device memory for weights, KV and caches (fraction of the model or bytes)")
-    g.add_argument("--window", type=int, default=4, help="sparse mode: keep neurons active in the last K tokens")
-    g.add_argument("--threads", type=int, default=32, help="flash reads in flight (reader threads)")
-    g.add_argument("--aio-depth", type=int, default=0,
-                   help="Linux, direct I/O: serve the reads with native AIO, this many in flight per thread "
-                        "(less CPU per read; 0: one blocking read per thread)")
-    g.add_argument("--context", type=int, default=None, help="KV cache length (default min(model, 4096))")
+    add_load_options(g)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)

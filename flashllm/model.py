@@ -12,15 +12,15 @@ import torch
 
 from . import format as fmt
 from . import modes
+from .budget import budget_bytes, counted, row_bytes, too_small
 from .errors import FlashLLMError
 from .ffn_reader import FFNReader
 from .generate import generate_tokens
-from .predictor import make_predictor
+from .options import LoadOptions
 from .st_io import SafetensorsFile
 from .stats import TokenCost, summarize
 from .tokenizer import Tokenizer
 
-MODES = ("dense", "naive", "hybrid", "sparse")
 DEFAULT_CONTEXT = 4096
 
 
@@ -37,50 +37,29 @@ def make_backend(name: str, spec, device: str, dtype: str | None, storage_dtype,
 class Model:
     """A loaded model. `logits`, `generate` and `stream` run the same per-token path."""
 
-    def __init__(self, model_dir: str | Path, backend: str = "torch", device: str | None = None, mode: str = "dense",
-                 predictor: str = "lowrank", dram_budget: float | int | None = None, window: int = 4,
-                 threads: int = 32, dtype: str | None = None, context: int | None = None,
-                 verify: bool | None = None, hybrid_fraction: float | None = None,
-                 gpu_budget: float | int | None = None, aio_depth: int = 0):
-        """Options: `device` None lets the backend choose (torch: cpu; mlx: Metal where present),
-        `dram_budget` a fraction of the model size or bytes (None: unlimited), `window`
-        tokens whose neurons stay cached (sparse), `threads` flash reads in flight (`aio_depth` > 0: of
-        them per native-AIO thread, see flashio.FlashReader), `dtype` compute dtype,
-        `context` KV cache length, `verify` checksums (None: files up to 256 MiB); on a GPU, weights,
+    def __init__(self, model_dir: str | Path, options: LoadOptions | None = None, **changes):
+        """`options` (see LoadOptions; keyword `changes` override single fields). On a GPU, weights,
         KV and caches count against `gpu_budget` and host staging against `dram_budget`."""
-        if mode not in MODES:
-            raise FlashLLMError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
-        self.manifest = fmt.read_manifest(model_dir, verify=verify)
-        self.spec, self.layout, self.mode = self.manifest.spec, self.manifest.layout, mode
-        self.aio_depth = aio_depth
-        self.context = min(context or DEFAULT_CONTEXT, self.spec.max_positions)
-        if self.context < 1:
-            raise FlashLLMError(f"context {context}: must be at least 1")
-        self.backend = make_backend(backend, self.spec, device, dtype, self.manifest.dtype, self.context)
+        self.options = opts = LoadOptions.of(options, **changes)
+        self.manifest = fmt.read_manifest(model_dir, verify=opts.verify)
+        self.spec, self.layout, self.mode = self.manifest.spec, self.manifest.layout, opts.mode
+        self.context = min(opts.context or DEFAULT_CONTEXT, self.spec.max_positions)
+        self.backend = make_backend(opts.backend, self.spec, opts.device, opts.dtype, self.manifest.dtype, self.context)
         self._tokenizer = None
         self._loader = None
         self._costs: list[TokenCost] = []
-        self._load_resident(skip_layers=mode == "naive")
+        self._load_resident(skip_layers=opts.mode == "naive")
         self.model_bytes = sum(e["size"] for k, e in self.manifest.data["files"].items() if k in ("resident", "ffn"))
-        self.dram_budget = modes.budget_bytes(dram_budget, self.model_bytes)
-        self.gpu_budget = modes.budget_bytes(gpu_budget, self.model_bytes)
-        budget = self.gpu_budget if self.backend.on_gpu else self.dram_budget
-        if mode == "dense":
-            self.plan = modes.DensePlan(self)
-        elif mode == "naive":
-            self.plan = modes.NaivePlan(self, budget, threads)
-        elif mode == "hybrid":
-            self.plan = modes.HybridPlan(self, budget, threads, hybrid_fraction)
-        else:
-            self.predictor = make_predictor(predictor, self)
-            self.plan = modes.SparsePlan(self, budget, threads, window, self.predictor)
+        self.dram_budget = budget_bytes(opts.dram_budget, self.model_bytes)
+        self.gpu_budget = budget_bytes(opts.gpu_budget, self.model_bytes)
+        self.plan = modes.PLANS[opts.mode](self, self.gpu_budget if self.backend.on_gpu else self.dram_budget, opts)
+        self.predictor = getattr(self.plan, "predictor", None)
         if self._loader is not None:
             self._loader.close()
             self._loader = None
         host, _ = self.memory()
         if self.backend.on_gpu and self.dram_budget is not None and host > self.dram_budget:
-            raise FlashLLMError(f"DRAM budget {self.dram_budget / 2**30:.3f} GiB is too small for the host "
-                                f"staging buffers ({host / 2**30:.3f} GiB)")
+            raise too_small(self.dram_budget, host, "the host staging buffers", self.model_bytes, [])
 
     # -- loading -------------------------------------------------------------------------------
     def _load_resident(self, skip_layers: bool) -> None:
@@ -114,10 +93,8 @@ class Model:
 
     def compute_row_bytes(self) -> int:
         """DRAM one cached neuron costs: its bundle in the compute dtype plus per-row biases."""
-        lay, B = self.layout, self.backend
-        elems = lay.bundle_bytes // lay.itemsize
-        row = lay.stride if B.reads_in_place(self.manifest.dtype) else elems * B.dtype.itemsize
-        return row + 2 * B.dtype.itemsize
+        B = self.backend
+        return row_bytes(self.layout, B.reads_in_place(self.manifest.dtype), B.dtype.itemsize)
 
     def max_layer_bytes(self) -> int:
         """DRAM one layer's weights (resident tensors and FFN) take in the compute dtype."""
@@ -178,7 +155,7 @@ class Model:
 
     def counted(self, host: int, device: int) -> int:
         """What of (host, device) bytes counts against the budget that sizes the caches."""
-        return device if self.backend.on_gpu else host + device
+        return counted(host, device, self.backend.on_gpu)
 
     def dram_bytes(self) -> int:
         """DRAM held by the runtime (on a GPU: only the host buffers; the rest is `gpu_bytes`)."""

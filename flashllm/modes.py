@@ -8,37 +8,36 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import FlashLLMError
+from . import budget as budget_mod
+from .budget import split_rows  # noqa: F401  (re-exported: cache sizing lives in budget)
 from .ffn_reader import FFNReader
 from .flashio import FlashReader
 from .neuron_cache import NeuronCache
+from .predictor import make_predictor
 from .st_io import SafetensorsFile
 
-GiB = 1 << 30
 
 
-def budget_bytes(dram_budget: float | int | None, model_bytes: int) -> int | None:
-    """A budget given as a fraction of the model size (<= 1) or as bytes (> 1); None: unlimited."""
-    if dram_budget is None:
-        return None
-    if dram_budget <= 0:
-        raise FlashLLMError(f"dram_budget {dram_budget}: must be positive (a fraction of the model or bytes)")
-    return int(dram_budget * model_bytes) if dram_budget <= 1 else int(dram_budget)
-
-
-def _too_small(model, budget: int, needed: int, what: str) -> FlashLLMError:
-    return FlashLLMError(f"DRAM budget {budget / GiB:.3f} GiB is too small: {what} alone need "
-                         f"{needed / GiB:.3f} GiB (model size {model.model_bytes / GiB:.3f} GiB)")
+def _too_small(model, budget: int, needed: int, what: str):
+    """The "budget too small" error of a plan, with the smallest budget and what would lower it."""
+    B = model.backend
+    option = "--gpu-budget" if B.on_gpu else "--dram-budget"
+    hints = budget_mod.lowering_hints(model.mode, B.dtype.itemsize, B.kv_bytes(), needed)
+    return budget_mod.too_small(budget, needed, what, model.model_bytes, hints, option)
 
 
 class DensePlan:
     """Every FFN weight resident: the correctness reference."""
 
-    name = "dense"
+    summary = "all weights resident (the reference)"
 
-    def __init__(self, model):
+
+    def __init__(self, model, budget: int | None, options):
         self.model = model
         self.rows = [model.bundle_rows(model.read_layer_block(i)) for i in range(model.spec.n_layers)]
+        needed = model.counted(0, model.backend.nbytes() + self.device_bytes())
+        if budget is not None and needed > budget:
+            raise _too_small(model, budget, needed, "all weights and the KV cache")
 
     def before_layer(self, layer: int, cost) -> None:
         pass
@@ -57,27 +56,12 @@ class DensePlan:
         pass
 
 
-def split_rows(total: int, weights: list[float], cap: int) -> list[int]:
-    """Share `total` cache rows among layers in proportion to `weights`, at most `cap` each;
-    rows a capped layer cannot use go to the others."""
-    rows, open_ = [0] * len(weights), list(range(len(weights)))
-    while open_ and sum(rows) < total:
-        left, wsum = total - sum(rows), sum(weights[i] for i in open_)
-        for i in open_:
-            rows[i] = min(cap, rows[i] + max(1, int(left * weights[i] / wsum)))
-        open_ = [i for i in open_ if rows[i] < cap]
-    excess = sum(rows) - total  # the max(1, ...) above may overshoot by a few rows
-    for i in sorted(range(len(rows)), key=lambda i: -rows[i])[:max(excess, 0)]:
-        rows[i] -= 1
-    return rows
-
-
 class StreamingPlan:
     """Shared by the flash-reading plans: the FFN reader and a dense read of neuron ranges."""
 
-    def __init__(self, model, threads: int):
+    def __init__(self, model, options):
         self.model, self.lay = model, model.layout
-        self.reader = FFNReader(model.manifest.path("ffn"), model.layout, threads, model.aio_depth)
+        self.reader = FFNReader(model.manifest.path("ffn"), model.layout, options.threads, options.aio_depth)
 
     def before_layer(self, layer: int, cost) -> None:
         pass
@@ -96,10 +80,11 @@ class StreamingPlan:
 class NaivePlan(StreamingPlan):
     """No layer weights resident: every token reads each layer's attention and FFN from flash."""
 
-    name = "naive"
+    summary = "every layer read from flash per token"
 
-    def __init__(self, model, budget: int | None, threads: int):
-        super().__init__(model, threads)
+
+    def __init__(self, model, budget: int | None, options):
+        super().__init__(model, options)
         st = SafetensorsFile(model.manifest.path("resident"))
         self.spans = []
         for i in range(model.spec.n_layers):
@@ -108,7 +93,7 @@ class NaivePlan(StreamingPlan):
             end = max(st.entries[n]["data_offsets"][1] for n in names)
             self.spans.append((st.data_start + begin, end - begin, names))
         self.st = st
-        self.attn_reader = FlashReader(st.path, threads=threads, aio_depth=model.aio_depth)
+        self.attn_reader = FlashReader(st.path, threads=options.threads, aio_depth=options.aio_depth)
         self.attn_buf = model.backend.host_buffer((max(n for _, n, _ in self.spans),))
         self.ffn_buf = model.backend.host_buffer((self.lay.d_ffn, self.lay.stride))
         needed = model.counted(self.host_bytes(), model.backend.nbytes() + self.device_bytes())
@@ -149,25 +134,20 @@ class NaivePlan(StreamingPlan):
 class HybridPlan(StreamingPlan):
     """The first `resident_rows` neurons of each FFN stay resident; the rest is re-read densely per token."""
 
-    name = "hybrid"
+    summary = "part of each FFN resident, the rest read densely per token"
 
-    def __init__(self, model, budget: int | None, threads: int, resident_fraction: float | None = None):
-        super().__init__(model, threads)
+
+    def __init__(self, model, budget: int | None, options):
+        super().__init__(model, options)
         lay, L = self.lay, model.spec.n_layers
         row = model.compute_row_bytes()
         base = model.counted(lay.d_ffn * lay.stride, model.backend.nbytes())  # + one layer's read buffer
-        if resident_fraction is not None:
-            h = int(resident_fraction * lay.d_ffn)
-        elif budget is None:
-            h = lay.d_ffn // 2
-        else:
-            # L*h resident rows + the (d_ffn - h) streamed rows of one layer, live while it computes
-            avail = budget - base - lay.d_ffn * row
-            if avail < 0:
-                raise _too_small(model, budget, base + lay.d_ffn * row,
-                                 "resident weights, KV cache and one layer's streamed FFN")
-            h = min(lay.d_ffn, avail // (L * row))
-        self.h = max(0, min(lay.d_ffn, h))
+        # L*h resident rows + the (d_ffn - h) streamed rows of one layer, live while it computes
+        avail = None if budget is None else budget - base - lay.d_ffn * row
+        if avail is not None and avail < 0 and options.hybrid_fraction is None:
+            raise _too_small(model, budget, base + lay.d_ffn * row,
+                             "resident weights, KV cache and one layer's streamed FFN")
+        self.h = budget_mod.hybrid_resident_rows(avail, row, L, lay.d_ffn, options.hybrid_fraction)
         self.resident = [model.bundle_rows(model.read_layer_block(i)[:self.h]) for i in range(L)] if self.h else []
         self.buf = model.backend.host_buffer((lay.d_ffn - self.h, lay.stride)) if self.h < lay.d_ffn else None
 
@@ -199,26 +179,22 @@ class HybridPlan(StreamingPlan):
 class SparsePlan(StreamingPlan):
     """Predicted neurons streamed into per-layer sliding-window caches (paper §3.1-3.3)."""
 
-    name = "sparse"
+    summary = "predicted neurons streamed into sliding-window caches"
+
     RANDOM_READ_PENALTY = 1.5  # a bundle read costs about this much more per byte than a sequential one
 
-    def __init__(self, model, budget: int | None, threads: int, window: int, predictor):
-        super().__init__(model, threads)
-        if window < 1:
-            raise FlashLLMError(f"window {window}: must be at least 1 (tokens whose neurons stay cached)")
-        self.window, self.predictor = window, predictor
+    def __init__(self, model, budget: int | None, options):
+        super().__init__(model, options)
+        self.window, self.predictor = options.window, make_predictor(options.predictor, model)
         lay, L, B = self.lay, model.spec.n_layers, model.backend
-        base = B.nbytes() + predictor.nbytes()
+        base = model.counted(B.staging_bytes(lay.stride), B.nbytes() + self.predictor.nbytes())
         row = model.compute_row_bytes()
-        if budget is None:
-            self.capacities = [lay.d_ffn] * L
-        else:
-            avail = budget - model.counted(B.staging_bytes(lay.stride), base)
-            if avail < L * row:
-                raise _too_small(model, budget, base + L * row,
-                                 "resident weights, KV cache, predictors and one cached neuron per layer")
-            need = getattr(predictor, "expected_fraction", lambda: None)() or [1.0] * L
-            self.capacities = split_rows(avail // row, need, lay.d_ffn)
+        avail = None if budget is None else budget - base
+        if avail is not None and avail < L * row:
+            raise _too_small(model, budget, base + L * row,
+                             "resident weights, KV cache, staging, predictors and one cached neuron per layer")
+        need = getattr(self.predictor, "expected_fraction", lambda: None)()
+        self.capacities = budget_mod.sparse_capacities(avail, row, L, lay.d_ffn, need)
         self.caches = []
         for i, capacity in enumerate(self.capacities):
             up_b, gate_b, _ = model.ffn_biases[i]
@@ -295,3 +271,7 @@ class SparsePlan(StreamingPlan):
 
     def device_bytes(self) -> int:
         return sum(c.store.nbytes() for c in self.caches) + self.predictor.nbytes()
+
+
+# Every mode, by the name the API and the CLI use; each plan's docstring line is its description.
+PLANS = {"dense": DensePlan, "naive": NaivePlan, "hybrid": HybridPlan, "sparse": SparsePlan}

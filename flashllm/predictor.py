@@ -133,14 +133,14 @@ class LowRankPredictor:
         return sum(self.backend.nbytes_of(t) for ts in (self.A, self.B, self.b) for t in ts)
 
 
+# Every predictor, by the name the API and the CLI use.
+PREDICTORS = {"lowrank": LowRankPredictor, "oracle": OraclePredictor, "gate": GatePredictor}
+
+
 def make_predictor(kind, model):
     """A predictor by name, or built by `kind(model)` when kind is a callable (benchmarks' traces)."""
     if callable(kind):
         return kind(model)
-    if kind == "oracle":
-        return OraclePredictor(model)
-    if kind == "lowrank":
-        return LowRankPredictor(model)
-    if kind == "gate":
-        return GatePredictor(model)
-    raise FlashLLMError(f"predictor {kind!r}: expected lowrank, oracle or gate")
+    if kind not in PREDICTORS:
+        raise FlashLLMError(f"predictor {kind!r}: expected one of {', '.join(PREDICTORS)}")
+    return PREDICTORS[kind](model)

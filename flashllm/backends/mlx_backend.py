@@ -127,6 +127,9 @@ class MLXBackend:
         """Bytes held: resident weights plus the KV cache."""
         return sum(map(self.nbytes_of, self.w.values())) + sum(map(self.nbytes_of, self.k_cache + self.v_cache))
 
+    def kv_bytes(self) -> int:
+        return sum(map(self.nbytes_of, self.k_cache + self.v_cache))
+
     @staticmethod
     def nbytes_of(t: mx.array) -> int:
         return int(t.nbytes)

@@ -66,6 +66,9 @@ class TorchBackend:
         """Bytes held: resident weights plus the KV cache."""
         return sum(map(self.nbytes_of, self.w.values())) + 2 * self.nbytes_of(self.k_cache)
 
+    def kv_bytes(self) -> int:
+        return 2 * self.nbytes_of(self.k_cache)
+
     @staticmethod
     def nbytes_of(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()

@@ -1,0 +1,73 @@
+"""How a model is loaded: one frozen options object shared by the Python API, the CLI and bench."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from .budget import parse_budget
+from .errors import FlashLLMError
+
+BACKENDS = ("torch", "mlx")
+DTYPES = ("float32", "float16", "bfloat16")
+ON_OVERFLOW = ("drop", "error")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Everything `flashllm.load` takes besides the model directory; validated on construction.
+
+    Budgets are parsed by `budget.parse_budget` (None: unlimited, the default everywhere).
+    """
+
+    backend: str = "torch"
+    device: str | None = None  # None: torch cpu, mlx Metal where present
+    mode: str = "dense"  # a key of modes.PLANS
+    predictor: str | Callable = "lowrank"  # sparse mode: a key of predictor.PREDICTORS, or a builder
+    dram_budget: float | int | str | None = None
+    gpu_budget: float | int | str | None = None
+    window: int = 4  # sparse: tokens whose neurons stay cached
+    threads: int = 32  # flash reads in flight
+    aio_depth: int = 0  # > 0: native AIO with this many reads in flight per thread
+    dtype: str | None = None  # compute dtype; None: the storage dtype
+    context: int | None = None  # KV cache length; None: min(model, 4096)
+    verify: bool | None = None  # checksums at load: None small files (FFN layers verified on first full read)
+    hybrid_fraction: float | None = None  # hybrid: resident share of each FFN (None: sized by the budget)
+    on_overflow: str = "drop"  # sparse: when a token's predicted set exceeds a cache, drop (warned) or error
+
+    def __post_init__(self):
+        from .modes import PLANS
+        from .predictor import PREDICTORS
+
+        def check(ok: bool, what: str):
+            if not ok:
+                raise FlashLLMError(what)
+
+        check(self.backend in BACKENDS, f"backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        check(self.mode in PLANS, f"mode {self.mode!r}: expected one of {', '.join(PLANS)}")
+        check(callable(self.predictor) or self.predictor in PREDICTORS,
+              f"predictor {self.predictor!r}: expected one of {', '.join(PREDICTORS)}")
+        check(self.dtype is None or self.dtype in DTYPES, f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        check(self.on_overflow in ON_OVERFLOW, f"on_overflow {self.on_overflow!r}: expected drop or error")
+        check(isinstance(self.window, int) and self.window >= 1,
+              f"window {self.window}: must be at least 1 (tokens whose neurons stay cached)")
+        check(isinstance(self.threads, int) and self.threads >= 1, f"threads {self.threads}: must be at least 1")
+        check(isinstance(self.aio_depth, int) and self.aio_depth >= 0, f"aio_depth {self.aio_depth}: must be >= 0")
+        check(self.context is None or self.context >= 1, f"context {self.context}: must be at least 1")
+        check(self.hybrid_fraction is None or 0 <= self.hybrid_fraction <= 1,
+              f"hybrid_fraction {self.hybrid_fraction}: expected a value in [0, 1]")
+        for name in ("dram_budget", "gpu_budget"):
+            object.__setattr__(self, name, parse_budget(getattr(self, name)))
+
+    def replace(self, **changes) -> "LoadOptions":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def of(cls, options: "LoadOptions | None" = None, **changes) -> "LoadOptions":
+        """`options` (or the defaults) with keyword changes; unknown names are a clear error."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(changes) - fields)
+        if unknown:
+            raise FlashLLMError(f"unknown load option(s) {', '.join(unknown)}; expected {', '.join(sorted(fields))}")
+        return dataclasses.replace(options or cls(), **changes)

@@ -1,0 +1,79 @@
+"""Load options: one dataclass for API and CLI, the budget syntax, agreeing defaults, helpful errors."""
+
+import dataclasses
+import re
+
+import pytest
+
+import flashllm
+from flashllm.budget import GiB, MiB, parse_budget
+from flashllm.cli import build_parser, load_options, main
+from flashllm.modes import PLANS
+from flashllm.options import LoadOptions
+
+
+@pytest.mark.parametrize("text, value", [
+    ("0.5", 0.5), ("1", 1.0), ("50%", 0.5), ("100%", 1.0), ("6GiB", 6 * GiB), ("700MiB", 700 * MiB),
+    ("20M", 20 * MiB), ("1.5GB", 1_500_000_000), ("6e9", 6_000_000_000), ("123456", 123456), (" 2 gib ", 2 * GiB),
+])
+def test_budget_forms(text, value):
+    parsed = parse_budget(text)
+    assert parsed == value and type(parsed) is type(value)
+
+
+@pytest.mark.parametrize("text", ["1.5", "100", "abc", "0", "-1", "0%", "150%", "5 parsecs", "", "2KB", "nan"])
+def test_budget_nonsense_is_an_error(text):
+    with pytest.raises(flashllm.FlashLLMError, match="budget"):
+        parse_budget(text)
+
+
+def test_cli_rejects_a_bad_budget_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "somewhere", "--prompt", "x", "--dram-budget", "1.5"])
+    assert exc.value.code != 0
+    err = capsys.readouterr().err
+    assert "1.5" in err and "byte count" in err and "Traceback" not in err
+
+
+def test_api_and_cli_defaults_agree():
+    args = build_parser().parse_args(["generate", "m", "--prompt", "x"])
+    assert load_options(args) == LoadOptions()
+    assert LoadOptions().dram_budget is None and LoadOptions().gpu_budget is None  # unlimited in both
+
+
+def test_cli_options_cover_load_options_with_help():
+    gen = next(a for a in build_parser()._actions if a.dest == "command").choices["generate"]
+    actions = {a.dest: a for a in gen._actions}
+    for field in dataclasses.fields(LoadOptions):
+        if field.name == "verify":  # `inspect --verify` checks everything; load verifies FFN layers on first read
+            continue
+        assert field.name in actions, field.name
+        assert actions[field.name].help and "default" in actions[field.name].help, field.name
+    assert list(actions["mode"].choices) == list(PLANS)
+    args = build_parser().parse_args(["generate", "m", "--prompt", "x", "--mode", "sparse", "--dram-budget", "40%",
+                                      "--window", "2", "--on-overflow", "error"])
+    assert load_options(args) == LoadOptions(mode="sparse", dram_budget=0.4, window=2, on_overflow="error")
+
+
+def test_options_are_validated_and_frozen():
+    with pytest.raises(flashllm.FlashLLMError, match="mode"):
+        LoadOptions(mode="turbo")
+    with pytest.raises(flashllm.FlashLLMError, match="window"):
+        LoadOptions(window=0)
+    with pytest.raises(flashllm.FlashLLMError, match="unknown load option"):
+        LoadOptions.of(dram_budgett=0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LoadOptions().mode = "sparse"
+    assert LoadOptions(dram_budget="6GiB").dram_budget == 6 * GiB
+
+
+@pytest.mark.parametrize("mode", ["dense", "naive", "hybrid", "sparse"])
+def test_budget_too_small_names_the_smallest_budget_that_works(tiny_models, mode):
+    tiny = tiny_models("llama")  # stored in float32: a 2-byte compute dtype would halve what is resident
+    with pytest.raises(flashllm.FlashLLMError, match="too small") as exc:
+        flashllm.load(tiny.model_dir, mode=mode, predictor="oracle", dram_budget=0.05)
+    message = str(exc.value)
+    assert "--dtype bfloat16" in message
+    smallest = re.search(r"smallest budget that works here is --dram-budget (\S+)", message).group(1)
+    model = flashllm.load(tiny.model_dir, mode=mode, predictor="oracle", dram_budget=smallest)
+    assert model.dram_bytes() <= model.dram_budget

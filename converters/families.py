@@ -103,13 +103,16 @@ def _common(cfg: dict, family: str, **kw) -> ArchSpec:
     base = dict(family=family, vocab_size=cfg["vocab_size"], d_model=d, n_layers=cfg["num_hidden_layers"],
                 n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=cfg.get("head_dim") or d // heads, max_positions=cfg.get("max_position_embeddings", 2048),
-                bos_token_id=cfg.get("bos_token_id"), eos_token_id=_first(cfg.get("eos_token_id")))
+                bos_token_id=cfg.get("bos_token_id"), **_eos(cfg))
     base.update(kw)
     return ArchSpec(**base)
 
 
-def _first(x):
-    return x[0] if isinstance(x, list) else x
+def _eos(cfg: dict) -> dict:
+    """eos_token_id (the first, for older readers) and eos_token_ids (all; Llama-3 lists several)."""
+    value = cfg.get("eos_token_id")
+    ids = tuple(value) if isinstance(value, list) else () if value is None else (value,)
+    return {"eos_token_id": ids[0] if ids else None, "eos_token_ids": ids}
 
 
 def _opt_spec(cfg: dict) -> ArchSpec:

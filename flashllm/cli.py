@@ -3,10 +3,58 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import math
+import os
 import sys
+from pathlib import Path
 
+from . import __version__
 from .errors import FlashLLMError
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless its text already states one."""
+
+    def _format_action(self, action):
+        if action.option_strings and action.default is not argparse.SUPPRESS and action.help is not argparse.SUPPRESS \
+                and "default" not in (action.help or ""):
+            shown = "off" if action.default is False else "none" if action.default is None else action.default
+            action = copy.copy(action)
+            action.help = f"{action.help or ''} (default: {str(shown).replace('%', '%%')})".strip()
+        return super()._format_action(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with defaults in every option's help and a one-line error (the usage is one --help away)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _checked(convert, ok, what: str):
+    """An argparse type: `convert(text)` that must satisfy `ok`, else the error says `what`."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {what}")
+        return value
+    parse.__name__ = convert.__name__
+    return parse
+
+
+_count = _checked(int, lambda v: v >= 0, "an integer of 0 or more")
+_temperature = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number of 0 (greedy) or more")
+_top_p = _checked(float, lambda v: 0 < v <= 1, "a probability in (0, 1]")
+
 
 
 def _budget(text: str):
@@ -58,6 +106,20 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
                    help="KV cache length (default: min(model, 4096))")
 
 
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    """How tokens are picked and when generation stops (generate, serve, chat); see Model.stream."""
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=_count, default=32, help="stop after this many new tokens "
+                   "(default: %(default)s)")
+    g.add_argument("--stop", action="append", default=[], metavar="STRING",
+                   help="stop before this text appears (repeatable; default: only the end-of-sequence tokens)")
+    g.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="sampling temperature; 0 picks the most likely token (default: %(default)s)")
+    g.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling: sample from the smallest set "
+                   "of tokens whose probability reaches P; 1 keeps all (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: %(default)s)")
+
+
 def load_options(args: argparse.Namespace):
     """The LoadOptions that `add_load_options` parsed."""
     import dataclasses
@@ -76,19 +138,37 @@ def cmd_convert(args) -> None:
     print(f"wrote {out}")
 
 
+def read_prompt(args) -> str:
+    """The prompt text: --prompt, --prompt-file PATH, or stdin for `-` in either (read verbatim)."""
+    source = args.prompt_file if args.prompt_file is not None else args.prompt
+    if source == "-":
+        return sys.stdin.read()
+    if args.prompt_file is None:
+        return args.prompt
+    try:
+        return Path(source).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FlashLLMError(f"--prompt-file {source}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+
+
 def cmd_generate(args) -> None:
     from . import load
 
+    prompt = read_prompt(args)
     model = load(args.model_dir, load_options(args))
-    sample = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    pieces = model.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_p=args.top_p, seed=args.seed, stop=args.stop)
     if args.json:
-        ids = model.tokenizer.encode(args.prompt)
-        new = list(model.generate_ids(ids, **sample))
-        print(json.dumps({"text": model.tokenizer.decode(new), "token_ids": new, "stats": model.stats}))
+        text, run = "".join(pieces), model.last_generation
+        print(json.dumps({"text": text, "token_ids": run.token_ids, "stop_reason": run.stop_reason,
+                          "stats": model.stats}))
         return
-    for piece in model.stream(args.prompt, **sample):
+    for piece in pieces:
         print(piece, end="", flush=True)
     print()
+    if model.last_stop_reason == "context":
+        print(f"flashllm: note: generation stopped at the end of the context ({model.context} tokens); "
+              f"load with a larger --context to continue further", file=sys.stderr)
     if args.stats:
         print(format_stats(model.stats), file=sys.stderr)
 
@@ -134,8 +214,9 @@ def cmd_demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flashllm", description="Run LLMs larger than memory by streaming FFN "
-                                "neurons from flash (LLM in a flash).")
+    p = _Parser(prog="flashllm", description="Run LLMs larger than memory by streaming FFN "
+                "neurons from flash (LLM in a flash).")
+    p.add_argument("--version", action="version", version=f"flashllm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("convert", help="convert an HF checkpoint directory into a flashllm model directory",
@@ -146,41 +227,46 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out", help="output model directory (must not exist unless --force)")
     c.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="storage dtype (default: the checkpoint's)")
     c.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
-                   help="weight quantization (only none is implemented)")
-    c.add_argument("--group-size", type=int, default=64, help="quantization group size (reserved)")
-    c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+                   help="weight quantization (only none is implemented) (default: %(default)s)")
+    c.add_argument("--group-size", type=int, default=64, help="quantization group size (reserved) (default: %(default)s)")
+    c.add_argument("--force", action="store_true", help="replace OUT if it is a flashllm model directory or "
+                   "empty; anything else is refused (default: off)")
     c.add_argument("--no-bundle", action="store_true", help="store up rows and down columns in separate "
-                   "regions (the paper's baseline without bundling; for benchmarks)")
+                   "regions (the paper's baseline without bundling; for benchmarks) (default: off)")
     c.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("generate", help="generate text from a prompt",
                        description="Generate text. Modes: dense (all weights resident), naive (every layer read "
                        "from flash per token), hybrid (part of each FFN resident), sparse (predicted neurons "
                        "streamed into a sliding-window cache).")
-    g.add_argument("model_dir")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("model_dir", help="a model directory written by `flashllm convert`")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text; - reads it from stdin")
+    src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this file (verbatim, trailing "
+                     "newline included); - reads stdin")
+    add_sampling_options(g)
     add_load_options(g)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--stats", action="store_true", help="print per-token stats to stderr")
-    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    g.add_argument("--stats", action="store_true", help="print per-token stats to stderr (default: off)")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stop_reason "
+                   "(eos, stop, length or context), stats (default: off)")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("inspect", help="describe a model directory", description="Validate a model directory "
                        "(sizes; checksums of small files, or of all with --verify) and describe it.")
-    i.add_argument("model_dir")
-    i.add_argument("--verify", action="store_true", help="checksum every file (reads the whole model)")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("model_dir", help="a model directory written by `flashllm convert`")
+    i.add_argument("--verify", action="store_true", help="checksum every file (reads the whole model) "
+                   "(default: off)")
+    i.add_argument("--json", action="store_true", help="print one JSON object (default: off)")
     i.set_defaults(func=cmd_inspect)
 
     d = sub.add_parser("demo", help="convert the embedded small model and run it at half its size",
                        description="Convert the embedded small ReLU model (into $FLASHLLM_CACHE or "
                        "~/.cache/flashllm), generate in sparse mode at a DRAM budget of 50%% of the model, "
                        "and compare bytes read and latency per token with naive mode.")
-    d.add_argument("--max-new-tokens", type=int, default=48)
-    d.add_argument("--json", action="store_true", help="print one JSON object: model_dir, text, stats")
+    d.add_argument("--max-new-tokens", type=_count, default=48, help="tokens to generate in sparse mode "
+                   "(default: %(default)s)")
+    d.add_argument("--json", action="store_true", help="print one JSON object: model_dir, text, stats "
+                   "(default: off)")
     d.set_defaults(func=cmd_demo)
 
     pr = sub.add_parser("predictors", help="train and evaluate the low-rank activation predictors",
@@ -195,13 +281,25 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
     except FlashLLMError as exc:
         print(f"flashllm: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `flashllm ... | head`: the reader left; stop quietly like other tools
+        _discard_stdout()
+        return 141
     except KeyboardInterrupt:
         print("flashllm: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # stdout without a file descriptor (tests, embedding)
+        pass
 
 
 if __name__ == "__main__":

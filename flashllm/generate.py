@@ -1,12 +1,26 @@
-"""Sampling and the plain generation loop (prefill once, then one token at a time)."""
+"""Sampling, the plain generation loop (prefill once, then one token at a time), and stop conditions."""
 
 from __future__ import annotations
 
-from typing import Iterator
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from .errors import FlashLLMError
+
+STOP_REASONS = ("eos", "stop", "length", "context")  # end-of-sequence token, stop string, max_new_tokens, KV full
+
+
+@dataclass
+class Generation:
+    """What the last `generate_ids`/`stream`/`generate` call produced and why it ended."""
+
+    token_ids: list[int] = field(default_factory=list)
+    stop_reason: str | None = None  # one of STOP_REASONS; None while running or if the caller stopped early
+    text: str | None = None  # the returned text (stream/generate only)
 
 
 def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
@@ -26,23 +40,103 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
     return int(rng.choice(len(p), p=p))
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """Clear errors for sampling options out of range (the CLI checks the same at parse time)."""
+    if max_new_tokens < 0:
+        raise FlashLLMError(f"max_new_tokens {max_new_tokens}: must be 0 or more")
+    if not temperature >= 0:
+        raise FlashLLMError(f"temperature {temperature}: must be 0 (greedy) or more")
+    if not 0.0 < top_p <= 1.0:
+        raise FlashLLMError(f"top_p {top_p}: expected a value in (0, 1]")
+
+
 def generate_tokens(forward, prompt_ids: list[int], context: int, max_new_tokens: int, temperature: float = 0.0,
-                    top_p: float = 1.0, seed: int | None = 0, eos_token_id: int | None = None) -> Iterator[int]:
-    """Yield new token ids; `forward(ids, pos)` returns logits [len(ids), vocab] for positions pos.."""
+                    top_p: float = 1.0, seed: int | None = 0, eos_token_ids: Iterable[int] = (),
+                    record: Generation | None = None) -> Iterator[int]:
+    """Yield new token ids; `forward(ids, pos)` returns logits [len(ids), vocab] for positions pos..
+
+    `record` collects the ids and why generation ended (eos, length or context)."""
+    record = record if record is not None else Generation()
+    check_sampling(max_new_tokens, temperature, top_p)
     if not prompt_ids:
         raise FlashLLMError("the prompt is empty (no tokens to start from)")
     if len(prompt_ids) >= context:
         raise FlashLLMError(f"the prompt has {len(prompt_ids)} tokens but the context holds {context} "
                             f"(shorten the prompt or load with a larger context)")
-    if not 0.0 < top_p <= 1.0:
-        raise FlashLLMError(f"top_p {top_p}: expected a value in (0, 1]")
+    if max_new_tokens == 0:
+        record.stop_reason = "length"
+        return
+    eos = frozenset(eos_token_ids)
     rng = np.random.default_rng(seed)
     logits = forward(prompt_ids, 0)[-1]
     pos = len(prompt_ids)
     for i in range(max_new_tokens):
         token = sample(logits, temperature, top_p, rng)
+        record.token_ids.append(token)
         yield token
-        if token == eos_token_id or i + 1 == max_new_tokens or pos >= context:
+        reason = "eos" if token in eos else "length" if i + 1 == max_new_tokens else "context" if pos >= context else None
+        if reason:
+            record.stop_reason = reason
             return
         logits = forward([token], pos)[-1]
         pos += 1
+
+
+def eos_token_ids(spec, model_dir: str | Path) -> frozenset[int]:
+    """Every end-of-sequence id: the spec's (all of config.json's list) and generation_config.json's."""
+    ids = {spec.eos_token_id, *getattr(spec, "eos_token_ids", ())}
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        try:
+            value = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as exc:
+            raise FlashLLMError(f"{path}: unreadable ({exc})") from None
+        ids.update(value if isinstance(value, list) else [value])
+    return frozenset(i for i in ids if isinstance(i, int))
+
+
+class TextStream:
+    """Turns generated token ids into text pieces that are safe to show.
+
+    The new text is decoded after the prompt's last tokens and diffed, so a first word keeps the
+    leading space a Metaspace (sentencepiece) decoder drops at the start of a text; pieces never end
+    inside a UTF-8 character; text that could still become a stop string is held back until
+    resolved, and `text` ends just before the first stop string found (`stopped` is then True)."""
+
+    PROMPT_TAIL = 8  # prompt tokens decoded before the new ones (enough to settle spacing)
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: Iterable[str] = ()):
+        self.tok, self.stop = tokenizer, [s for s in stop if s]
+        self.prefix = list(prompt_ids[-self.PROMPT_TAIL:])
+        self.head = tokenizer.decode(self.prefix)
+        self.ids: list[int] = []
+        self.text, self.shown, self.stopped = "", 0, False
+
+    def _decode(self) -> str:
+        full = self.tok.decode(self.prefix + self.ids)
+        return full[len(self.head):] if full.startswith(self.head) else self.tok.decode(self.ids)
+
+    def add(self, token: int) -> str:
+        """Take one generated token; the text that can be shown now (may be empty)."""
+        self.ids.append(token)
+        text = self._decode()
+        if text.endswith("\ufffd"):  # a UTF-8 character still incomplete
+            return ""
+        self.text = text
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.text, self.stopped = text[:min(hits)], True
+            return self.flush()
+        held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return self._show(len(text) - held)
+
+    def flush(self) -> str:
+        """The rest of the text (at the end of generation nothing can become a stop string any more)."""
+        if not self.stopped:
+            self.text = self._decode()
+        return self._show(len(self.text))
+
+    def _show(self, end: int) -> str:
+        piece = self.text[self.shown:end] if end > self.shown else ""
+        self.shown = max(self.shown, end)
+        return piece

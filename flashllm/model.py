@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -15,7 +15,7 @@ from . import modes
 from .budget import budget_bytes, counted, row_bytes, too_small
 from .errors import FlashLLMError
 from .ffn_reader import FFNReader
-from .generate import generate_tokens
+from .generate import Generation, TextStream, eos_token_ids, generate_tokens
 from .options import LoadOptions
 from .st_io import SafetensorsFile
 from .stats import TokenCost, summarize
@@ -48,6 +48,7 @@ class Model:
         self._tokenizer = None
         self._loader = None
         self._costs: list[TokenCost] = []
+        self.last_generation = Generation()
         self._load_resident(skip_layers=opts.mode == "naive")
         self.model_bytes = sum(e["size"] for k, e in self.manifest.data["files"].items() if k in ("resident", "ffn"))
         self.dram_budget = budget_bytes(opts.dram_budget, self.model_bytes)
@@ -177,23 +178,36 @@ class Model:
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 32, temperature: float = 0.0,
                      top_p: float = 1.0, seed: int | None = 0) -> Iterator[int]:
+        """Yield new token ids; `last_generation` records them and why generation stopped."""
         self._costs = []
+        self.last_generation = Generation()
         yield from generate_tokens(self.forward, list(prompt_ids), self.context, max_new_tokens, temperature,
-                                   top_p, seed, self.spec.eos_token_id)
+                                   top_p, seed, eos_token_ids(self.spec, self.manifest.root), self.last_generation)
+
+    @property
+    def last_stop_reason(self) -> str | None:
+        """Why the last generation ended: eos, stop (a stop string), length (max_new_tokens) or context."""
+        return self.last_generation.stop_reason
 
     def stream(self, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int | None = 0) -> Iterator[str]:
-        """Yield text pieces as tokens are generated (pieces never split a UTF-8 character)."""
-        tok, ids, shown, text = self.tokenizer, [], "", ""
-        for token in self.generate_ids(tok.encode(prompt), max_new_tokens, temperature, top_p, seed):
-            ids.append(token)
-            text = tok.decode(ids)
-            if not text.endswith("\ufffd") and len(text) > len(shown):
-                yield text[len(shown):]
-                shown = text
-        if len(text) > len(shown):
-            yield text[len(shown):]
+               seed: int | None = 0, stop: str | Iterable[str] = ()) -> Iterator[str]:
+        """Yield text pieces as tokens are generated (never splitting a UTF-8 character); the text ends
+        just before the first of the `stop` strings, which ends generation."""
+        ids = self.tokenizer.encode(prompt)
+        text = TextStream(self.tokenizer, ids, [stop] if isinstance(stop, str) else stop)
+        tokens = self.generate_ids(ids, max_new_tokens, temperature, top_p, seed)
+        for token in tokens:
+            if piece := text.add(token):
+                yield piece
+            if text.stopped:
+                tokens.close()
+                self.last_generation.stop_reason = "stop"
+                break
+        if piece := text.flush():
+            yield piece
+        self.last_generation.text = text.text
 
     def generate(self, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = 0) -> str:
-        return "".join(self.stream(prompt, max_new_tokens, temperature, top_p, seed))
+                 seed: int | None = 0, stop: str | Iterable[str] = ()) -> str:
+        """The generated text (see `stream`); `last_stop_reason` says why it ended."""
+        return "".join(self.stream(prompt, max_new_tokens, temperature, top_p, seed, stop))

@@ -87,8 +87,9 @@ class LowRankPredictor:
         root, spec, self.backend = model.manifest.root, model.spec, model.backend
         meta_path, st_path = root / PREDICTOR_META, root / PREDICTOR_FILE
         if not meta_path.is_file() or not st_path.is_file():
-            raise FlashLLMError(f"{root}: no trained predictors ({PREDICTOR_META}); run "
-                                f"`flashllm predictors train {root} --data TEXT` or use predictor='oracle'")
+            missing = meta_path if not meta_path.is_file() else st_path
+            raise FlashLLMError(f"{missing}: missing (no trained predictors); train them with `flashllm predictors "
+                                f"train {root} --data TEXT`, or pass --predictor oracle")
         try:
             meta = json.loads(meta_path.read_text())
             layers = meta["layers"]

@@ -43,8 +43,10 @@ class ArchSpec:
     tied_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every end-of-sequence id config.json lists (Llama-3: several)
 
     def __post_init__(self):
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))  # a JSON list after a round trip
         checks = [
             (self.norm in NORMS, f"norm {self.norm!r} (expected one of {NORMS})"),
             (self.positional in POSITIONALS, f"positional {self.positional!r} (expected one of {POSITIONALS})"),

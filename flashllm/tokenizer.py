@@ -16,13 +16,20 @@ class Tokenizer:
 
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
-            raise FlashLLMError(f"{path}: missing; this model can only be driven with token ids")
+            raise FlashLLMError(f"{path}: missing, so text cannot be encoded; copy tokenizer.json from the "
+                                f"original checkpoint into {Path(model_dir)} (or convert a checkpoint that has "
+                                f"one), or drive the model with token ids (Model.generate_ids)")
         try:
             self.tok = HFTokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises plain Exceptions for malformed files
             raise FlashLLMError(f"{path}: unreadable tokenizer ({exc})") from None
         cfg_path = Path(model_dir) / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        try:
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise FlashLLMError(f"{cfg_path}: unreadable ({exc})") from None
+        if not isinstance(cfg, dict):
+            raise FlashLLMError(f"{cfg_path}: expected a JSON object, found {type(cfg).__name__}")
         self.bos = bos_token_id if cfg.get("add_bos_token") else None
 
     def encode(self, text: str) -> list[int]:

@@ -1,0 +1,157 @@
+"""The `flashllm` command: help and defaults, prompt sources, option checks, stop reasons, no tracebacks."""
+
+import argparse
+import io
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import flashllm
+from flashllm.cli import build_parser, main
+
+PROMPT = "the quick brown"
+
+
+def run_cli(capsys, *argv):
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(err: str, *needles) -> None:
+    assert err.count("\n") == 1 and "error:" in err and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.fixture
+def flash(tiny_models, tmp_path):
+    """A private copy of the converted tiny Llama (Metaspace tokenizer)."""
+    dst = tmp_path / "flash"
+    shutil.copytree(tiny_models("llama").model_dir, dst)
+    return dst
+
+
+def all_parsers(parser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from all_parsers(sub)
+
+
+def test_help_states_every_default_and_describes_own_options():
+    for parser in all_parsers(build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.default is argparse.SUPPRESS:
+                continue  # positionals, -h, --version
+            assert "default" in formatter._format_action(action), (parser.prog, action.option_strings)
+    generate = next(p for p in all_parsers(build_parser()) if p.prog.endswith(" generate"))
+    for action in generate._actions:
+        assert action.help, action.option_strings or action.dest  # every option says what it does
+
+
+def test_version(capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0 and capsys.readouterr().out.strip() == f"flashllm {flashllm.__version__}"
+
+
+@pytest.mark.parametrize("option,value", [("--max-new-tokens", "-1"), ("--temperature", "-0.5"),
+                                          ("--temperature", "nan"), ("--top-p", "0"), ("--top-p", "1.5"),
+                                          ("--max-new-tokens", "ten")])
+def test_bad_sampling_options_are_one_line_errors(capsys, flash, option, value):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        main(["generate", str(flash), "--prompt", PROMPT, option, value])
+    assert exit.value.code == 2
+    one_line_error(capsys.readouterr().err, option, repr(value))
+
+
+def test_json_reports_stop_reason_and_stop_strings(capsys, flash):
+    code, out, _ = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--max-new-tokens", 12, "--json")
+    full = json.loads(out)
+    assert code == 0 and full["stop_reason"] in ("eos", "length") and len(full["token_ids"]) <= 12
+    stop = full["text"].strip()[1:3]
+    code, out, _ = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--max-new-tokens", 12, "--json",
+                           "--stop", "zzzz", "--stop", stop)
+    cut = json.loads(out)
+    assert cut["stop_reason"] == "stop" and cut["text"] == full["text"][:full["text"].index(stop)]
+    code, out, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--max-new-tokens", 12, "--stop", stop)
+    assert out == full["text"][:full["text"].index(stop)] + "\n" and err == ""
+
+
+def test_context_end_is_reported(capsys, flash):
+    n_prompt = len(flashllm.load(flash).tokenizer.encode(PROMPT))
+    context = n_prompt + 3
+    code, out, _ = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--context", context, "--json",
+                           "--max-new-tokens", 50)
+    result = json.loads(out)  # the KV cache holds the prompt and 3 new tokens; the 4th is sampled from its logits
+    assert result["stop_reason"] == "context" and len(result["token_ids"]) == 4
+    code, out, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--context", context,
+                             "--max-new-tokens", 50)
+    assert code == 0 and "end of the context" in err and f"{context} tokens" in err and "--context" in err
+
+
+def test_prompt_from_file_and_stdin(capsys, flash, tmp_path, monkeypatch):
+    _, expected, _ = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--max-new-tokens", 6)
+    (tmp_path / "p.txt").write_text(PROMPT)
+    assert run_cli(capsys, "generate", flash, "--prompt-file", tmp_path / "p.txt", "--max-new-tokens", 6)[1] == expected
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    assert run_cli(capsys, "generate", flash, "--prompt", "-", "--max-new-tokens", 6)[1] == expected
+    code, _, err = run_cli(capsys, "generate", flash, "--prompt-file", tmp_path / "none.txt")
+    assert code == 1
+    one_line_error(err, "none.txt", "cannot read")
+    with pytest.raises(SystemExit):
+        capsys.readouterr()
+        main(["generate", str(flash), "--prompt", "x", "--prompt-file", str(tmp_path / "p.txt")])
+    one_line_error(capsys.readouterr().err, "not allowed with")
+
+
+def converted_after(edit, tiny_models, tmp_path):
+    """The tiny Llama converted from a checkpoint that `edit(ckpt_dir)` changed first."""
+    from flashllm.converters import convert
+
+    ckpt = tmp_path / "hf"
+    shutil.copytree(tiny_models("llama").ckpt, ckpt)
+    edit(ckpt)
+    return convert(ckpt, tmp_path / "flash", progress=False)
+
+
+def test_missing_tokenizer_says_how_to_proceed(capsys, tiny_models, tmp_path):
+    flash = converted_after(lambda ckpt: (ckpt / "tokenizer.json").unlink(), tiny_models, tmp_path)
+    code, _, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT)
+    assert code == 1
+    one_line_error(err, "tokenizer.json", "copy", "generate_ids")
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]"])
+def test_malformed_tokenizer_config(capsys, tiny_models, tmp_path, content):
+    flash = converted_after(lambda ckpt: (ckpt / "tokenizer_config.json").write_text(content), tiny_models, tmp_path)
+    code, _, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--seed", 0)
+    assert code == 1
+    one_line_error(err, "tokenizer_config.json")
+
+
+def test_missing_predictors_names_file_and_option(capsys, tiny_models, tmp_path):
+    flash = tmp_path / "flash"
+    shutil.copytree(tiny_models("opt").model_dir, flash)
+    code, _, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--mode", "sparse", "--dram-budget", 1.0)
+    assert code == 1
+    one_line_error(err, "predictors.json", "flashllm predictors train", "--predictor oracle")
+    assert "predictor='" not in err
+
+
+def test_closed_pipe_is_quiet(flash):
+    """`flashllm generate ... | head -c 1`: no traceback, no 'Exception ignored' at exit."""
+    proc = subprocess.Popen([sys.executable, "-m", "flashllm.cli", "generate", str(flash), "--prompt", PROMPT,
+                             "--max-new-tokens", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first byte
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141 and err == "", err

@@ -216,14 +216,22 @@ FAMILIES = [
 ]
 
 
+def all_families() -> list[Family]:
+    """The dense families above and the mixture-of-experts ones (which build on them)."""
+    from .moe_families import MOE_FAMILIES
+
+    return FAMILIES + MOE_FAMILIES
+
+
 def family_for(cfg: dict) -> tuple[Family, ArchSpec]:
     """The adapter for this config and the spec it gives; clear errors for unknown or broken configs."""
     model_type = cfg.get("model_type")
-    for fam in FAMILIES:
+    families = all_families()
+    for fam in families:
         if model_type in fam.model_types:
             try:
                 return fam, fam.to_spec(cfg)
             except KeyError as exc:
                 raise FlashLLMError(f"config.json: missing field {exc} for model_type {model_type!r}") from None
-    known = sorted(t for f in FAMILIES for t in f.model_types)
+    known = sorted(t for f in families for t in f.model_types)
     raise FlashLLMError(f"config.json: model_type {model_type!r} is not supported (supported: {', '.join(known)})")

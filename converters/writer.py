@@ -14,11 +14,13 @@ from tqdm import tqdm
 
 from flashllm import format as fmt
 from flashllm.errors import FlashLLMError
+from flashllm.expert_format import EXPERTS_FILE
 from flashllm.spec import ArchSpec
 from flashllm.st_io import tensor_bytes, write_safetensors
 
 from .checkpoint import Checkpoint
 from .families import family_for
+from .moe_families import write_experts
 
 
 def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize: str = "none",
@@ -38,7 +40,11 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
     if dtype_name not in fmt.STORAGE_DTYPES:
         raise FlashLLMError(f"--dtype {dtype_name}: expected one of {sorted(fmt.STORAGE_DTYPES)}")
     torch_dtype = fmt.STORAGE_DTYPES[dtype_name]
-    layout = fmt.FFNLayout.plan(spec, torch_dtype.itemsize, bundled)
+    if spec.is_moe and not bundled:
+        raise FlashLLMError("bundled=False: an MoE model's experts are always stored as expert bundles")
+    layout = fmt.ExpertLayout.plan(spec, torch_dtype.itemsize) if spec.is_moe else \
+        fmt.FFNLayout.plan(spec, torch_dtype.itemsize, bundled)
+    ffn_file = EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -51,12 +57,16 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
                               lambda n: family.tensor(ckpt, spec, n, shapes[n]).to(torch_dtype),
                               metadata={"format": fmt.FORMAT_NAME})
             bar.update(1)
-            ffn_sha, layer_sha = write_ffn(tmp / fmt.FFN_FILE, layout,
-                                  lambda i: family.ffn_rows(ckpt, spec, i), torch_dtype, bar.update)
+            if spec.is_moe:
+                ffn_sha, layer_sha = write_experts(tmp / ffn_file, layout, lambda i: family.expert_rows(ckpt, spec, i),
+                                                   torch_dtype, bar.update)
+            else:
+                ffn_sha, layer_sha = write_ffn(tmp / ffn_file, layout,
+                                               lambda i: family.ffn_rows(ckpt, spec, i), torch_dtype, bar.update)
         copied = [f for f in fmt.TOKENIZER_FILES if (ckpt.root / f).is_file()]
         for f in copied:
             shutil.copyfile(ckpt.root / f, tmp / f)
-        write_manifest(tmp, spec, dtype_name, layout, ffn_sha, layer_sha, copied,
+        write_manifest(tmp, spec, dtype_name, layout, ffn_sha, layer_sha, copied, ffn_file=ffn_file,
                        source={"path": str(ckpt.root.resolve()), "model_type": ckpt.config.get("model_type")})
         _replace(tmp, out)
     except BaseException:
@@ -96,9 +106,10 @@ def write_ffn(path: Path, layout: fmt.FFNLayout, rows_of_layer, dtype: torch.dty
 
 
 def write_manifest(root: Path, spec: ArchSpec, dtype_name: str, layout: fmt.FFNLayout, ffn_sha: str,
-                   layer_sha: list[str], tokenizer_files: list[str], source: dict) -> None:
-    """Write flashllm.json describing the files already in `root` (sizes and checksums measured here)."""
-    files = {"resident": fmt.RESIDENT_FILE, "ffn": fmt.FFN_FILE, **{f: f for f in tokenizer_files}}
+                   layer_sha: list[str], tokenizer_files: list[str], source: dict, ffn_file: str = fmt.FFN_FILE) -> None:
+    """Write flashllm.json describing the files already in `root` (sizes and checksums measured here).
+    `ffn_file` is the streamed file: FFN bundles, or expert bundles for an MoE model."""
+    files = {"resident": fmt.RESIDENT_FILE, "ffn": ffn_file, **{f: f for f in tokenizer_files}}
     manifest = {
         "format": fmt.FORMAT_NAME,
         "format_version": fmt.FORMAT_VERSION,

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .errors import FlashLLMError
+from .expert_format import ExpertLayout, expert_resident_shapes
 from .spec import ArchSpec
 
 FORMAT_NAME = "flashllm-model"
@@ -124,8 +125,10 @@ def resident_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
         if spec.o_bias:
             shapes[p + "o.bias"] = (d,)
         if spec.qk_norm:
-            norm(p + "q_norm", hd)
-            norm(p + "k_norm", hd)
+            norm(p + "q_norm", spec.n_heads * hd if spec.qk_norm_full else hd)
+            norm(p + "k_norm", spec.n_kv_heads * hd if spec.qk_norm_full else hd)
+        if spec.is_moe:
+            shapes.update(expert_resident_shapes(spec, i))
         if spec.ffn_bias:
             shapes[p + "up_bias"] = (spec.d_ffn,)
             if spec.gated_ffn:
@@ -161,7 +164,7 @@ class Manifest:
     root: Path
     data: dict
     spec: ArchSpec
-    layout: FFNLayout
+    layout: FFNLayout | ExpertLayout  # the streamed file: FFN neuron bundles, or expert bundles (MoE)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -209,7 +212,9 @@ def read_manifest(model_dir: str | Path, verify: bool | None = None) -> Manifest
         for key in ("resident", "ffn"):
             if key not in files:
                 raise FlashLLMError(f"{mpath}: manifest lists no {key!r} file")
-        layout = FFNLayout.plan(spec, STORAGE_DTYPES[data["dtype"]].itemsize, ffn.get("bundled", True))
+        itemsize = STORAGE_DTYPES[data["dtype"]].itemsize
+        layout = ExpertLayout.plan(spec, itemsize) if spec.is_moe else \
+            FFNLayout.plan(spec, itemsize, ffn.get("bundled", True))
         if layout.to_dict() != {k: ffn.get(k) for k in layout.to_dict()}:
             raise FlashLLMError(f"{mpath}: FFN layout in the manifest does not match the architecture spec")
         manifest = Manifest(root, data, spec, layout)

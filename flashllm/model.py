@@ -14,6 +14,7 @@ from . import format as fmt
 from . import modes
 from .budget import budget_bytes, counted, row_bytes, too_small
 from .errors import FlashLLMError
+from .experts import MOE_PLANS
 from .ffn_reader import FFNReader
 from .generate import Generation, TextStream, eos_token_ids, generate_tokens
 from .options import LoadOptions
@@ -53,7 +54,11 @@ class Model:
         self.model_bytes = sum(e["size"] for k, e in self.manifest.data["files"].items() if k in ("resident", "ffn"))
         self.dram_budget = budget_bytes(opts.dram_budget, self.model_bytes)
         self.gpu_budget = budget_bytes(opts.gpu_budget, self.model_bytes)
-        self.plan = modes.PLANS[opts.mode](self, self.gpu_budget if self.backend.on_gpu else self.dram_budget, opts)
+        plans = MOE_PLANS if self.spec.is_moe else modes.PLANS  # MoE: the router is the exact predictor
+        if opts.mode not in plans:
+            raise FlashLLMError(f"mode {opts.mode!r} is not supported for this {self.spec.family} model "
+                                f"(expected one of {', '.join(plans)})")
+        self.plan = plans[opts.mode](self, self.gpu_budget if self.backend.on_gpu else self.dram_budget, opts)
         self.predictor = getattr(self.plan, "predictor", None)
         if self._loader is not None:
             self._loader.close()

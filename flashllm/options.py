@@ -35,8 +35,10 @@ class LoadOptions:
     verify: bool | None = None  # checksums at load: None small files (FFN layers verified on first full read)
     hybrid_fraction: float | None = None  # hybrid: resident share of each FFN (None: sized by the budget)
     on_overflow: str = "drop"  # sparse: when a token's predicted set exceeds a cache, drop (warned) or error
+    expert_policy: str = "lru"  # MoE sparse: which cached expert a new one replaces (experts.POLICIES)
 
     def __post_init__(self):
+        from .experts import POLICIES
         from .modes import PLANS
         from .predictor import PREDICTORS
 
@@ -49,6 +51,7 @@ class LoadOptions:
         check(callable(self.predictor) or self.predictor in PREDICTORS,
               f"predictor {self.predictor!r}: expected one of {', '.join(PREDICTORS)}")
         check(self.dtype is None or self.dtype in DTYPES, f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        check(self.expert_policy in POLICIES, f"expert_policy {self.expert_policy!r}: expected one of {', '.join(POLICIES)}")
         check(self.on_overflow in ON_OVERFLOW, f"on_overflow {self.on_overflow!r}: expected drop or error")
         check(isinstance(self.window, int) and self.window >= 1,
               f"window {self.window}: must be at least 1 (tokens whose neurons stay cached)")

@@ -9,6 +9,7 @@ from .errors import FlashLLMError
 NORMS = ("layernorm", "rmsnorm")
 POSITIONALS = ("learned", "rotary")  # alibi: not yet supported
 ACTIVATIONS = ("relu", "relu2", "fatrelu", "gelu", "gelu_tanh", "silu")
+ROUTER_SOFTMAX = ("before_topk", "after_topk")  # softmax over all experts, or over the top-k logits
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,20 @@ class ArchSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     ffn_bias: bool = False  # biases on up (and gate) rows and on the down projection
-    qk_norm: bool = False  # layernorm over head_dim of q and k (Persimmon)
+    qk_norm: bool = False  # norm over head_dim of q and k (Persimmon, Qwen3)
+    qk_norm_full: bool = False  # with qk_norm: over the whole q and k projections instead (OLMoE)
     lm_head_bias: bool = False
     tied_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # every end-of-sequence id config.json lists (Llama-3: several)
+    # mixture of experts (n_experts 0: a dense FFN); each expert is a gated FFN of d_ffn neurons
+    n_experts: int = 0
+    top_k: int = 0  # experts per token
+    norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
+    router_softmax: str = "before_topk"
+    d_shared_expert: int = 0  # an always-on expert of this many neurons (Qwen2-MoE); 0: none
+    shared_expert_gate: bool = False  # the shared expert's output is scaled by sigmoid(w . x)
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))  # a JSON list after a round trip
@@ -55,6 +64,9 @@ class ArchSpec:
                  self.head_dim, self.d_ffn, self.max_positions) > 0, "non-positive dimension"),
             (self.n_heads % self.n_kv_heads == 0, f"n_heads {self.n_heads} not a multiple of n_kv_heads {self.n_kv_heads}"),
             (0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0, f"rotary_dim {self.rotary_dim}"),
+            (not self.n_experts or (1 <= self.top_k <= self.n_experts and self.gated_ffn and not self.ffn_bias),
+             f"experts: top_k {self.top_k} of {self.n_experts} (gated, bias-free experts expected)"),
+            (self.router_softmax in ROUTER_SOFTMAX, f"router_softmax {self.router_softmax!r} (expected one of {ROUTER_SOFTMAX})"),
         ]
         for ok, what in checks:
             if not ok:
@@ -63,6 +75,10 @@ class ArchSpec:
     @property
     def rope_dim(self) -> int:
         return self.rotary_dim or self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
 
     @property
     def bundle_parts(self) -> tuple[str, ...]:

@@ -26,6 +26,8 @@ class TokenCost:
     neurons_cached: list[int] = field(default_factory=list)  # per layer, after the update
     neurons_dropped: int = 0  # active neurons left out because the cache could not hold them
     prefill_strategy: str = ""
+    experts_hit: int = 0  # MoE: routed experts found in the expert cache, summed over layers
+    experts_missed: int = 0  # MoE: routed experts read from flash
 
     @contextmanager
     def timed(self, what: str):
@@ -53,6 +55,10 @@ def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None
         layers = len(decode[-1].neurons_cached)
         out["neurons_loaded_per_layer"] = [sum(c.neurons_loaded[i] for c in decode) / n for i in range(layers)]
         out["neurons_cached_per_layer"] = list(decode[-1].neurons_cached)
+    if any(c.experts_hit or c.experts_missed for c in costs):
+        hit, missed = (sum(getattr(c, k) for c in decode) for k in ("experts_hit", "experts_missed"))
+        out.update(expert_hits=hit / n, expert_misses=missed / n,
+                   expert_hit_rate=hit / (hit + missed) if hit + missed else None)
     if prompt is not None:
         out["prompt"] = {"tokens": prompt.tokens, "bytes_read": prompt.bytes_read, "reads": prompt.reads,
                          "total_ms": prompt.total_ms, "io_ms": prompt.io_ms, "strategy": prompt.prefill_strategy}

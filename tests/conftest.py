@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import FAMILIES, make_hf_model, save_checkpoint  # noqa: E402
+from tiny import FAMILIES, MOE_FAMILIES, make_hf_model, save_checkpoint  # noqa: E402
 
 
 class TinyModel:
@@ -38,4 +38,9 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(params=sorted(FAMILIES))
 def tiny(request, tiny_models) -> TinyModel:
+    return tiny_models(request.param)
+
+
+@pytest.fixture(params=sorted(MOE_FAMILIES))
+def tiny_moe(request, tiny_models) -> TinyModel:
     return tiny_models(request.param)

@@ -34,6 +34,16 @@ FAMILIES = {
     "persimmon": ("PersimmonConfig", "PersimmonForCausalLM",
                   dict(intermediate_size=128, qk_layernorm=True, partial_rotary_factor=0.5)),
 }
+_MOE = dict(num_experts_per_tok=2, num_key_value_heads=2)
+# mixture-of-experts families: 8 experts, top-2 (kept out of FAMILIES so that only the MoE tests run them)
+MOE_FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_MOE, num_local_experts=8, intermediate_size=32)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(_MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(_MOE, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(_MOE, num_experts=8, intermediate_size=32)),
+}
 TEXT = ("the quick brown fox jumps over the lazy dog while a small model streams its neurons "
         "from flash memory one token at a time def main(): return sum(x * x for x in range(10))\n") * 4
 
@@ -56,7 +66,7 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
     """A random HF model of `family` with weights large enough that logits differ meaningfully."""
     import transformers
 
-    cfg_cls, model_cls, extra = FAMILIES[family]
+    cfg_cls, model_cls, extra = {**FAMILIES, **MOE_FAMILIES}[family]
     cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()

@@ -199,10 +199,12 @@ class MLXBackend:
         """Self-attention of block `layer` for tokens at positions pos..; returns (output, normed input)."""
         s, p, T = self.spec, f"layers.{layer}.", x.shape[0]
         h = self.norm(p + "attn_norm", x)
-        q = self._linear(p + "q", h).reshape(T, s.n_heads, s.head_dim)
-        k = self._linear(p + "k", h).reshape(T, s.n_kv_heads, s.head_dim)
-        v = self._linear(p + "v", h).reshape(T, s.n_kv_heads, s.head_dim)
-        if s.qk_norm:
+        q, k, v = (self._linear(p + n, h) for n in "qkv")
+        if s.qk_norm and s.qk_norm_full:
+            q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
+        q = q.reshape(T, s.n_heads, s.head_dim)
+        k, v = k.reshape(T, s.n_kv_heads, s.head_dim), v.reshape(T, s.n_kv_heads, s.head_dim)
+        if s.qk_norm and not s.qk_norm_full:
             q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
         q, k, v = (a.transpose(1, 0, 2)[None] for a in (q, k, v))  # [1, heads, T, head_dim]
         if s.positional == "rotary":  # HF rotate-half on the first rope_dim dims (partial rotary)
@@ -229,6 +231,23 @@ class MLXBackend:
         h = self.act(self.linear(x, rows["gate"], gate_bias)) * up if self.spec.gated_ffn else self.act(up)
         y = h @ rows["down"]
         return y + down_bias if down_bias is not None else y
+
+    def moe_ffn(self, x: mx.array, groups: list, shared: dict | None = None, shared_gate=None) -> mx.array:
+        """Routed experts: for each (rows, token ids, float32 weights) group, weights * expert(x[tokens])
+        added to those tokens; plus the shared expert, scaled by sigmoid(shared_gate . x) if given."""
+        y = mx.zeros_like(x)
+        for rows, tokens, weights in groups:
+            idx = mx.array(tokens.astype(np.int32))
+            out = self.ffn(x[idx], rows, None, None, None) * mx.array(weights)[:, None]
+            y = y.at[idx].add(out.astype(y.dtype))
+        if shared is not None:
+            out = self.ffn(x, shared, None, None, None)
+            y = y + (mx.sigmoid(self.linear(x, shared_gate, None)) * out if shared_gate is not None else out)
+        return y
+
+    def numpy(self, x: mx.array) -> np.ndarray:
+        """A float32 numpy copy (evaluates the graph so far: e.g. the router's decision)."""
+        return np.array(x.astype(mx.float32))
 
     def logits(self, x: mx.array) -> np.ndarray:
         h = self.norm("final_norm", x)

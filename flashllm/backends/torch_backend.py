@@ -143,10 +143,12 @@ class TorchBackend:
         """Self-attention of block `layer` for tokens at positions pos..; returns (output, normed input)."""
         s, p, T = self.spec, f"layers.{layer}.", x.shape[0]
         h = self.norm(p + "attn_norm", x)
-        q = self._linear(p + "q", h).view(T, s.n_heads, s.head_dim)
-        k = self._linear(p + "k", h).view(T, s.n_kv_heads, s.head_dim)
-        v = self._linear(p + "v", h).view(T, s.n_kv_heads, s.head_dim)
-        if s.qk_norm:
+        q, k, v = (self._linear(p + n, h) for n in "qkv")
+        if s.qk_norm and s.qk_norm_full:
+            q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
+        q = q.view(T, s.n_heads, s.head_dim)
+        k, v = k.view(T, s.n_kv_heads, s.head_dim), v.view(T, s.n_kv_heads, s.head_dim)
+        if s.qk_norm and not s.qk_norm_full:
             q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
         if s.positional == "rotary":
             q, k = self._rope(q, pos), self._rope(k, pos)
@@ -172,6 +174,23 @@ class TorchBackend:
             if self.spec.gated_ffn else self.act(F.linear(x, rows["up"], up_bias))
         y = h @ rows["down"]
         return y + down_bias if down_bias is not None else y
+
+    def moe_ffn(self, x: torch.Tensor, groups: list, shared: dict | None = None, shared_gate=None) -> torch.Tensor:
+        """Routed experts: for each (rows, token ids, float32 weights) group, weights * expert(x[tokens])
+        added to those tokens; plus the shared expert, scaled by sigmoid(shared_gate . x) if given."""
+        y = torch.zeros_like(x)
+        for rows, tokens, weights in groups:
+            idx = torch.from_numpy(tokens).to(self.device)
+            out = self.ffn(x[idx], rows, None, None, None) * torch.from_numpy(weights).to(self.device)[:, None]
+            y.index_add_(0, idx, out.to(y.dtype))
+        if shared is not None:
+            out = self.ffn(x, shared, None, None, None)
+            y = y + (torch.sigmoid(F.linear(x, shared_gate)) * out if shared_gate is not None else out)
+        return y
+
+    def numpy(self, x: torch.Tensor) -> np.ndarray:
+        """A float32 numpy copy (brings e.g. router logits to the host)."""
+        return x.float().cpu().numpy()
 
     def logits(self, x: torch.Tensor) -> np.ndarray:
         h = self.norm("final_norm", x)

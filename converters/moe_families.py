@@ -1,0 +1,132 @@
+"""Mixture-of-experts adapters (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) and the expert-file writer.
+
+The router and the shared expert are resident tensors named through `Family.layer`; the routed
+experts go to the expert file, one contiguous bundle per expert (flashllm.expert_format).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flashllm.errors import FlashLLMError
+from flashllm.expert_format import ExpertLayout
+from flashllm.spec import ArchSpec
+from flashllm.st_io import tensor_bytes
+
+from .checkpoint import Checkpoint
+from .families import _LLAMA_GLOBALS, _LLAMA_LAYER, Family, _llama_spec
+
+
+@dataclass(frozen=True)
+class MoEFamily(Family):
+    """A family whose FFN is routed experts: per-expert HF modules, or transformers 5's fused tensors."""
+
+    experts: str = "mlp.experts"  # per-expert modules: {experts}.{e}.{expert_parts[part]}.weight
+    expert_parts: tuple[tuple[str, str], ...] = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
+    fused_experts: str = "mlp.experts"  # fused: {fused}.gate_up_proj [E, 2f, d] and {fused}.down_proj [E, d, f]
+
+    def expert_rows(self, ckpt: Checkpoint, spec: ArchSpec, i: int) -> list[dict[str, torch.Tensor]]:
+        """Per expert of layer i: gate, up and down^T, each [d_ffn, d_model] (row j = neuron j)."""
+        p, f, d, E = self.layer_prefix.format(i=i), spec.d_ffn, spec.d_model, spec.n_experts
+        fused = f"{p}{self.fused_experts}."
+        if ckpt.has(fused + "gate_up_proj"):
+            gate_up, down = ckpt.get(fused + "gate_up_proj", (E, 2 * f, d)), ckpt.get(fused + "down_proj", (E, d, f))
+            return [{"gate": gate_up[e, :f], "up": gate_up[e, f:], "down": down[e].t()} for e in range(E)]
+        names = dict(self.expert_parts)
+        out = []
+        for e in range(E):
+            base = f"{p}{self.experts}.{e}."
+            out.append({"gate": ckpt.get(base + names["gate"] + ".weight", (f, d)),
+                        "up": ckpt.get(base + names["up"] + ".weight", (f, d)),
+                        "down": ckpt.get(base + names["down"] + ".weight", (d, f)).t()})
+        return out
+
+
+def _all_layers_moe(cfg: dict) -> None:
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise FlashLLMError("config.json: MoE models with dense layers (mlp_only_layers, decoder_sparse_step) "
+                            "are not supported yet")
+
+
+def _moe(cfg: dict, family: str, d_expert: int, **kw) -> ArchSpec:
+    """A Llama-style spec with routed experts (softmax over all experts, then top-k)."""
+    # hub configs say num_experts (Mixtral: num_local_experts); transformers 5 may save either
+    n_experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
+    moe = dict(d_ffn=d_expert, n_experts=n_experts, top_k=cfg["num_experts_per_tok"],
+               norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+    return dataclasses.replace(_llama_spec(cfg, family), **{**moe, **kw})
+
+
+def _mixtral_spec(cfg: dict) -> ArchSpec:
+    # transformers: softmax over all experts, top-k, always renormalised (= softmax over the top-k logits)
+    return _moe(cfg, "mixtral", cfg["intermediate_size"], norm_topk_prob=True)
+
+
+def _qwen2_moe_spec(cfg: dict) -> ArchSpec:
+    _all_layers_moe(cfg)
+    if cfg.get("use_sliding_window"):
+        raise FlashLLMError("config.json: Qwen2-MoE with use_sliding_window is not supported yet")
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    bias = cfg.get("qkv_bias", True)
+    return _moe(cfg, "qwen2_moe", cfg["moe_intermediate_size"], d_shared_expert=shared,
+                shared_expert_gate=bool(shared), qkv_bias=bias, o_bias=False, sliding_window=0)
+
+
+def _qwen3_moe_spec(cfg: dict) -> ArchSpec:
+    _all_layers_moe(cfg)
+    if cfg.get("use_sliding_window"):
+        raise FlashLLMError("config.json: Qwen3-MoE with use_sliding_window is not supported yet")
+    return _moe(cfg, "qwen3_moe", cfg["moe_intermediate_size"], qk_norm=True, sliding_window=0)
+
+
+def _olmoe_spec(cfg: dict) -> ArchSpec:
+    if cfg.get("clip_qkv") is not None:
+        raise FlashLLMError("config.json: OLMoE with clip_qkv is not supported yet")
+    return _moe(cfg, "olmoe", cfg["intermediate_size"], qk_norm=True, qk_norm_full=True)
+
+
+_QK_NORM = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+_ROUTER = {"router": "mlp.gate"}
+_SHARED = {"shared_gate": "mlp.shared_expert.gate_proj", "shared_up": "mlp.shared_expert.up_proj",
+           "shared_down": "mlp.shared_expert.down_proj", "shared_expert_gate": "mlp.shared_expert_gate"}
+
+MOE_FAMILIES = [
+    MoEFamily(("mixtral",), _mixtral_spec, _LLAMA_GLOBALS, "model.layers.{i}.",
+              {**_LLAMA_LAYER, "router": ("block_sparse_moe.gate", "mlp.gate")}, {},
+              experts="block_sparse_moe.experts", expert_parts=(("gate", "w1"), ("up", "w3"), ("down", "w2"))),
+    MoEFamily(("qwen2_moe",), _qwen2_moe_spec, _LLAMA_GLOBALS, "model.layers.{i}.",
+              {**_LLAMA_LAYER, **_ROUTER, **_SHARED}, {}),
+    MoEFamily(("qwen3_moe",), _qwen3_moe_spec, _LLAMA_GLOBALS, "model.layers.{i}.",
+              {**_LLAMA_LAYER, **_ROUTER, **_QK_NORM}, {}),
+    MoEFamily(("olmoe",), _olmoe_spec, _LLAMA_GLOBALS, "model.layers.{i}.",
+              {**_LLAMA_LAYER, **_ROUTER, **_QK_NORM}, {}),
+]
+
+
+def write_experts(path: Path, layout: ExpertLayout, experts_of_layer, dtype: torch.dtype,
+                  on_layer=None) -> tuple[str, list[str]]:
+    """Write every layer's expert bundles (zero padded to the stride); `experts_of_layer(i)` gives
+    per expert part -> [d_ffn, d_model]. Returns the sha256 of the file and of each layer."""
+    file_sha, layer_sha = hashlib.sha256(), []
+    with open(path, "wb") as f:
+        for i in range(len(layout.layer_offsets)):
+            layer = hashlib.sha256()
+            for parts in experts_of_layer(i):
+                bundle = np.zeros(layout.stride, dtype=np.uint8)
+                for k, part in enumerate(layout.parts):
+                    raw = np.frombuffer(tensor_bytes(parts[part].contiguous().to(dtype)), dtype=np.uint8)
+                    bundle[k * layout.part_bytes:(k + 1) * layout.part_bytes] = raw
+                data = memoryview(bundle)
+                f.write(data)
+                file_sha.update(data)
+                layer.update(data)
+            layer_sha.append(layer.hexdigest())
+            if on_layer:
+                on_layer(1)
+    return file_sha.hexdigest(), layer_sha

@@ -1,0 +1,281 @@
+"""Mixture-of-experts layers: the router (the exact predictor), expert cache slots, dense and sparse plans.
+
+Dense holds every expert. Sparse streams experts from flash into a preallocated per-layer cache of
+slots sized by the DRAM budget: per token the router picks the top-k experts, the ones not cached
+are read in one I/O submission per layer into slots freed by the eviction policy. The result is
+exactly the dense one, whatever the budget (only bytes read change).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .errors import FlashLLMError
+from .ffn_reader import FFNReader
+from .modes import _too_small
+
+NEVER = -(1 << 62)
+POLICIES = ("lru", "lfu", "window")
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def route(logits: np.ndarray, spec) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k expert ids [T, k] and their float32 weights from router logits [T, n_experts], computed as
+    transformers does (softmax in float32 over all experts, top-k, optional renormalisation)."""
+    logits = logits.astype(np.float32)
+    ids = np.argsort(-logits, axis=-1, kind="stable")[:, :spec.top_k]  # softmax keeps the order
+    if spec.router_softmax == "after_topk":
+        return ids, softmax(np.take_along_axis(logits, ids, axis=-1))
+    weights = np.take_along_axis(softmax(logits), ids, axis=-1)
+    if spec.norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return ids, weights.astype(np.float32)
+
+
+def by_expert(ids: np.ndarray, weights: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """expert id -> (the tokens routed to it, ascending; their router weights)."""
+    flat = ids.ravel()
+    order = np.argsort(flat, kind="stable")
+    experts, starts = np.unique(flat[order], return_index=True)
+    tokens, w = order // ids.shape[1], weights.ravel()[order]
+    bounds = list(starts[1:]) + [len(order)]
+    return {int(e): (tokens[a:b], w[a:b]) for e, a, b in zip(experts, starts, bounds)}
+
+
+class Router:
+    """The MoE predictor: exact, since the router itself decides which experts a token uses."""
+
+    kind = "router"
+
+    def __init__(self, model):
+        self.backend, self.spec = model.backend, model.spec
+
+    def predict(self, layer: int, x) -> tuple[np.ndarray, np.ndarray]:
+        B = self.backend
+        return route(B.numpy(B.linear(x, B.w[f"layers.{layer}.router.weight"], None)), self.spec)
+
+    def nbytes(self) -> int:
+        return 0  # the router weights are resident tensors, counted with the backend's
+
+
+class ExpertCache:
+    """Which expert each slot of one layer's cache holds, and which slots to free for new experts.
+
+    Policies: `lru` evicts the least recently used expert when no slot is free; `lfu` the least
+    frequently used one among those not used in the last `window` tokens (then LRU); `window` (the
+    paper's neuron cache) also frees every expert not used in the last `window` tokens at once.
+    Experts the current step needs are never evicted.
+    """
+
+    def __init__(self, capacity: int, n_experts: int, window: int, policy: str = "lru"):
+        if policy not in POLICIES:
+            raise FlashLLMError(f"expert cache policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        self.capacity, self.n_experts, self.window, self.policy = capacity, n_experts, window, policy
+        self.reset()
+
+    def reset(self) -> None:
+        self.expert_in = np.full(self.capacity, -1, dtype=np.int64)  # expert held by each slot
+        self.slot_of = np.full(self.n_experts, -1, dtype=np.int64)  # slot of each expert, -1: not cached
+        self.last_used = np.full(self.n_experts, NEVER, dtype=np.int64)
+        self.uses = np.zeros(self.n_experts, dtype=np.int64)
+        self.token = -1
+
+    @property
+    def num_used(self) -> int:
+        return int((self.expert_in >= 0).sum())
+
+    def start(self, ids: np.ndarray) -> np.ndarray:
+        """Advance over the tokens whose experts are `ids` [T, k]; return the experts they use."""
+        T = ids.shape[0]
+        np.maximum.at(self.last_used, ids.ravel(), np.repeat(self.token + 1 + np.arange(T), ids.shape[1]))
+        self.uses += np.bincount(ids.ravel(), minlength=self.n_experts)
+        self.token += T
+        if self.policy == "window":
+            held = self.expert_in[self.expert_in >= 0]
+            self._evict(self.slot_of[held[self.last_used[held] <= self.token - self.window]])
+        return np.unique(ids)
+
+    def _evict(self, slots: np.ndarray) -> None:
+        self.slot_of[self.expert_in[slots]] = -1
+        self.expert_in[slots] = -1
+
+    def place(self, experts: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """Slots for `experts` (none cached): free ones first, then evicting experts not in `keep`."""
+        free = np.flatnonzero(self.expert_in < 0)
+        need = len(experts) - len(free)
+        if need > 0:
+            cand = np.flatnonzero((self.expert_in >= 0) & ~np.isin(self.expert_in, keep))
+            held = self.expert_in[cand]
+            if self.policy == "lfu":
+                recent = self.last_used[held] > self.token - self.window
+                order = np.lexsort((self.last_used[held], self.uses[held], recent))
+            else:
+                order = np.argsort(self.last_used[held], kind="stable")
+            if len(cand) < need:
+                raise FlashLLMError(f"expert cache of {self.capacity} slots cannot hold {len(experts)} more experts")
+            self._evict(cand[order[:need]])
+            free = np.flatnonzero(self.expert_in < 0)
+        return free[:len(experts)]
+
+    def commit(self, experts: np.ndarray, slots: np.ndarray) -> None:
+        """Record that `experts` were read into `slots`."""
+        self.expert_in[slots] = experts
+        self.slot_of[experts] = slots
+
+
+def expert_views(model, raw: np.ndarray) -> dict:
+    """One expert bundle (uint8, >= bundle_bytes) as part -> [d_ffn, d_model] backend tensors
+    (views of `raw`, no copy, when the backend computes on the CPU in the storage dtype)."""
+    lay = model.layout
+    values = torch.from_numpy(raw[:lay.bundle_bytes]).view(model.manifest.dtype)
+    return {p: model.backend.tensor(values[lay.part_slice(p)].view(lay.d_ffn, lay.d_model)) for p in lay.parts}
+
+
+class MoEPlan:
+    """Shared by the MoE plans: routing, the shared expert and the weighted sum of expert outputs."""
+
+    def __init__(self, model):
+        self.model, self.spec, self.lay = model, model.spec, model.layout
+        self.predictor = Router(model)
+
+    def before_layer(self, layer: int, cost) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def route(self, layer: int, x, cost) -> tuple[np.ndarray, np.ndarray]:
+        with cost.timed("predictor_ms"):
+            return self.predictor.predict(layer, x)
+
+    def combine(self, layer: int, x, groups: list, shared: bool = True):
+        """Sum of weight * expert(x[tokens]) over (rows, tokens, weights) groups, plus the shared expert."""
+        B, p = self.model.backend, f"layers.{layer}."
+        rows = gate = None
+        if shared and self.spec.d_shared_expert:
+            rows = {"gate": B.w[p + "shared_gate.weight"], "up": B.w[p + "shared_up.weight"],
+                    "down": B.w[p + "shared_down.weight"].T}
+            gate = B.w.get(p + "shared_expert_gate.weight")
+        return B.moe_ffn(x, groups, rows, gate)
+
+
+class MoEDensePlan(MoEPlan):
+    """Every expert resident: the reference for the streamed plan."""
+
+    name = "dense"
+
+    def __init__(self, model, budget: int | None, options):
+        super().__init__(model)
+        lay, E = self.lay, self.spec.n_experts
+        reader = FFNReader(model.manifest.path("ffn"), lay, threads=4)
+        self.experts = []
+        try:
+            for layer in range(self.spec.n_layers):
+                buf = model.backend.host_buffer((E, lay.stride))
+                reader.read(layer, np.arange(E), buf, np.arange(E))
+                self.experts.append([expert_views(model, buf[e]) for e in range(E)])
+        finally:
+            reader.close()
+        needed = model.counted(0, model.backend.nbytes() + self.device_bytes())
+        if budget is not None and needed > budget:
+            raise _too_small(model, budget, needed, "all weights and the KV cache")
+
+    def ffn(self, layer: int, x, cost):
+        ids, weights = self.route(layer, x, cost)
+        groups = [(self.experts[layer][e], t, w) for e, (t, w) in by_expert(ids, weights).items()]
+        return self.combine(layer, x, groups)
+
+    def host_bytes(self) -> int:
+        return 0
+
+    def device_bytes(self) -> int:
+        B = self.model.backend
+        return sum(B.nbytes_of(t) for layer in self.experts for ex in layer for t in ex.values())
+
+
+class MoESparsePlan(MoEPlan):
+    """Experts streamed from flash into per-layer cache slots; prefill streams each layer's union once."""
+
+    name = "sparse"
+
+    def __init__(self, model, budget: int | None, options):
+        super().__init__(model)
+        B, lay, s = model.backend, self.lay, self.spec
+        window, policy = options.window, options.expert_policy
+        self.window, self.policy = window, policy
+        self.in_place = B.reads_in_place(model.manifest.dtype)
+        # reads land in the slots themselves, or in a staging buffer holding one token's experts
+        self.staging = None if self.in_place else B.host_buffer((s.top_k, lay.stride))
+        self.slot_bytes = lay.stride if self.in_place else 3 * lay.d_ffn * lay.d_model * B.dtype.itemsize
+        if budget is None:
+            capacity = s.n_experts
+        else:
+            base = model.counted(self.host_bytes(), B.nbytes())
+            capacity = min(s.n_experts, max(0, budget - base) // (s.n_layers * self.slot_bytes))
+            if capacity < s.top_k:
+                need = base + s.n_layers * s.top_k * self.slot_bytes
+                raise _too_small(model, budget, need, f"resident weights, KV cache and {s.top_k} experts per layer")
+        self.capacities = [capacity] * s.n_layers
+        self.caches = [ExpertCache(capacity, s.n_experts, window, policy) for _ in range(s.n_layers)]
+        if self.in_place:
+            self.raw = [B.host_buffer((capacity, lay.stride)) for _ in range(s.n_layers)]
+            self.slots = [[expert_views(model, r[i]) for i in range(capacity)] for r in self.raw]
+        else:
+            self.slots = [[None] * capacity for _ in range(s.n_layers)]
+        self.reader = FFNReader(model.manifest.path("ffn"), lay, options.threads, options.aio_depth)
+
+    def reset(self) -> None:
+        for c in self.caches:
+            c.reset()
+
+    def _read(self, layer: int, experts: np.ndarray, slots: np.ndarray, cost) -> None:
+        """Experts into slots: one submission (in place), or through the staging buffer, then converted."""
+        if self.in_place:
+            with cost.timed("io_ms"):
+                cost.add_io(self.reader.read(layer, experts, self.raw[layer], slots))
+            return
+        step = self.staging.shape[0]
+        for k in range(0, len(experts), step):
+            chunk = experts[k:k + step]
+            with cost.timed("io_ms"):
+                cost.add_io(self.reader.read(layer, chunk, self.staging, np.arange(len(chunk))))
+            with cost.timed("mem_ms"):
+                for j, slot in enumerate(slots[k:k + step]):
+                    self.slots[layer][slot] = expert_views(self.model, self.staging[j])
+
+    def ffn(self, layer: int, x, cost):
+        ids, weights = self.route(layer, x, cost)
+        cache, slots = self.caches[layer], self.slots[layer]
+        groups = by_expert(ids, weights)
+        with cost.timed("mem_ms"):
+            cache.start(ids)
+        hit = [e for e in groups if cache.slot_of[e] >= 0]
+        missing = np.array([e for e in groups if cache.slot_of[e] < 0], dtype=np.int64)
+        cost.experts_hit += len(hit)
+        cost.experts_missed += len(missing)
+        y = self.combine(layer, x, [(slots[cache.slot_of[e]], *groups[e]) for e in hit])
+        # the missing experts, in chunks of the cache size (one chunk for a decode token); the most
+        # recently used are read last, so they are the ones left cached
+        missing = missing[np.argsort(cache.last_used[missing], kind="stable")]
+        for k in range(0, len(missing), cache.capacity):
+            chunk = missing[k:k + cache.capacity]
+            with cost.timed("mem_ms"):
+                where = cache.place(chunk, keep=chunk)
+            self._read(layer, chunk, where, cost)
+            cache.commit(chunk, where)
+            y = y + self.combine(layer, x, [(slots[s], *groups[int(e)]) for e, s in zip(chunk, where)], shared=False)
+        return y
+
+    def host_bytes(self) -> int:
+        return 0 if self.staging is None else self.staging.nbytes
+
+    def device_bytes(self) -> int:
+        return sum(self.capacities) * self.slot_bytes
+
+
+MOE_PLANS = {"dense": MoEDensePlan, "sparse": MoESparsePlan}

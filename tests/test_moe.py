@@ -1,0 +1,153 @@
+"""Mixture-of-experts: dense parity with transformers, streamed (sparse) == dense, layout and budget errors."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import flashllm
+from flashllm import format as fmt
+from flashllm.errors import FlashLLMError
+from flashllm.experts import ExpertCache, by_expert, route
+
+IDS = [1, 17, 33, 5, 60, 8, 21, 90, 44, 12, 3, 71]
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float().numpy()
+
+
+@pytest.mark.parametrize("prefill", [12, 4])
+def test_moe_dense_matches_transformers(tiny_moe, prefill):
+    model = flashllm.load(tiny_moe.model_dir, mode="dense")
+    ref = hf_logits(tiny_moe.hf, IDS)
+    np.testing.assert_allclose(model.logits(IDS, prefill=prefill), ref, atol=1e-4, rtol=1e-4)
+    assert np.abs(ref).max() > 0.5
+
+
+def test_moe_dense_mlx_matches_transformers(tiny_moe):
+    pytest.importorskip("mlx.core")
+    model = flashllm.load(tiny_moe.model_dir, backend="mlx", device="cpu", mode="dense")
+    np.testing.assert_allclose(model.logits(IDS, prefill=5), hf_logits(tiny_moe.hf, IDS), atol=2e-4, rtol=2e-4)
+
+
+def test_moe_greedy_generate_matches_transformers(tiny_models):
+    tiny = tiny_models("qwen2_moe")
+    prompt = IDS[:5]
+    ours = list(flashllm.load(tiny.model_dir, mode="sparse").generate_ids(prompt, max_new_tokens=8))
+    with torch.no_grad():
+        ref = tiny.hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours == ref[:len(ours)] and len(ours) >= 1
+
+
+def _model_bytes_for_slots(model_dir, slots: int) -> int:
+    """A DRAM budget in bytes that leaves exactly `slots` expert slots per layer."""
+    probe = flashllm.load(model_dir, mode="sparse", dram_budget=None)
+    plan, spec = probe.plan, probe.spec
+    base = probe.counted(plan.host_bytes(), probe.backend.nbytes())
+    return base + spec.n_layers * slots * plan.slot_bytes
+
+
+@pytest.mark.parametrize("slots", [2, 5])
+def test_moe_streamed_equals_dense(tiny_moe, slots):
+    """Sparse mode streams experts through a cache too small for all of them and still equals dense."""
+    dense = flashllm.load(tiny_moe.model_dir, mode="dense").logits(IDS, prefill=4)
+    model = flashllm.load(tiny_moe.model_dir, mode="sparse",
+                          dram_budget=_model_bytes_for_slots(tiny_moe.model_dir, slots))
+    assert model.plan.capacities == [slots] * model.spec.n_layers
+    np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
+    stats = model.stats
+    assert stats["decode_tokens"] == len(IDS) - 4
+    per_token = model.spec.n_layers * model.spec.top_k
+    assert stats["expert_hits"] + stats["expert_misses"] == pytest.approx(per_token)
+    assert stats["expert_misses"] > 0 and stats["bytes_read"] >= stats["expert_misses"] * model.layout.bundle_bytes
+    assert stats["dram_bytes"] <= _model_bytes_for_slots(tiny_moe.model_dir, slots)
+    assert stats["predictor"] == "router"
+
+
+def test_moe_prefill_reads_each_expert_of_the_union_once(tiny_models):
+    tiny = tiny_models("mixtral")
+    model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=_model_bytes_for_slots(tiny.model_dir, 2))
+    model.logits(IDS, prefill=len(IDS))
+    prompt = model.token_stats[0]
+    assert prompt["experts_missed"] == prompt["bytes_read"] // model.layout.stride
+    assert prompt["experts_hit"] == 0
+    # the union of a 12-token prompt's top-2 experts covers more than the 2 slots of each layer
+    assert prompt["experts_missed"] > 2 * model.spec.n_layers
+
+
+def test_moe_budget_below_top_k_experts_is_a_clear_error(tiny_models):
+    tiny = tiny_models("olmoe")
+    smallest = _model_bytes_for_slots(tiny.model_dir, 2)
+    flashllm.load(tiny.model_dir, mode="sparse", dram_budget=smallest)
+    with pytest.raises(FlashLLMError, match="too small: resident weights, KV cache and 2 experts per layer need"):
+        flashllm.load(tiny.model_dir, mode="sparse", dram_budget=smallest - 1)
+    with pytest.raises(FlashLLMError, match="mode 'naive' is not supported for this olmoe model"):
+        flashllm.load(tiny.model_dir, mode="naive")
+
+
+def test_expert_layout_is_aligned_and_validated(tiny_models, tmp_path):
+    import shutil
+
+    tiny = tiny_models("qwen3_moe")
+    manifest = fmt.read_manifest(tiny.model_dir)
+    lay, spec = manifest.layout, manifest.spec
+    assert (spec.n_experts, spec.top_k, spec.d_ffn) == (8, 2, 32)
+    assert lay.stride % 4096 == 0 and all(o % 4096 == 0 for o in lay.layer_offsets)
+    assert manifest.path("ffn").stat().st_size == spec.n_layers * spec.n_experts * lay.stride
+    # expert 3 of layer 1 holds the checkpoint's gate rows, up rows and down columns
+    raw = np.fromfile(manifest.path("ffn"), dtype=np.uint8, count=lay.bundle_bytes, offset=lay.layer_offsets[1] + 3 * lay.stride)
+    values = torch.from_numpy(raw).view(torch.float32)
+    experts = tiny.hf.model.layers[1].mlp.experts
+    gate, up = experts.gate_up_proj[3].detach().chunk(2, dim=0)
+    for part, want in (("gate", gate), ("up", up), ("down", experts.down_proj[3].detach().t())):
+        torch.testing.assert_close(values[lay.part_slice(part)].view(32, spec.d_model), want)
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny.model_dir, bad)
+    data = json.loads((bad / fmt.MANIFEST).read_text())
+    data["ffn"]["bundle_stride"] += 4096
+    (bad / fmt.MANIFEST).write_text(json.dumps(data))
+    with pytest.raises(FlashLLMError, match="layout in the manifest does not match"):
+        fmt.read_manifest(bad)
+
+
+def test_routing_math():
+    class Spec:
+        top_k, router_softmax, norm_topk_prob = 2, "before_topk", False
+
+    logits = np.array([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 2.5]], dtype=np.float32)
+    ids, w = route(logits, Spec)
+    assert ids.tolist() == [[1, 2], [0, 3]]
+    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    np.testing.assert_allclose(w, np.take_along_axis(p, ids, -1), rtol=1e-6)
+    Spec.norm_topk_prob = True
+    _, w = route(logits, Spec)
+    np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
+    Spec.router_softmax = "after_topk"
+    _, w2 = route(logits, Spec)
+    np.testing.assert_allclose(w2, w, rtol=1e-6)  # renormalised softmax == softmax of the top-k logits
+    groups = by_expert(ids, w)
+    assert sorted(groups) == [0, 1, 2, 3] and groups[1][0].tolist() == [0]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "window"])
+def test_expert_cache_policies(policy):
+    cache = ExpertCache(capacity=3, n_experts=6, window=2, policy=policy)
+
+    def step(experts):
+        active = cache.start(np.array([experts]))
+        missing = np.array([e for e in active if cache.slot_of[e] < 0], dtype=np.int64)
+        cache.commit(missing, cache.place(missing, keep=active))
+        return set(map(int, cache.expert_in[cache.expert_in >= 0]))
+
+    assert step([0, 1]) == {0, 1}
+    assert step([0, 2]) == {0, 1, 2}
+    held = step([0, 3])  # full: one of 1, 2 goes, never 0 or 3
+    assert {0, 3} <= held and len(held) == 3
+    if policy != "lfu":
+        assert held == {0, 2, 3}  # 1 is the least recently used
+    cache.window = 1  # the window policy drops every expert the last token did not use, even with free slots
+    assert step([4]) == ({4} if policy == "window" else {0, 3, 4})

@@ -180,6 +180,9 @@ def format_stats(stats: dict) -> str:
     lines.append("per decode token: " + "  ".join(
         f"{k.removesuffix('_ms')} {stats[k]:.2f} ms" for k in ("total_ms", "io_ms", "mem_ms", "compute_ms", "predictor_ms")))
     lines.append(f"flash read per token: {stats['bytes_read'] / 2**20:.3f} MiB in {stats['reads']:.0f} reads")
+    if stats.get("expert_hit_rate") is not None:
+        lines.append(f"experts per token: {stats['expert_hits']:.2f} cached, {stats['expert_misses']:.2f} read "
+                     f"(hit rate {stats['expert_hit_rate']:.3f})")
     return "\n".join(lines)
 
 
@@ -199,6 +202,9 @@ def cmd_inspect(args) -> None:
     print(f"{manifest.root}: {s.family}, {s.n_layers} layers, d_model {s.d_model}, FFN {s.d_ffn} "
           f"({s.activation}{', gated' if s.gated_ffn else ''}), heads {s.n_heads}/{s.n_kv_heads} kv, "
           f"vocab {s.vocab_size}, context {s.max_positions}, {data['dtype']}")
+    if s.is_moe:
+        print(f"experts: {s.n_experts} of {s.d_ffn} neurons, top-{s.top_k} per token"
+              f"{f', shared expert of {s.d_shared_expert}' if s.d_shared_expert else ''}")
     print(f"bundle: {'+'.join(manifest.layout.parts)} = {manifest.layout.bundle_bytes} bytes, "
           f"stride {manifest.layout.stride}")
     for key, size in sizes.items():

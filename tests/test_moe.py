@@ -151,3 +151,20 @@ def test_expert_cache_policies(policy):
         assert held == {0, 2, 3}  # 1 is the least recently used
     cache.window = 1  # the window policy drops every expert the last token did not use, even with free slots
     assert step([4]) == ({4} if policy == "window" else {0, 3, 4})
+
+
+@pytest.mark.parametrize("backend,dtype", [("mlx", None), ("torch", "bfloat16")])
+def test_moe_streamed_through_staging_equals_dense(tiny_models, backend, dtype):
+    """Backends that cannot read into the slots (MLX; another compute dtype) stage and convert each expert."""
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
+    tiny = tiny_models("qwen2_moe")
+    kw = dict(backend=backend, dtype=dtype, device="cpu")
+    dense = flashllm.load(tiny.model_dir, mode="dense", **kw).logits(IDS, prefill=4)
+    model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=None, **kw)
+    model = flashllm.load(tiny.model_dir, mode="sparse", **kw, dram_budget=model.counted(
+        model.plan.host_bytes(), model.backend.nbytes()) + model.spec.n_layers * 2 * model.plan.slot_bytes)
+    assert not model.plan.in_place and model.plan.capacities == [2] * model.spec.n_layers
+    tol = 1e-5 if dtype is None else 2e-2
+    np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=tol, rtol=tol)
+    assert model.stats["expert_misses"] > 0

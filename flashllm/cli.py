@@ -69,6 +69,7 @@ def _budget(text: str):
 
 def add_load_options(parser: argparse.ArgumentParser) -> None:
     """Every LoadOptions field as a CLI option, with its default and a line of help (generate, serve, chat)."""
+    from .experts import POLICIES
     from .modes import PLANS
     from .options import BACKENDS, DTYPES, ON_OVERFLOW, LoadOptions
     from .predictor import PREDICTORS
@@ -96,6 +97,10 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--on-overflow", default=d.on_overflow, choices=ON_OVERFLOW,
                    help="sparse mode, when a token's predicted neurons exceed a layer's cache: drop the "
                    "lowest-scored ones (warned once on stderr) or stop with an error (default: %(default)s)")
+    g.add_argument("--expert-policy", default=d.expert_policy, choices=POLICIES,
+                   help="mixture-of-experts sparse mode: which cached expert a newly read one replaces when a "
+                   "layer's slots are full: least recently used, least frequently used, or the paper's window "
+                   "(experts unused for --window tokens are dropped first) (default: %(default)s)")
     g.add_argument("--hybrid-fraction", type=float, default=d.hybrid_fraction,
                    help="hybrid mode: share of each FFN kept resident (default: sized by the budget)")
     g.add_argument("--threads", type=int, default=d.threads, help="flash reads in flight (default: %(default)s)")

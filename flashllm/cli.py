@@ -101,6 +101,9 @@ def add_load_options(parser: argparse.ArgumentParser) -> None:
                    help="mixture-of-experts sparse mode: which cached expert a newly read one replaces when a "
                    "layer's slots are full: least recently used, least frequently used, or the paper's window "
                    "(experts unused for --window tokens are dropped first) (default: %(default)s)")
+    g.add_argument("--expert-prefetch", action="store_true", default=d.expert_prefetch,
+                   help="mixture-of-experts sparse mode: while layer l computes, read the experts layer l+1's "
+                   "router picks for layer l's input (exact either way; costs reads when wrong) (default: off)")
     g.add_argument("--hybrid-fraction", type=float, default=d.hybrid_fraction,
                    help="hybrid mode: share of each FFN kept resident (default: sized by the budget)")
     g.add_argument("--threads", type=int, default=d.threads, help="flash reads in flight (default: %(default)s)")

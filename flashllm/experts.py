@@ -209,6 +209,9 @@ class MoESparsePlan(MoEPlan):
         window, policy = options.window, options.expert_policy
         self.window, self.policy = window, policy
         self.in_place = B.reads_in_place(model.manifest.dtype)
+        # prefetch: while layer l computes, read the experts layer l+1's router picks for layer l's input
+        self.prefetch = options.expert_prefetch and self.in_place
+        self.pending: dict[int, tuple] = {}  # layer -> (predicted experts, PendingRead)
         # reads land in the slots themselves, or in a staging buffer holding one token's experts
         self.staging = None if self.in_place else B.host_buffer((s.top_k, lay.stride))
         self.slot_bytes = lay.stride if self.in_place else 3 * lay.d_ffn * lay.d_model * B.dtype.itemsize
@@ -230,8 +233,33 @@ class MoESparsePlan(MoEPlan):
         self.reader = FFNReader(model.manifest.path("ffn"), lay, options.threads, options.aio_depth)
 
     def reset(self) -> None:
+        for _, read in self.pending.values():
+            read.wait()
+        self.pending = {}
         for c in self.caches:
             c.reset()
+
+    def _prefetch(self, layer: int, x, cost) -> None:
+        """Start reading the experts layer `layer`'s router picks for `x` (the previous layer's FFN input)."""
+        with cost.timed("predictor_ms"):
+            predicted = np.unique(self.predictor.predict(layer, x)[0])
+        cache = self.caches[layer]
+        todo = predicted[cache.slot_of[predicted] < 0]
+        with cost.timed("io_ms"):
+            where = cache.place(todo, keep=predicted)
+            cache.commit(todo, where)  # the read is waited for before this layer computes
+            base, stride, _, _ = self.lay.segments(layer)[0]
+            read = self.reader.io.submit_rows(base, stride, stride, todo, self.raw[layer], where)
+        self.pending[layer] = (predicted, todo, read)
+        cost.experts_prefetched += len(todo)
+
+    def _finish_prefetch(self, layer: int, routed, cost) -> None:
+        predicted, todo, read = self.pending.pop(layer)
+        with cost.timed("io_ms"):
+            cost.add_io(read.wait())
+        cost.prefetch_predicted += len(np.intersect1d(predicted, routed))
+        cost.prefetch_routed += len(routed)
+        cost.prefetch_wasted += len(np.setdiff1d(todo, routed))
 
     def _read(self, layer: int, experts: np.ndarray, slots: np.ndarray, cost) -> None:
         """Experts into slots: one submission (in place), or through the staging buffer, then converted."""
@@ -252,8 +280,12 @@ class MoESparsePlan(MoEPlan):
         ids, weights = self.route(layer, x, cost)
         cache, slots = self.caches[layer], self.slots[layer]
         groups = by_expert(ids, weights)
+        if layer in self.pending:
+            self._finish_prefetch(layer, np.fromiter(groups, dtype=np.int64), cost)
         with cost.timed("mem_ms"):
             cache.start(ids)
+        if self.prefetch and layer + 1 < self.spec.n_layers and ids.shape[0] == 1:
+            self._prefetch(layer + 1, x, cost)
         hit = [e for e in groups if cache.slot_of[e] >= 0]
         missing = np.array([e for e in groups if cache.slot_of[e] < 0], dtype=np.int64)
         cost.experts_hit += len(hit)

@@ -36,6 +36,7 @@ class LoadOptions:
     hybrid_fraction: float | None = None  # hybrid: resident share of each FFN (None: sized by the budget)
     on_overflow: str = "drop"  # sparse: when a token's predicted set exceeds a cache, drop (warned) or error
     expert_policy: str = "lru"  # MoE sparse: which cached expert a new one replaces (experts.POLICIES)
+    expert_prefetch: bool = False  # MoE sparse: read layer l+1's predicted experts while layer l computes
 
     def __post_init__(self):
         from .experts import POLICIES

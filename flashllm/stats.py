@@ -28,6 +28,10 @@ class TokenCost:
     prefill_strategy: str = ""
     experts_hit: int = 0  # MoE: routed experts found in the expert cache, summed over layers
     experts_missed: int = 0  # MoE: routed experts read from flash
+    experts_prefetched: int = 0  # MoE prefetch: experts read ahead by the next layer's router
+    prefetch_wasted: int = 0  # ... of which the layer's own routing then did not use
+    prefetch_predicted: int = 0  # routed experts the previous layer's prediction named
+    prefetch_routed: int = 0  # routed experts of the layers that had a prediction
 
     @contextmanager
     def timed(self, what: str):
@@ -59,6 +63,11 @@ def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None
         hit, missed = (sum(getattr(c, k) for c in decode) for k in ("experts_hit", "experts_missed"))
         out.update(expert_hits=hit / n, expert_misses=missed / n,
                    expert_hit_rate=hit / (hit + missed) if hit + missed else None)
+        predicted, routed = (sum(getattr(c, k) for c in decode) for k in ("prefetch_predicted", "prefetch_routed"))
+        if routed:
+            out.update(prefetch_recall=predicted / routed,
+                       experts_prefetched=sum(c.experts_prefetched for c in decode) / n,
+                       prefetch_wasted=sum(c.prefetch_wasted for c in decode) / n)
     if prompt is not None:
         out["prompt"] = {"tokens": prompt.tokens, "bytes_read": prompt.bytes_read, "reads": prompt.reads,
                          "total_ms": prompt.total_ms, "io_ms": prompt.io_ms, "strategy": prompt.prefill_strategy}

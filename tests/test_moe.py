@@ -168,3 +168,21 @@ def test_moe_streamed_through_staging_equals_dense(tiny_models, backend, dtype):
     tol = 1e-5 if dtype is None else 2e-2
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=tol, rtol=tol)
     assert model.stats["expert_misses"] > 0
+
+
+def test_moe_prefetch_is_exact_and_measured(tiny_models):
+    """Prefetch reads layer l+1's predicted experts during layer l; wrong guesses cost reads, never results."""
+    tiny = tiny_models("mixtral")
+    dense = flashllm.load(tiny.model_dir, mode="dense").logits(IDS, prefill=3)
+    budget = _model_bytes_for_slots(tiny.model_dir, 3)
+    model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=budget, expert_prefetch=True)
+    np.testing.assert_allclose(model.logits(IDS, prefill=3), dense, atol=1e-5, rtol=1e-5)
+    stats, spec = model.stats, model.spec
+    assert 0 <= stats["prefetch_recall"] <= 1 and stats["experts_prefetched"] <= spec.top_k * (spec.n_layers - 1)
+    routed = sum(t["prefetch_routed"] for t in model.token_stats[1:])
+    assert routed == (len(IDS) - 3) * spec.top_k * (spec.n_layers - 1)
+    plain = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=budget)
+    plain.logits(IDS, prefill=3)
+    assert "prefetch_recall" not in plain.stats
+    # a decode token reads its misses plus what it read ahead, one stride per expert
+    assert stats["bytes_read"] == pytest.approx((stats["expert_misses"] + stats["experts_prefetched"]) * model.layout.stride)

@@ -56,6 +56,19 @@ SHAPES = {
     "tiny": _shape(OPT, 128, 64, 8, 4, 512, 128),  # smoke tests (naive fits a 50% budget)
     "tiny-llama": _shape(LLAMA, 128, 64, 2, 4, 96, 128, kv=2),
 }
+# Mixture of experts (d_ffn: neurons per expert). qwen3-30b-a3b-4l has Qwen3-30B-A3B's layer (128
+# experts of 768, top-8, GQA 32/4 heads of 128, qk-norm) but 4 of its 48 layers and a 32000-token
+# vocabulary: 5.0 GB in float16, small enough to write and read in a session on this machine.
+QWEN3_MOE = dict(LLAMA, family="qwen3_moe", activation="silu", qk_norm=True, norm_topk_prob=True)
+SHAPES.update({
+    "qwen3-30b-a3b": dict(_shape(QWEN3_MOE, 151936, 2048, 48, 32, 768, 4096, kv=4), head_dim=128,
+                          n_experts=128, top_k=8),
+    "qwen3-30b-a3b-4l": dict(_shape(QWEN3_MOE, 32000, 2048, 4, 32, 768, 4096, kv=4), head_dim=128,
+                             n_experts=128, top_k=8),
+    "mixtral-8x7b": dict(_shape(LLAMA, 32000, 4096, 32, 32, 14336, 4096, kv=8), family="mixtral",
+                         activation="silu", n_experts=8, top_k=2, norm_topk_prob=True),
+    "tiny-moe": dict(_shape(QWEN3_MOE, 128, 64, 2, 4, 32, 128, kv=2), n_experts=8, top_k=2),
+})
 
 
 def spec_for(shape: str, activation: str | None = None) -> ArchSpec:
@@ -87,6 +100,12 @@ class RandomWeights:
         out.normal_(0.0, STD, generator=g)
         return out.to(self.dtype)
 
+    def expert_rows(self, layer: int) -> list[dict[str, torch.Tensor]]:
+        """Per expert of the layer: gate, up and down^T, each [d_ffn, d_model]."""
+        s, parts = self.spec, ("gate", "up", "down")
+        return [{p: self.get(f"layers.{layer}.experts.{e}.{p}", (s.d_ffn, s.d_model)) for p in parts}
+                for e in range(s.n_experts)]
+
     def ffn_rows(self, layer: int) -> dict[str, torch.Tensor]:
         """Per bundle part, [d_ffn, d_model] rows (for `down`: the columns of the down projection)."""
         s = self.spec
@@ -111,9 +130,13 @@ class _Dropper:
             os.close(fd)
 
 
+def _layout(spec: ArchSpec, itemsize: int, bundled: bool):
+    return fmt.ExpertLayout.plan(spec, itemsize) if spec.is_moe else fmt.FFNLayout.plan(spec, itemsize, bundled)
+
+
 def model_bytes(spec: ArchSpec, itemsize: int, bundled: bool = True) -> int:
     resident = sum(int(torch.tensor(s).prod()) for s in fmt.resident_shapes(spec).values()) * itemsize
-    return resident + fmt.FFNLayout.plan(spec, itemsize, bundled).file_size
+    return resident + _layout(spec, itemsize, bundled).file_size
 
 
 def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: int = 0, bundled: bool = True,
@@ -121,13 +144,15 @@ def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: in
     """Write the flashllm model directory `out` (atomically: temp dir + rename)."""
     from tqdm import tqdm
 
+    from flashllm.converters.moe_families import write_experts
     from flashllm.converters.writer import _replace, write_ffn, write_manifest
 
     out = Path(out)
     if out.exists() and not force:
         raise SystemExit(f"{out}: already exists (pass --force to replace it)")
     dtype = fmt.STORAGE_DTYPES[dtype_name]
-    layout = fmt.FFNLayout.plan(spec, dtype.itemsize, bundled)
+    layout = _layout(spec, dtype.itemsize, bundled)
+    ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
     weights = RandomWeights(spec, dtype, seed)
     shapes = fmt.resident_shapes(spec)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -150,17 +175,20 @@ def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: in
             write_safetensors(tmp / fmt.RESIDENT_FILE, [(n, dtype, s) for n, s in shapes.items()], produce,
                               metadata={"format": fmt.FORMAT_NAME})
             drop()
-            drop_ffn = _Dropper(tmp / fmt.FFN_FILE)
+            drop_ffn = _Dropper(tmp / ffn_file)
 
             def on_layer(_):
                 bar.update(layout.layer_offsets[1] if len(layout.layer_offsets) > 1 else layout.layer_bytes)
                 drop_ffn()
 
-            ffn_sha, layer_sha = write_ffn(tmp / fmt.FFN_FILE, layout, weights.ffn_rows, dtype, on_layer)
+            if spec.is_moe:
+                ffn_sha, layer_sha = write_experts(tmp / ffn_file, layout, weights.expert_rows, dtype, on_layer)
+            else:
+                ffn_sha, layer_sha = write_ffn(tmp / ffn_file, layout, weights.ffn_rows, dtype, on_layer)
             drop_ffn()
         source = {"path": f"bench/make_model.py --shape {shape_name} --seed {seed}", "model_type": spec.family,
                   "random_weights": True, "seed": seed}
-        write_manifest(tmp, spec, dtype_name, layout, ffn_sha, layer_sha, [], source=source)
+        write_manifest(tmp, spec, dtype_name, layout, ffn_sha, layer_sha, [], source=source, ffn_file=ffn_file)
         drop()  # write_manifest read the resident file back for its checksum
         _replace(tmp, out)
     except BaseException:

@@ -14,7 +14,6 @@ from tqdm import tqdm
 
 from flashllm import format as fmt
 from flashllm.errors import FlashLLMError
-from flashllm.expert_format import EXPERTS_FILE
 from flashllm.spec import ArchSpec
 from flashllm.st_io import tensor_bytes, write_safetensors
 
@@ -44,7 +43,7 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
         raise FlashLLMError("bundled=False: an MoE model's experts are always stored as expert bundles")
     layout = fmt.ExpertLayout.plan(spec, torch_dtype.itemsize) if spec.is_moe else \
         fmt.FFNLayout.plan(spec, torch_dtype.itemsize, bundled)
-    ffn_file = EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
+    ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"

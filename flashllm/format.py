@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .errors import FlashLLMError
-from .expert_format import ExpertLayout, expert_resident_shapes
+from .expert_format import EXPERTS_FILE, ExpertLayout, expert_resident_shapes  # noqa: F401 (EXPERTS_FILE re-exported)
 from .spec import ArchSpec
 
 FORMAT_NAME = "flashllm-model"

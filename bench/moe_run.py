@@ -1,0 +1,193 @@
+"""Mixture-of-experts streaming at a memory limit: tokens/s, bytes/token, expert-cache and prefetch hit rates.
+
+Writes an MoE model with bench/make_model.py (random weights, so the router's choices amount to
+random routing: no trained MoE exists in this project yet) unless --model-dir is given, then
+decodes in sparse mode at --budget of the model's size, once per expert-cache policy and once
+with prefetch, each run a child process inside a cgroup v1 memory group limited to the budget plus
+the measured interpreter/torch baseline and --cgroup-slack (page cache is charged to the group, so
+it cannot hold the model). Model files are dropped from the page cache before each run. The model
+this script wrote is removed at the end (--keep keeps it).
+
+    python bench/moe_run.py --shape qwen3-30b-a3b-4l --work /tmp/moe-bench --budget 0.25 --tokens 24 \\
+        [--model-dir DIR] [--json] [--out bench/results/moe_run.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))  # run from a checkout
+from flashllm import format as fmt  # noqa: E402
+
+GB, MiB = 1e9, 1 << 20
+
+
+def bench_module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"flashllm_bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_one(run: dict) -> dict:
+    """One measured run in this process: load, prefill, decode; the stats that matter here."""
+    import flashllm
+
+    t0 = time.perf_counter()
+    model = flashllm.load(run["model_dir"], mode="sparse", dram_budget=run["budget_bytes"], dtype=run["dtype"],
+                          expert_policy=run["policy"], expert_prefetch=run["prefetch"], window=run["window"],
+                          threads=run["threads"])
+    load_s = time.perf_counter() - t0
+    ids = np.random.default_rng(run["seed"]).integers(3, model.spec.vocab_size, run["prompt"] + run["tokens"])
+    model.logits(ids.tolist(), prefill=run["prompt"])
+    st = model.stats
+    keys = ("total_ms", "io_ms", "mem_ms", "compute_ms", "predictor_ms", "bytes_read", "reads", "expert_hits",
+            "expert_misses", "expert_hit_rate", "prefetch_recall", "experts_prefetched", "prefetch_wasted",
+            "dram_bytes", "cache_capacity", "tokens_per_s")
+    return {**{k: st.get(k) for k in keys}, "prompt": st["prompt"], "load_s": load_s, "label": run["label"]}
+
+
+def child(run: dict, group) -> dict:
+    with tempfile.TemporaryDirectory(prefix="flashllm-moe-bench-") as tmp:
+        spec, res = Path(tmp) / "run.json", Path(tmp) / "result.json"
+        spec.write_text(json.dumps(run))
+        argv = [sys.executable, str(Path(__file__).resolve()), "--run-one", str(spec), "--result", str(res)]
+        if group is not None:
+            group.reset_peak()
+            argv = group.command(argv)
+        rc = subprocess.run(argv, cwd=BENCH.parent).returncode
+        usage = group.usage() if group is not None else None
+        if rc != 0 or not res.is_file():
+            return {"label": run["label"], "error": f"exit status {rc}", "cgroup_usage": usage}
+        return {**json.loads(res.read_text()), "cgroup_usage": usage}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# MoE streaming: {report['model']}", "", f"Command: `{report['command']}`", "",
+             f"- model: {report['model_bytes'] / GB:.2f} GB on flash ({report['dtype']}); budget "
+             f"{report['budget']:.0%} = {report['budget_bytes'] / GB:.2f} GB; expert slots per layer "
+             f"{report['slots']} of {report['n_experts']} (top-{report['top_k']})",
+             f"- memory limit: {report['memory_limit']}",
+             f"- routing: {report['routing']}",
+             f"- tokens: {report['prompt']}-token prompt, then {report['tokens']} decode tokens averaged; "
+             f"load average at start {report['load_average']}", "",
+             "| run | ms/token | tokens/s | GB read/token | io ms | expert hit rate | prefetch recall | "
+             "prefetched/token (wasted) | peak cgroup GB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        if "error" in r:
+            lines.append(f"| {r['label']} | failed: {r['error']} |  |  |  |  |  |  |  |")
+            continue
+        pre = "" if r.get("prefetch_recall") is None else f"{r['prefetch_recall']:.3f}"
+        pf = "" if r.get("experts_prefetched") is None else f"{r['experts_prefetched']:.1f} ({r['prefetch_wasted']:.1f})"
+        peak = (r.get("cgroup_usage") or {}).get("peak_bytes")
+        lines.append(f"| {r['label']} | {r['total_ms']:.0f} | {r['tokens_per_s']:.2f} | {r['bytes_read'] / GB:.3f} | "
+                     f"{r['io_ms']:.0f} | {r['expert_hit_rate']:.3f} | {pre} | {pf} | "
+                     f"{'' if peak is None else f'{peak / GB:.2f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-30b-a3b-4l", help="bench/make_model.py shape (default: %(default)s)")
+    p.add_argument("--model-dir", help="an existing MoE model directory instead of writing one")
+    p.add_argument("--work", default=None, help="where to write the model (default: a temporary directory)")
+    p.add_argument("--budget", type=float, default=0.25, help="DRAM budget, fraction of the model (default: %(default)s)")
+    p.add_argument("--dtype", default="float16", help="storage and compute dtype (default: %(default)s)")
+    p.add_argument("--prompt", type=int, default=4, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=24, help="decode tokens averaged (default: %(default)s)")
+    p.add_argument("--window", type=int, default=4, help="window of the lfu/window policies (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=32, help="flash reads in flight (default: %(default)s)")
+    p.add_argument("--policies", default="lru,lfu,window", help="expert-cache policies (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cgroup", action="store_true", help="no memory group (the budget is then only accounting)")
+    p.add_argument("--cgroup-slack", type=int, default=512, help="MiB above budget + baseline (default: %(default)s)")
+    p.add_argument("--keep", action="store_true", help="keep the model this script wrote")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--out", help="also write the markdown report here")
+    p.add_argument("--run-one", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.run_one:
+        Path(args.result).write_text(json.dumps(run_one(json.loads(Path(args.run_one).read_text()))))
+        return {}
+
+    tables = bench_module("paper_tables")
+    log = (lambda m: print(m, file=sys.stderr, flush=True))
+    wrote, group = None, None
+    try:
+        if args.model_dir:
+            model_dir = Path(args.model_dir)
+        else:
+            work = Path(args.work or tempfile.mkdtemp(prefix="flashllm-moe-"))
+            model_dir = work / args.shape
+            if model_dir.exists():
+                log(f"{model_dir}: exists, reused (not removed at the end)")
+            else:
+                mm = bench_module("make_model")
+                t0 = time.perf_counter()
+                wrote = mm.write_model(mm.spec_for(args.shape), model_dir, args.dtype, args.seed, shape_name=args.shape)
+                log(f"wrote {model_dir} in {time.perf_counter() - t0:.0f} s")
+        manifest = fmt.read_manifest(model_dir, verify=False)
+        spec = manifest.spec
+        if not spec.is_moe:
+            raise SystemExit(f"{model_dir}: not a mixture-of-experts model")
+        model_bytes = sum(e["size"] for k, e in manifest.data["files"].items() if k in ("resident", "ffn"))
+        budget_bytes = int(args.budget * model_bytes)
+        memory_limit = "none (--no-cgroup): the budget is the runtime's own accounting"
+        if not args.no_cgroup:
+            why = tables.MemoryGroup.available()
+            if why:
+                memory_limit = f"not active: {why}"
+            else:
+                base = tables.baseline_rss()
+                group = tables.MemoryGroup(budget_bytes + base + args.cgroup_slack * MiB)
+                memory_limit = (f"cgroup v1 memory.limit_in_bytes {group.limit / GB:.2f} GB = budget "
+                                f"{budget_bytes / GB:.2f} GB + interpreter/torch baseline RSS {base / GB:.2f} GB "
+                                f"(measured) + {args.cgroup_slack} MiB slack")
+        log(f"memory limit: {memory_limit}")
+        base_run = dict(model_dir=str(model_dir), budget_bytes=budget_bytes, dtype=args.dtype, window=args.window,
+                        threads=args.threads, seed=args.seed, prompt=args.prompt, tokens=args.tokens)
+        runs = [dict(base_run, policy=pol, prefetch=False, label=pol) for pol in args.policies.split(",")]
+        runs.append(dict(base_run, policy="lru", prefetch=True, label="lru + prefetch"))
+        results = []
+        for run in runs:
+            tables.drop_page_cache(tables.model_files(model_dir))
+            log(f"run {run['label']} ...")
+            results.append(child(run, group))
+            log(f"  {json.dumps({k: results[-1].get(k) for k in ('total_ms', 'bytes_read', 'expert_hit_rate', 'error')})}")
+        slots = next((r["cache_capacity"][0] for r in results if r.get("cache_capacity")), None)
+        report = {"model": f"{manifest.data['source'].get('path', model_dir)}", "model_bytes": model_bytes,
+                  "dtype": args.dtype, "budget": args.budget, "budget_bytes": budget_bytes, "slots": slots,
+                  "n_experts": spec.n_experts, "top_k": spec.top_k, "memory_limit": memory_limit,
+                  "routing": "the model's own router on random weights and random token ids (effectively random "
+                             "routing; replaying a trained MoE's routing traces needs a trained MoE: not yet)",
+                  "prompt": args.prompt, "tokens": args.tokens, "load_average": os.getloadavg()[0],
+                  "command": "python bench/moe_run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "runs": results}
+    finally:
+        if group is not None:
+            group.remove()
+        if wrote is not None and not args.keep:
+            shutil.rmtree(wrote, ignore_errors=True)
+    text = markdown(report)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(json.dumps(report) if args.json else text)
+    return report
+
+
+if __name__ == "__main__":
+    main()

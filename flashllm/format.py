@@ -19,7 +19,8 @@ FORMAT_VERSION = 1
 MANIFEST = "flashllm.json"
 RESIDENT_FILE = "resident.safetensors"
 FFN_FILE = "ffn.bin"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
 LAYER_ALIGN = 4096
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 VERIFY_AUTO_LIMIT = 256 << 20  # load() checksums files up to this size; `inspect --verify` checks all

@@ -13,6 +13,7 @@ import torch
 from . import format as fmt
 from . import modes
 from .budget import budget_bytes, counted, row_bytes, too_small
+from .chat_template import ChatTemplate
 from .errors import FlashLLMError
 from .experts import MOE_PLANS
 from .ffn_reader import FFNReader
@@ -47,6 +48,7 @@ class Model:
         self.context = min(opts.context or DEFAULT_CONTEXT, self.spec.max_positions)
         self.backend = make_backend(opts.backend, self.spec, opts.device, opts.dtype, self.manifest.dtype, self.context)
         self._tokenizer = None
+        self._chat_template = None
         self._loader = None
         self._costs: list[TokenCost] = []
         self.last_generation = Generation()
@@ -194,25 +196,67 @@ class Model:
         """Why the last generation ended: eos, stop (a stop string), length (max_new_tokens) or context."""
         return self.last_generation.stop_reason
 
-    def stream(self, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int | None = 0, stop: str | Iterable[str] = ()) -> Iterator[str]:
-        """Yield text pieces as tokens are generated (never splitting a UTF-8 character); the text ends
-        just before the first of the `stop` strings, which ends generation."""
-        ids = self.tokenizer.encode(prompt)
+    def stream_tokens(self, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
+                      top_p: float = 1.0, seed: int | None = 0,
+                      stop: str | Iterable[str] = ()) -> Iterator[tuple[int, str]]:
+        """Yield (token id, text piece) for every generated token, then (None, the text held back to the
+        end) if any; a piece is empty while text is held back (an incomplete UTF-8 character, a possible
+        stop string). `prompt` is text or token ids; the text ends just before the first of the `stop`
+        strings, which ends generation. Stopping the iteration between tokens stops generation."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         text = TextStream(self.tokenizer, ids, [stop] if isinstance(stop, str) else stop)
         tokens = self.generate_ids(ids, max_new_tokens, temperature, top_p, seed)
         for token in tokens:
-            if piece := text.add(token):
-                yield piece
+            piece = text.add(token)
             if text.stopped:
                 tokens.close()
                 self.last_generation.stop_reason = "stop"
+            yield token, piece
+            if text.stopped:
                 break
         if piece := text.flush():
-            yield piece
+            yield None, piece
         self.last_generation.text = text.text
+
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int | None = 0, stop: str | Iterable[str] = ()) -> Iterator[str]:
+        """Yield text pieces as tokens are generated (never splitting a UTF-8 character); see `stream_tokens`."""
+        for _, piece in self.stream_tokens(prompt, max_new_tokens, temperature, top_p, seed, stop):
+            if piece:
+                yield piece
 
     def generate(self, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = 0, stop: str | Iterable[str] = ()) -> str:
         """The generated text (see `stream`); `last_stop_reason` says why it ended."""
         return "".join(self.stream(prompt, max_new_tokens, temperature, top_p, seed, stop))
+
+    # -- chat ----------------------------------------------------------------------------------
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """What `chat` renders messages with: the checkpoint's template unless set to another
+        (a ChatTemplate, a Jinja file path or "plain"); a model without one is a clear error."""
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.resolve(self.manifest.root)
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, choice: "ChatTemplate | str | None") -> None:
+        self._chat_template = choice if choice is None or isinstance(choice, ChatTemplate) else \
+            ChatTemplate.resolve(self.manifest.root, str(choice))
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The prompt token ids for `messages`, ending where the assistant's reply begins."""
+        template = self.chat_template
+        return self.tokenizer.encode(template.render(messages), special=template.add_special_tokens)
+
+    def stream_chat(self, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0,
+                    top_p: float = 1.0, seed: int | None = 0, stop: str | list[str] = ()) -> Iterator[str]:
+        """Yield the assistant's reply to `messages` as text pieces (see `stream`)."""
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        return self.stream(self.chat_ids(messages), max_new_tokens, temperature, top_p, seed,
+                           stop=stop + list(self.chat_template.stop))
+
+    def chat(self, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int | None = 0, stop: str | list[str] = ()) -> str:
+        """The assistant's reply to `messages` ([{"role": "user", "content": "..."}, ...])."""
+        return "".join(self.stream_chat(messages, max_new_tokens, temperature, top_p, seed, stop))

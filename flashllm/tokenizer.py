@@ -32,9 +32,11 @@ class Tokenizer:
             raise FlashLLMError(f"{cfg_path}: expected a JSON object, found {type(cfg).__name__}")
         self.bos = bos_token_id if cfg.get("add_bos_token") else None
 
-    def encode(self, text: str) -> list[int]:
-        ids = self.tok.encode(text).ids
-        if self.bos is not None and ids[:1] != [self.bos]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of `text`; `special=False` adds no BOS or post-processor tokens (for text that
+        already holds them, such as a rendered chat template)."""
+        ids = self.tok.encode(text, add_special_tokens=special).ids
+        if special and self.bos is not None and ids[:1] != [self.bos]:
             ids = [self.bos] + ids
         return ids
 

@@ -191,6 +191,10 @@ def format_stats(stats: dict) -> str:
     if stats.get("expert_hit_rate") is not None:
         lines.append(f"experts per token: {stats['expert_hits']:.2f} cached, {stats['expert_misses']:.2f} read "
                      f"(hit rate {stats['expert_hit_rate']:.3f})")
+    if stats.get("neurons_dropped"):
+        share = stats.get("dropped_mass_share")
+        lines.append(f"neurons dropped per token: {stats['neurons_dropped']:.0f} (caches too small for the predicted "
+                     f"set; {'unknown share' if share is None else f'{share:.1%}'} of the predicted score mass)")
     return "\n".join(lines)
 
 

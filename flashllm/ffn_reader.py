@@ -2,17 +2,64 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
+from .errors import FlashLLMError
 from .flashio import FlashReader, IOStats
 from .format import FFNLayout
+
+
+class LayerChecksums:
+    """Verifies each FFN layer's sha256 (manifest `layer_sha256`) the first time it is read in full.
+
+    A layer counts as read in full when its neurons 0..d_ffn-1 arrive in order in contiguous ranges
+    (dense load, naive and hybrid reads, a dense-stream prefill), possibly over several calls; the
+    hash then costs one pass over bytes already in memory, once per layer. Scattered reads (sparse
+    decode) are not verified. Only the bundled layout is checked (the memory rows are the file's bytes).
+    """
+
+    def __init__(self, path, layout: FFNLayout, layer_sha256: list[str] | None):
+        self.path, self.layout = path, layout
+        usable = bool(layer_sha256) and layout.bundled and len(layer_sha256) == len(layout.layer_offsets)
+        self.expected = list(layer_sha256) if usable else None
+        self.verified: set[int] = set()
+        self._partial: dict[int, tuple[int, object]] = {}  # layer -> (next neuron, running hash)
+
+    def observe(self, layer: int, ids: np.ndarray, dest: np.ndarray, dest_rows: np.ndarray) -> None:
+        """Feed a finished read: neurons `ids` of `layer` now in rows `dest_rows` of `dest`."""
+        if self.expected is None or layer in self.verified or not len(ids):
+            return
+        n, lo, row = len(ids), int(ids[0]), int(dest_rows[0])
+        if not (np.array_equal(ids, np.arange(lo, lo + n)) and np.array_equal(dest_rows, np.arange(row, row + n))):
+            return
+        nxt, h = self._partial.get(layer, (0, None))
+        if lo == 0:
+            nxt, h = 0, hashlib.sha256()
+        if h is None or lo != nxt:
+            return
+        lay = self.layout
+        h.update(np.ascontiguousarray(dest[row:row + n, :lay.stride]).data)
+        nxt += n
+        if nxt < lay.d_ffn:
+            self._partial[layer] = (nxt, h)
+            return
+        self._partial.pop(layer, None)
+        offsets = list(lay.layer_offsets) + [lay.file_size]
+        h.update(bytes(offsets[layer + 1] - offsets[layer] - lay.d_ffn * lay.stride))  # alignment padding
+        if h.hexdigest() != self.expected[layer]:
+            raise FlashLLMError(f"{self.path}: FFN layer {layer} fails its checksum (the file is corrupt; "
+                                f"convert the model again)")
+        self.verified.add(layer)
 
 
 class FFNReader:
     """One read per neuron (bundled layout) or per neuron and part (unbundled), coalesced by the engine."""
 
-    def __init__(self, path, layout: FFNLayout, threads: int, aio_depth: int = 0):
-        self.layout = layout
+    def __init__(self, path, layout: FFNLayout, threads: int, aio_depth: int = 0,
+                 checksums: LayerChecksums | None = None):
+        self.layout, self.checksums = layout, checksums
         self.io = FlashReader(path, threads=threads, aio_depth=aio_depth)
 
     def read(self, layer: int, ids: np.ndarray, dest: np.ndarray, dest_rows: np.ndarray) -> IOStats:
@@ -20,6 +67,8 @@ class FFNReader:
         total = IOStats()
         for base, stride, nbytes, col in self.layout.segments(layer):
             total = total + self.io.read_rows(base, stride, nbytes, ids, dest[:, col:col + nbytes], dest_rows)
+        if self.checksums is not None:
+            self.checksums.observe(layer, ids, dest, dest_rows)
         return total
 
     def reader_for(self, layer: int):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -16,7 +17,7 @@ from .budget import budget_bytes, counted, row_bytes, too_small
 from .chat_template import ChatTemplate
 from .errors import FlashLLMError
 from .experts import MOE_PLANS
-from .ffn_reader import FFNReader
+from .ffn_reader import FFNReader, LayerChecksums
 from .generate import Generation, TextStream, eos_token_ids, generate_tokens
 from .options import LoadOptions
 from .st_io import SafetensorsFile
@@ -50,6 +51,8 @@ class Model:
         self._tokenizer = None
         self._chat_template = None
         self._loader = None
+        self._warned_overflow = False
+        self.checksums = LayerChecksums(self.manifest.path("ffn"), self.layout, self.manifest.data["ffn"].get("layer_sha256"))
         self._costs: list[TokenCost] = []
         self.last_generation = Generation()
         self._load_resident(skip_layers=opts.mode == "naive")
@@ -88,7 +91,7 @@ class Model:
     def read_layer_block(self, layer: int) -> np.ndarray:
         """All neurons of one layer as uint8 bundle rows [d_ffn, stride] (for loading resident FFNs)."""
         if self._loader is None:
-            self._loader = FFNReader(self.manifest.path("ffn"), self.layout, threads=4)
+            self._loader = FFNReader(self.manifest.path("ffn"), self.layout, threads=4, checksums=self.checksums)
         block = self.backend.host_buffer((self.layout.d_ffn, self.layout.stride))
         self._loader.read_block(layer, 0, self.layout.d_ffn, block)
         return block
@@ -132,6 +135,13 @@ class Model:
         cost.total_ms = (time.perf_counter() - t0) * 1e3
         cost.compute_ms = cost.total_ms - cost.io_ms - cost.mem_ms - cost.predictor_ms
         self._costs.append(cost)
+        if cost.neurons_dropped and not self._warned_overflow:
+            self._warned_overflow = True
+            share = f"{cost.dropped_mass / cost.predicted_mass:.1%}" if cost.predicted_mass > 0 else "an unknown share"
+            print(f"flashllm: warning: the neuron caches could not hold every predicted neuron: "
+                  f"{cost.neurons_dropped} dropped on this token (lowest scores first; {share} of the predicted "
+                  f"score mass); raise --dram-budget, or --on-overflow error to refuse (shown once; --stats "
+                  f"reports the per-token average)", file=sys.stderr)
         return logits
 
     # -- public API ----------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from .budget import split_rows  # noqa: F401  (re-exported: cache sizing lives i
 from .ffn_reader import FFNReader
 from .flashio import FlashReader
 from .neuron_cache import NeuronCache
-from .predictor import make_predictor
+from .errors import FlashLLMError
+from .predictor import make_predictor, predict_scored
 from .st_io import SafetensorsFile
 
 
@@ -61,7 +62,8 @@ class StreamingPlan:
 
     def __init__(self, model, options):
         self.model, self.lay = model, model.layout
-        self.reader = FFNReader(model.manifest.path("ffn"), model.layout, options.threads, options.aio_depth)
+        self.reader = FFNReader(model.manifest.path("ffn"), model.layout, options.threads, options.aio_depth,
+                                model.checksums)
 
     def before_layer(self, layer: int, cost) -> None:
         pass
@@ -185,7 +187,8 @@ class SparsePlan(StreamingPlan):
 
     def __init__(self, model, budget: int | None, options):
         super().__init__(model, options)
-        self.window, self.predictor = options.window, make_predictor(options.predictor, model)
+        self.window, self.on_overflow = options.window, options.on_overflow
+        self.predictor = make_predictor(options.predictor, model)
         lay, L, B = self.lay, model.spec.n_layers, model.backend
         base = model.counted(B.staging_bytes(lay.stride), B.nbytes() + self.predictor.nbytes())
         row = model.compute_row_bytes()
@@ -195,6 +198,12 @@ class SparsePlan(StreamingPlan):
                              "resident weights, KV cache, staging, predictors and one cached neuron per layer")
         need = getattr(self.predictor, "expected_fraction", lambda: None)()
         self.capacities = budget_mod.sparse_capacities(avail, row, L, lay.d_ffn, need)
+        if not getattr(self.predictor, "selective", True) and min(self.capacities) < lay.d_ffn:
+            raise FlashLLMError(
+                f"predictor {self.predictor.kind!r} marks every neuron of this {model.spec.activation} FFN active "
+                f"(a dense activation), but at this budget a layer's cache holds {min(self.capacities)} of "
+                f"{lay.d_ffn} neurons: sparse mode would silently drop most of the FFN. Use --mode hybrid or "
+                f"naive, an unlimited --dram-budget, or trained predictors (--predictor lowrank)")
         self.caches = []
         for i, capacity in enumerate(self.capacities):
             up_b, gate_b, _ = model.ffn_biases[i]
@@ -210,17 +219,33 @@ class SparsePlan(StreamingPlan):
         for c in self.caches:
             c.reset()
 
-    def _load(self, layer: int, active: np.ndarray, window: int, cost) -> tuple[int, int]:
-        """One cache step: evict outside the window, read and append the missing bundles."""
+    def _load(self, layer: int, active: np.ndarray, window: int, cost) -> int:
+        """One cache step: evict outside the window, then read the missing bundles into free rows."""
         cache = self.caches[layer]
         with cost.timed("mem_ms"):
-            missing, k, dropped = cache.evict(active, window)
-        with cost.timed("io_ms"):
-            io = cache.store.fill(self.reader.reader_for(layer), missing, cache.free_rows(len(missing)))
+            missing, _, _ = cache.evict(active, window)
+        io = cache.insert(missing, self.reader.reader_for(layer), cost)
         if io is not None:
             cost.add_io(io)
-        cache.append(missing)
-        return len(missing), dropped
+        return len(missing)
+
+    def _fit(self, layer: int, active: np.ndarray, scores: np.ndarray | None, cost) -> np.ndarray:
+        """The active set cut to the cache's capacity, keeping the highest-scored neurons; the dropped
+        count and score mass are recorded (or, with on_overflow "error", refused)."""
+        capacity = self.caches[layer].capacity
+        if scores is not None:
+            cost.predicted_mass += float(scores[active].sum())
+        if len(active) <= capacity:
+            return active
+        if self.on_overflow == "error":
+            raise FlashLLMError(f"layer {layer}: {len(active)} neurons predicted active but its cache holds "
+                                f"{capacity}; raise --dram-budget or load with --on-overflow drop")
+        order = np.argsort(-scores[active], kind="stable") if scores is not None else np.arange(len(active))
+        keep, dropped = np.sort(active[order[:capacity]]), active[order[capacity:]]
+        cost.neurons_dropped += len(dropped)
+        if scores is not None:
+            cost.dropped_mass += float(scores[dropped].sum())
+        return keep
 
     def _compute(self, layer: int, x, n: int, with_down_bias: bool):
         rows, bias = self.caches[layer].store.views(n)
@@ -229,16 +254,15 @@ class SparsePlan(StreamingPlan):
 
     def ffn(self, layer: int, x, cost):
         with cost.timed("predictor_ms"):
-            mask = self.predictor.predict(layer, x)
+            mask, scores = predict_scored(self.predictor, layer, x)
         if mask.shape[0] == 1:
-            loaded, dropped = self._load(layer, np.flatnonzero(mask[0]), self.window, cost)
-            cost.neurons_loaded.append(loaded)
-            cost.neurons_dropped += dropped
+            active = self._fit(layer, np.flatnonzero(mask[0]), None if scores is None else scores[0], cost)
+            cost.neurons_loaded.append(self._load(layer, active, self.window, cost))
             cost.neurons_cached.append(self.caches[layer].num_used)
             return self._compute(layer, x, self.caches[layer].num_used, True)
-        return self._prefill(layer, x, mask, cost)
+        return self._prefill(layer, x, mask, scores, cost)
 
-    def _prefill(self, layer: int, x, mask: np.ndarray, cost):
+    def _prefill(self, layer: int, x, mask: np.ndarray, scores: np.ndarray | None, cost):
         """Several tokens at once: stream the predicted union (or the whole layer, if cheaper) through
         the cache rows in chunks, then leave the cache as if the last `window` tokens were decoded."""
         cache, B = self.caches[layer], self.model.backend
@@ -249,15 +273,18 @@ class SparsePlan(StreamingPlan):
         cost.prefill_strategy = strategy
         cache.reset()
         y = None
-        for k in range(0, len(ids), cache.capacity):
+        for k in range(0, len(ids), cache.capacity):  # the cache rows as a buffer: reset again below
             chunk = ids[k:k + cache.capacity]
-            with cost.timed("io_ms"):
-                cost.add_io(cache.store.fill(self.reader.reader_for(layer), chunk, np.arange(len(chunk))))
+            cost.add_io(cache.store.fill(self.reader.reader_for(layer), chunk, np.arange(len(chunk)), cost))
             part = self._compute(layer, x, len(chunk), y is None)
             y = part if y is None else B.add(y, part)
         cache.reset()
-        for row in mask[-self.window:]:
-            self._load(layer, np.flatnonzero(row), self.window, cost)
+        for t in range(max(0, len(mask) - self.window), len(mask)):
+            active = np.flatnonzero(mask[t])
+            if len(active) > cache.capacity:  # cache state only: the output above used every predicted neuron
+                active = active[np.argsort(-scores[t][active], kind="stable")[:cache.capacity]] \
+                    if scores is not None else active[:cache.capacity]
+            self._load(layer, np.sort(active), self.window, cost)
         cost.neurons_loaded.append(len(ids))
         cost.neurons_cached.append(cache.num_used)
         if y is None:  # nothing predicted active: only the bias remains

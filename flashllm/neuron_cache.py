@@ -61,8 +61,15 @@ class NeuronCache:
         self.num_used = n_keep
         return missing, k, dropped
 
+    def insert(self, ids: np.ndarray, read, cost=None):
+        """Read the bundles of `ids` into the free rows and mark them held: rows are only ever marked
+        after their bundles arrived. Returns the store's IOStats (None when `ids` is empty)."""
+        io = self.store.fill(read, ids, self.free_rows(len(ids)), cost)
+        self.append(ids)
+        return io
+
     def append(self, ids: np.ndarray) -> None:
-        """Mark `ids` as held in rows num_used.. (call only after their bundles were read there)."""
+        """Mark `ids` as held in rows num_used.. (`insert` calls it once their bundles were read there)."""
         rows = np.arange(self.num_used, self.num_used + len(ids))
         self.pointer[rows] = ids
         self.row_of[ids] = rows

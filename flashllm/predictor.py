@@ -45,11 +45,23 @@ class OraclePredictor:
             up_b, gate_b, _ = model.ffn_biases[layer]
             self.bias.append(gate_b if self.spec.gated_ffn else up_b)
 
+    @property
+    def selective(self) -> bool:
+        """False for a dense activation (SiLU, GELU): every neuron is active, nothing to select."""
+        return self.threshold is not None
+
+    def scores(self, layer: int, x) -> np.ndarray | None:
+        """Pre-activation minus the activation threshold [tokens, d_ffn] (> 0: active; its size is the
+        neuron's activation for ReLU); None for a dense activation."""
+        if self.threshold is None:
+            return None
+        return self.backend.to_host(self.backend.linear(x, self.rows[layer], self.bias[layer])) - self.threshold
+
     def predict(self, layer: int, x) -> np.ndarray:
         """Boolean mask [tokens, d_ffn] of neurons whose activation is non-zero."""
         if self.threshold is None:
             return np.ones((x.shape[0], self.spec.d_ffn), dtype=bool)
-        return self.backend.greater(self.backend.linear(x, self.rows[layer], self.bias[layer]), self.threshold)
+        return self.scores(layer, x) > 0
 
     def nbytes(self) -> int:
         return 0  # a test instrument: not counted against the DRAM budget
@@ -125,13 +137,23 @@ class LowRankPredictor:
         fractions = [layer.get("predicted_fraction") for layer in self.meta["layers"]]
         return fractions if all(isinstance(f, (int, float)) and f > 0 for f in fractions) else None
 
-    def predict(self, layer: int, x) -> np.ndarray:
+    def scores(self, layer: int, x) -> np.ndarray:
+        """The predictor's logit minus its threshold's logit [tokens, d_ffn] (> 0: predicted active)."""
         B = self.backend
-        return B.greater(B.linear(B.linear(x, self.A[layer], None), self.B[layer], self.b[layer]),
-                         self.threshold[layer])
+        return B.to_host(B.linear(B.linear(x, self.A[layer], None), self.B[layer], self.b[layer])) - self.threshold[layer]
+
+    def predict(self, layer: int, x) -> np.ndarray:
+        return self.scores(layer, x) > 0
 
     def nbytes(self) -> int:
         return sum(self.backend.nbytes_of(t) for ts in (self.A, self.B, self.b) for t in ts)
+
+
+def predict_scored(predictor, layer: int, x) -> tuple[np.ndarray, np.ndarray | None]:
+    """(mask, scores) of a predictor: scores rank the predicted neurons (higher: keep first) when a
+    cache cannot hold them all; None when the predictor has none (e.g. a replayed trace)."""
+    scores = predictor.scores(layer, x) if hasattr(predictor, "scores") else None
+    return (predictor.predict(layer, x), None) if scores is None else (scores > 0, scores)
 
 
 # Every predictor, by the name the API and the CLI use.

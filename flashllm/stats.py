@@ -9,6 +9,12 @@ from dataclasses import dataclass, field
 TIMED = ("io_ms", "mem_ms", "compute_ms", "predictor_ms")
 
 
+@contextmanager
+def untimed(what: str):
+    """`TokenCost.timed` for callers that account no cost."""
+    yield
+
+
 @dataclass
 class TokenCost:
     """What one forward (the prompt or one decode token) cost."""
@@ -24,7 +30,9 @@ class TokenCost:
     total_ms: float = 0.0
     neurons_loaded: list[int] = field(default_factory=list)  # per layer
     neurons_cached: list[int] = field(default_factory=list)  # per layer, after the update
-    neurons_dropped: int = 0  # active neurons left out because the cache could not hold them
+    neurons_dropped: int = 0  # predicted neurons left out because the cache could not hold them
+    predicted_mass: float = 0.0  # sum of the predictor's scores over the predicted neurons
+    dropped_mass: float = 0.0  # ... over those dropped (lowest-scored first)
     prefill_strategy: str = ""
     experts_hit: int = 0  # MoE: routed experts found in the expert cache, summed over layers
     experts_missed: int = 0  # MoE: routed experts read from flash
@@ -55,6 +63,9 @@ def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None
     out = {"decode_tokens": len(decode), "dram_bytes": dram_bytes}
     for key in ("bytes_read", "bytes_wasted", "reads", "neurons_dropped") + TIMED + ("total_ms",):
         out[key] = sum(getattr(c, key) for c in decode) / n
+    predicted = sum(c.predicted_mass for c in decode)
+    out["dropped_mass_share"] = sum(c.dropped_mass for c in decode) / predicted if predicted > 0 else \
+        (None if out["neurons_dropped"] else 0.0)
     if decode and decode[-1].neurons_cached:
         layers = len(decode[-1].neurons_cached)
         out["neurons_loaded_per_layer"] = [sum(c.neurons_loaded[i] for c in decode) / n for i in range(layers)]

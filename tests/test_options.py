@@ -69,7 +69,7 @@ def test_options_are_validated_and_frozen():
 
 @pytest.mark.parametrize("mode", ["dense", "naive", "hybrid", "sparse"])
 def test_budget_too_small_names_the_smallest_budget_that_works(tiny_models, mode):
-    tiny = tiny_models("llama")  # stored in float32: a 2-byte compute dtype would halve what is resident
+    tiny = tiny_models("llama-relu")  # stored in float32: a 2-byte compute dtype would halve what is resident
     with pytest.raises(flashllm.FlashLLMError, match="too small") as exc:
         flashllm.load(tiny.model_dir, mode=mode, predictor="oracle", dram_budget=0.05)
     message = str(exc.value)

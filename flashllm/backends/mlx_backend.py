@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import FlashLLMError
+from ..stats import untimed
 from ..spec import ArchSpec
 
 STAGING_BYTES = 8 << 20  # bound of the staging buffer flash reads land in (one per backend; <= one layer)
@@ -169,6 +170,10 @@ class MLXBackend:
     def linear(self, x: mx.array, w: mx.array, b: mx.array | None) -> mx.array:
         return x @ w.T if b is None else mx.addmm(b, x, w.T)
 
+    def to_host(self, x: mx.array) -> np.ndarray:
+        """x as a float32 numpy array (evaluates the graph so far: the predictor's scores)."""
+        return np.array(x.astype(mx.float32))
+
     def greater(self, x: mx.array, threshold: float) -> np.ndarray:
         """Boolean numpy mask x > threshold (evaluates the graph so far: the predictor's decision)."""
         return np.array(x > threshold)
@@ -302,26 +307,31 @@ class MLXRowStore:
             a[d] = m
         mx.eval(arrays)
 
-    def fill(self, read, ids: np.ndarray, rows: np.ndarray):
-        """Bundles of neurons `ids` into rows `rows` via `read(ids, dest, dest_rows)`; IOStats (None if no ids)."""
+    def fill(self, read, ids: np.ndarray, rows: np.ndarray, cost=None):
+        """Bundles of neurons `ids` into rows `rows` via `read(ids, dest, dest_rows)`; IOStats (None if no
+        ids). Reading is timed as `io_ms`; placing (copy out of staging, cast, scatter) as `mem_ms`."""
+        timed = cost.timed if cost is not None else untimed
         io, step, dt = None, self.staging.shape[0], self.backend.dtype.mx
         for k in range(0, len(ids), step):
             chunk = ids[k:k + step]
-            part = read(chunk, self.staging, np.arange(len(chunk)))
+            with timed("io_ms"):
+                part = read(chunk, self.staging, np.arange(len(chunk)))
             io = part if io is None else io + part
-            # mx.array copies now, so the staging buffer is free for the next chunk at once
-            vals = mx.array(self.staging[:len(chunk), :self.layout.bundle_bytes].view(self._np_view))
-            if self._mx_view is not None:
-                vals = vals.view(self._mx_view)
-            r = mx.array(rows[k:k + step].astype(np.int32))
-            for p, a in self.parts.items():
-                a[r] = vals[:, self.layout.part_slice(p)].astype(dt)
-            mx.async_eval(list(self.parts.values()))  # scatter this chunk while the next one is read
-        if len(ids):
-            r, i = mx.array(rows.astype(np.int32)), mx.array(ids.astype(np.int32))
-            for key, b in self.bias.items():
-                b[r] = self.full_bias[key][i]
-        mx.eval(self._arrays())
+            with timed("mem_ms"):
+                # mx.array copies now, so the staging buffer is free for the next chunk at once
+                vals = mx.array(self.staging[:len(chunk), :self.layout.bundle_bytes].view(self._np_view))
+                if self._mx_view is not None:
+                    vals = vals.view(self._mx_view)
+                r = mx.array(rows[k:k + step].astype(np.int32))
+                for p, a in self.parts.items():
+                    a[r] = vals[:, self.layout.part_slice(p)].astype(dt)
+                mx.async_eval(list(self.parts.values()))  # scatter this chunk while the next one is read
+        with timed("mem_ms"):
+            if len(ids):
+                r, i = mx.array(rows.astype(np.int32)), mx.array(ids.astype(np.int32))
+                for key, b in self.bias.items():
+                    b[r] = self.full_bias[key][i]
+            mx.eval(self._arrays())
         return io
 
     def views(self, n: int) -> tuple[dict[str, mx.array], dict[str, mx.array]]:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import FlashLLMError
+from ..stats import untimed
 from ..spec import ArchSpec
 from .staging import StagingRing, host_array
 
@@ -102,6 +103,10 @@ class TorchBackend:
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, w, b)
+
+    def to_host(self, x: torch.Tensor) -> np.ndarray:
+        """x as a float32 numpy array (brings a predictor's scores to the host)."""
+        return x.float().cpu().numpy()
 
     def greater(self, x: torch.Tensor, threshold: float) -> np.ndarray:
         """Boolean numpy mask x > threshold (brings a predictor's decision to the host)."""
@@ -242,22 +247,29 @@ class TorchRowStore:
         for b in self.bias.values():
             b[d] = b[s]
 
-    def fill(self, read, ids: np.ndarray, rows: np.ndarray):
-        """Bundles of neurons `ids` into matrix rows `rows` via `read(ids, dest, dest_rows)`; IOStats."""
+    def fill(self, read, ids: np.ndarray, rows: np.ndarray, cost=None):
+        """Bundles of neurons `ids` into matrix rows `rows` via `read(ids, dest, dest_rows)`; returns the
+        IOStats. Reading is timed as `io_ms`, placing (staging copy, cast, bias scatter) as `mem_ms`."""
+        timed = cost.timed if cost is not None else untimed
         if self.staging is None:
-            io = read(ids, self.raw, rows)
+            with timed("io_ms"):
+                io = read(ids, self.raw, rows)
         else:
             io, ring = None, self.staging
             for k in range(0, len(ids), ring.rows):
-                chunk, b = ids[k:k + ring.rows], ring.acquire()
-                part = read(chunk, ring.buffers[b], np.arange(len(chunk)))
+                chunk = ids[k:k + ring.rows]
+                with timed("io_ms"):
+                    b = ring.acquire()
+                    part = read(chunk, ring.buffers[b], np.arange(len(chunk)))
                 io = part if io is None else io + part
-                ring.copy_rows(b, len(chunk), self.storage_dtype, self.elems, self.matrix, rows[k:k + ring.rows])
+                with timed("mem_ms"):
+                    ring.copy_rows(b, len(chunk), self.storage_dtype, self.elems, self.matrix, rows[k:k + ring.rows])
         if len(ids):
-            r = torch.from_numpy(rows).to(self.backend.device)
-            i = torch.from_numpy(ids).to(self.backend.device)
-            for key, b in self.bias.items():
-                b[r] = self.full_bias[key][i]
+            with timed("mem_ms"):
+                r = torch.from_numpy(rows).to(self.backend.device)
+                i = torch.from_numpy(ids).to(self.backend.device)
+                for key, b in self.bias.items():
+                    b[r] = self.full_bias[key][i]
         return io
 
     def views(self, n: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

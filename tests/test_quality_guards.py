@@ -1,0 +1,93 @@
+"""No silent quality loss: overflowing caches drop the lowest-scored neurons and say so; dense
+activations are not 'predicted' away; corrupt FFN layers are caught when first read in full."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+import flashllm
+from flashllm.cli import format_stats
+
+IDS = [1, 5, 9, 12, 7, 3, 20, 4, 8, 11]
+
+
+class ScriptedPredictor:
+    """Every neuron active, scored by its id: the highest ids are the ones to keep."""
+
+    kind = "scripted"
+
+    def __init__(self, model):
+        self.d_ffn = model.spec.d_ffn
+
+    def scores(self, layer, x):
+        return np.tile(np.arange(1, self.d_ffn + 1, dtype=np.float32), (x.shape[0], 1))
+
+    def predict(self, layer, x):
+        return self.scores(layer, x) > 0
+
+    def nbytes(self):
+        return 0
+
+
+def small_cache_model(tiny, capacity, **kw):
+    full = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle")
+    budget = full.backend.nbytes() + 2 * capacity * full.compute_row_bytes()
+    return flashllm.load(tiny.model_dir, mode="sparse", predictor=ScriptedPredictor, dram_budget=budget, window=1, **kw)
+
+
+def test_overflow_keeps_the_highest_scored_neurons(tiny_models, capsys):
+    tiny = tiny_models("opt")
+    model = small_cache_model(tiny, capacity=40)
+    d = model.spec.d_ffn
+    capsys.readouterr()
+    model.logits(IDS, prefill=3)
+    for cache in model.plan.caches:
+        held = np.sort(cache.pointer[:cache.num_used])
+        np.testing.assert_array_equal(held, np.arange(d - 40, d))  # not the lowest ids 0..39
+    stats = model.stats
+    assert stats["neurons_dropped"] == 2 * (d - 40)  # per decode token, both layers
+    assert stats["dropped_mass_share"] == pytest.approx(2 * sum(range(1, d - 40 + 1)) / (2 * sum(range(1, d + 1))))
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and f"{2 * (d - 40)} dropped" in err and "% of the predicted" in err
+    assert "neurons dropped per token: 176" in format_stats(stats)
+
+
+def test_overflow_error_option_refuses(tiny_models):
+    model = small_cache_model(tiny_models("opt"), capacity=40, on_overflow="error")
+    with pytest.raises(flashllm.FlashLLMError, match="cache holds 40"):
+        model.logits(IDS, prefill=3)
+
+
+def test_no_drop_no_mention(tiny_models, capsys):
+    model = flashllm.load(tiny_models("opt").model_dir, mode="sparse", predictor="oracle")
+    capsys.readouterr()
+    model.logits(IDS, prefill=3)
+    assert model.stats["neurons_dropped"] == 0 and "dropped" not in format_stats(model.stats)
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_oracle_on_a_dense_activation_refuses_to_drop(tiny_models):
+    tiny = tiny_models("llama")  # SiLU: every neuron is active
+    full = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle")  # unlimited: every neuron fits
+    budget = full.backend.nbytes() + 2 * 30 * full.compute_row_bytes()
+    with pytest.raises(flashllm.FlashLLMError, match="dense activation"):
+        flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget)
+
+
+@pytest.mark.parametrize("mode", ["dense", "naive", "hybrid"])
+def test_a_corrupt_ffn_layer_is_caught_on_its_first_full_read(tiny_models, tmp_path, mode):
+    tiny = tiny_models("opt")
+    copy = tmp_path / "m"
+    shutil.copytree(tiny.model_dir, copy)
+    lay = flashllm.load(copy).layout
+    with open(copy / "ffn.bin", "r+b") as f:  # flip one byte inside layer 1
+        f.seek(lay.layer_offsets[1] + 5 * lay.stride + 3)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(flashllm.FlashLLMError, match="layer 1 fails its checksum"):
+        flashllm.load(copy, mode=mode, verify=False, hybrid_fraction=0.5).logits(IDS, prefill=3)
+    model = flashllm.load(tiny.model_dir, mode=mode, verify=False, hybrid_fraction=0.5)
+    model.logits(IDS, prefill=3)
+    assert model.checksums.verified == {0, 1}

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from flashllm import format as fmt
 from flashllm.errors import FlashLLMError
+from flashllm.quant import DEFAULT_GROUP, DEFAULT_SCHEME, QuantScheme
 from flashllm.spec import ArchSpec
 from flashllm.st_io import tensor_bytes, write_safetensors
 
@@ -23,15 +24,19 @@ from .moe_families import write_experts
 
 
 def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize: str = "none",
-            force: bool = False, progress: bool | None = None, bundled: bool = True) -> Path:
+            force: bool = False, progress: bool | None = None, bundled: bool = True,
+            group_size: int = DEFAULT_GROUP, quant_scheme: str = DEFAULT_SCHEME) -> Path:
     """Convert the HF checkpoint in `src` into a flashllm model directory at `out`; returns `out`.
 
-    `bundled=False` stores up rows and down columns in separate regions (the paper's baseline
-    without row-column bundling; for benchmarks)."""
-    if quantize != "none":
-        raise FlashLLMError(f"--quantize {quantize}: quantized storage is not implemented yet (use none)")
+    `quantize` int8/int4 stores the FFN bundles group-wise quantized (groups of `group_size`
+    along d_model, `quant_scheme` asymmetric or symmetric; see flashllm/quant.py); resident
+    tensors stay in `dtype`. `bundled=False` stores up rows and down columns in separate regions
+    (the paper's baseline without row-column bundling; for benchmarks)."""
+    quant = None if quantize == "none" else QuantScheme.named(quantize, group_size, quant_scheme)
     ckpt = Checkpoint(src)
     family, spec = family_for(ckpt.config)
+    if quant:
+        quant.check(spec.d_model)
     out = Path(out)
     if out.exists() and not force:
         raise FlashLLMError(f"{out}: already exists (pass --force to replace it)")
@@ -41,8 +46,10 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
     torch_dtype = fmt.STORAGE_DTYPES[dtype_name]
     if spec.is_moe and not bundled:
         raise FlashLLMError("bundled=False: an MoE model's experts are always stored as expert bundles")
+    if spec.is_moe and quant:
+        raise FlashLLMError(f"--quantize {quantize}: expert bundles of MoE models are not quantized yet (use none)")
     layout = fmt.ExpertLayout.plan(spec, torch_dtype.itemsize) if spec.is_moe else \
-        fmt.FFNLayout.plan(spec, torch_dtype.itemsize, bundled)
+        fmt.FFNLayout.plan(spec, torch_dtype.itemsize, bundled, quant)
     ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -87,9 +94,7 @@ def write_ffn(path: Path, layout: fmt.FFNLayout, rows_of_layer, dtype: torch.dty
             parts = rows_of_layer(i)
             bundles = np.zeros((layout.d_ffn, layout.stride), dtype=np.uint8)  # the in-memory row layout
             for part in layout.parts:
-                raw = np.frombuffer(tensor_bytes(parts[part].to(dtype)), dtype=np.uint8)
-                sl = layout.part_slice(part)
-                bundles[:, sl.start * layout.itemsize:sl.stop * layout.itemsize] = raw.reshape(layout.d_ffn, -1)
+                bundles[:, layout.part_range(part)] = _part_bytes(parts[part], layout, dtype)
             block = np.zeros(offsets[i + 1] - offsets[i], dtype=np.uint8)
             for base, stride, nbytes, col in layout.segments(i):
                 start = base - offsets[i]
@@ -104,6 +109,13 @@ def write_ffn(path: Path, layout: fmt.FFNLayout, rows_of_layer, dtype: torch.dty
     return file_sha.hexdigest(), layer_sha
 
 
+def _part_bytes(rows: torch.Tensor, layout: fmt.FFNLayout, dtype: torch.dtype) -> np.ndarray:
+    """[d_ffn, d] weights -> [d_ffn, part_bytes] uint8 as stored: quantized, or cast to `dtype`."""
+    if layout.quant:
+        return layout.quant.quantize(rows.float().numpy())
+    return np.frombuffer(tensor_bytes(rows.to(dtype)), dtype=np.uint8).reshape(layout.d_ffn, -1)
+
+
 def write_manifest(root: Path, spec: ArchSpec, dtype_name: str, layout: fmt.FFNLayout, ffn_sha: str,
                    layer_sha: list[str], tokenizer_files: list[str], source: dict, ffn_file: str = fmt.FFN_FILE) -> None:
     """Write flashllm.json describing the files already in `root` (sizes and checksums measured here).
@@ -114,7 +126,7 @@ def write_manifest(root: Path, spec: ArchSpec, dtype_name: str, layout: fmt.FFNL
         "format_version": fmt.FORMAT_VERSION,
         "spec": spec.to_dict(),
         "dtype": dtype_name,
-        "quantization": "none",
+        "quantization": layout.quant.name if getattr(layout, "quant", None) else "none",
         "files": {key: {"path": rel, "size": (root / rel).stat().st_size,
                         "sha256": ffn_sha if key == "ffn" else fmt.sha256_file(root / rel)}
                   for key, rel in files.items()},

@@ -103,7 +103,7 @@ def counted(host: int, device: int, on_gpu: bool) -> int:
 
 def row_bytes(layout, reads_in_place: bool, compute_itemsize: int) -> int:
     """DRAM one cached neuron costs: its bundle in the compute dtype plus its per-row biases."""
-    elems = layout.bundle_bytes // layout.itemsize
+    elems = len(layout.parts) * layout.d_model  # values per bundle (quantized ones are dequantized)
     row = layout.stride if reads_in_place else elems * compute_itemsize
     return row + 2 * compute_itemsize
 

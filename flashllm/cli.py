@@ -141,7 +141,7 @@ def load_options(args: argparse.Namespace):
 def cmd_convert(args) -> None:
     from .converters import convert
 
-    out = convert(args.src, args.out, dtype=args.dtype, quantize=args.quantize, force=args.force,
+    out = convert(args.src, args.out, dtype=args.dtype, quantize=args.quantize, group_size=args.group_size, force=args.force,
                   bundled=not args.no_bundle)
     print(f"wrote {out}")
 
@@ -205,6 +205,8 @@ def cmd_inspect(args) -> None:
     data = manifest.data
     sizes = {key: entry["size"] for key, entry in data["files"].items()}
     info = {"model_dir": str(manifest.root), "format_version": data["format_version"], "dtype": data["dtype"],
+            "quantization": data.get("quantization", "none"), **({"quantization_params": data["ffn"]["quantization"]}
+                                                                  if manifest.layout.quant else {}),
             "spec": data["spec"], "files": sizes, "bundle_bytes": manifest.layout.bundle_bytes,
             "bundle_stride": manifest.layout.stride, "checksums_verified": "all" if args.verify else "small files"}
     if args.json:
@@ -217,8 +219,9 @@ def cmd_inspect(args) -> None:
     if s.is_moe:
         print(f"experts: {s.n_experts} of {s.d_ffn} neurons, top-{s.top_k} per token"
               f"{f', shared expert of {s.d_shared_expert}' if s.d_shared_expert else ''}")
+    q = manifest.layout.quant
     print(f"bundle: {'+'.join(manifest.layout.parts)} = {manifest.layout.bundle_bytes} bytes, "
-          f"stride {manifest.layout.stride}")
+          f"stride {manifest.layout.stride}" + (f", {q.name} {q.scheme} groups of {q.group_size}" if q else ""))
     for key, size in sizes.items():
         print(f"  {data['files'][key]['path']:<28} {size / 2**20:10.2f} MiB")
     print("checksums verified: " + info["checksums_verified"])
@@ -245,8 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out", help="output model directory (must not exist unless --force)")
     c.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="storage dtype (default: the checkpoint's)")
     c.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
-                   help="weight quantization (only none is implemented) (default: %(default)s)")
-    c.add_argument("--group-size", type=int, default=64, help="quantization group size (reserved) (default: %(default)s)")
+                   help="store FFN bundles group-wise quantized (asymmetric min/max, float16 scales; "
+                   "resident tensors stay in --dtype) (default: %(default)s)")
+    c.add_argument("--group-size", type=int, default=64,
+                   help="values per quantization group along d_model; must divide d_model, even for int4 "
+                   "(default: %(default)s)")
     c.add_argument("--force", action="store_true", help="replace OUT if it is a flashllm model directory or "
                    "empty; anything else is refused (default: off)")
     c.add_argument("--no-bundle", action="store_true", help="store up rows and down columns in separate "

@@ -8,10 +8,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 import torch
 
 from .errors import FlashLLMError
 from .expert_format import EXPERTS_FILE, ExpertLayout, expert_resident_shapes  # noqa: F401 (EXPERTS_FILE re-exported)
+from .quant import QuantScheme
 from .spec import ArchSpec
 
 FORMAT_NAME = "flashllm-model"
@@ -37,23 +40,25 @@ class FFNLayout:
     Bundled (the default): one read per neuron at layer_offsets[l] + i * stride. Unbundled (for the
     paper's "without bundling" baseline): each part in its own region of the layer, one read per part.
     In memory a neuron is always one row of `stride` bytes holding its parts back to back.
+    With `quant`, each part is d_model group-quantized values (codes, scales, mins; see quant.py).
     """
 
     parts: tuple[str, ...]  # e.g. ("up", "down") or ("gate", "up", "down"); each d_model values
     d_model: int
     d_ffn: int
-    itemsize: int
+    itemsize: int  # bytes per stored value when not quantized
     stride: int  # bytes from one bundle to the next (>= bundle_bytes), in the file and in memory
     layer_offsets: tuple[int, ...]
     bundled: bool = True
+    quant: QuantScheme | None = None
 
     @property
     def bundle_bytes(self) -> int:
-        return len(self.parts) * self.d_model * self.itemsize
+        return len(self.parts) * self.part_bytes
 
     @property
     def part_bytes(self) -> int:
-        return self.d_model * self.itemsize
+        return self.quant.part_bytes(self.d_model) if self.quant else self.d_model * self.itemsize
 
     @property
     def part_region(self) -> int:
@@ -77,28 +82,45 @@ class FFNLayout:
         return self.layer_offsets[-1] + self.layer_bytes if self.layer_offsets else 0
 
     def part_slice(self, part: str) -> slice:
-        """Element range of one part inside a bundle row."""
+        """Element range of one part inside a bundle row (unquantized layouts)."""
         k = self.parts.index(part)
         return slice(k * self.d_model, (k + 1) * self.d_model)
 
+    def part_range(self, part: str) -> slice:
+        """Byte range of one part inside a bundle row."""
+        k = self.parts.index(part)
+        return slice(k * self.part_bytes, (k + 1) * self.part_bytes)
+
+    def dequantize(self, block: np.ndarray) -> np.ndarray:
+        """Quantized bundle rows (uint8 [n, >= bundle_bytes]) -> float32 [n, len(parts) * d_model]
+        (so `part_slice` indexes the result as it indexes unquantized rows)."""
+        return np.concatenate([self.quant.dequantize(block[:, self.part_range(p)], self.d_model)
+                               for p in self.parts], axis=1)
+
     @classmethod
-    def plan(cls, spec: ArchSpec, itemsize: int, bundled: bool = True) -> "FFNLayout":
+    def plan(cls, spec: ArchSpec, itemsize: int, bundled: bool = True, quant: QuantScheme | None = None) -> "FFNLayout":
         """Bundle stride aligned to 4096 or 512 bytes where that wastes at most 1/16; layers at 4096."""
-        bundle = len(spec.bundle_parts) * spec.d_model * itemsize
-        stride = bundle
+        probe = cls(spec.bundle_parts, spec.d_model, spec.d_ffn, itemsize, 0, (0,), bundled, quant)
+        bundle = stride = probe.bundle_bytes
         for align in (LAYER_ALIGN, 512):
             if _round_up(bundle, align) - bundle <= bundle // 16:
                 stride = _round_up(bundle, align)
                 break
-        probe = cls(spec.bundle_parts, spec.d_model, spec.d_ffn, itemsize, stride, (0,), bundled)
+        probe = cls(spec.bundle_parts, spec.d_model, spec.d_ffn, itemsize, stride, (0,), bundled, quant)
         layer = _round_up(probe.layer_bytes, LAYER_ALIGN)
         return cls(spec.bundle_parts, spec.d_model, spec.d_ffn, itemsize, stride,
-                   tuple(i * layer for i in range(spec.n_layers)), bundled)
+                   tuple(i * layer for i in range(spec.n_layers)), bundled, quant)
 
     def to_dict(self) -> dict:
-        return {"parts": list(self.parts), "bundle_bytes": self.bundle_bytes, "bundle_stride": self.stride,
-                "layer_offsets": list(self.layer_offsets), "layer_bytes": self.layer_bytes,
-                "layer_alignment": LAYER_ALIGN, "bundled": self.bundled}
+        out = {"parts": list(self.parts), "bundle_bytes": self.bundle_bytes, "bundle_stride": self.stride,
+               "layer_offsets": list(self.layer_offsets), "layer_bytes": self.layer_bytes,
+               "layer_alignment": LAYER_ALIGN, "bundled": self.bundled}
+        if self.quant:
+            lay = self.quant.part_layout(self.d_model)
+            out.update(quantization=self.quant.to_dict(), part_bytes=self.part_bytes,
+                       part_offsets={p: self.part_range(p).start for p in self.parts},
+                       part_layout={k: list(v) for k, v in lay.items()})
+        return out
 
 
 def resident_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
@@ -207,15 +229,18 @@ def read_manifest(model_dir: str | Path, verify: bool | None = None) -> Manifest
         spec = ArchSpec.from_dict(data["spec"])
         if data["dtype"] not in STORAGE_DTYPES:
             raise FlashLLMError(f"{mpath}: unknown storage dtype {data['dtype']!r}")
-        if data.get("quantization", "none") != "none":
-            raise FlashLLMError(f"{mpath}: quantization {data['quantization']!r} is not supported")
         files, ffn = data["files"], data["ffn"]
+        qname = data.get("quantization", "none")
+        quant = None if qname == "none" else \
+            QuantScheme.from_dict(qname, ffn.get("quantization"), spec.d_model, str(mpath))
+        if quant and spec.is_moe:
+            raise FlashLLMError(f"{mpath}: quantized expert bundles are not supported")
         for key in ("resident", "ffn"):
             if key not in files:
                 raise FlashLLMError(f"{mpath}: manifest lists no {key!r} file")
         itemsize = STORAGE_DTYPES[data["dtype"]].itemsize
         layout = ExpertLayout.plan(spec, itemsize) if spec.is_moe else \
-            FFNLayout.plan(spec, itemsize, ffn.get("bundled", True))
+            FFNLayout.plan(spec, itemsize, ffn.get("bundled", True), quant)
         if layout.to_dict() != {k: ffn.get(k) for k in layout.to_dict()}:
             raise FlashLLMError(f"{mpath}: FFN layout in the manifest does not match the architecture spec")
         manifest = Manifest(root, data, spec, layout)

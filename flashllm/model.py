@@ -14,6 +14,7 @@ import torch
 from . import format as fmt
 from . import modes
 from .budget import budget_bytes, counted, row_bytes, too_small
+from .backends.staging import bundle_values
 from .chat_template import ChatTemplate
 from .errors import FlashLLMError
 from .experts import MOE_PLANS
@@ -27,13 +28,14 @@ from .tokenizer import Tokenizer
 DEFAULT_CONTEXT = 4096
 
 
-def make_backend(name: str, spec, device: str, dtype: str | None, storage_dtype, context: int):
+def make_backend(name: str, spec, device: str, dtype: str | None, storage_dtype, context: int,
+                 quantized_ffn: bool = False):
     if name == "torch":
         from .backends.torch_backend import TorchBackend
-        return TorchBackend(spec, device, dtype, storage_dtype, context)
+        return TorchBackend(spec, device, dtype, storage_dtype, context, quantized_ffn)
     if name == "mlx":
         from .backends.mlx_backend import MLXBackend
-        return MLXBackend(spec, device, dtype, storage_dtype, context)
+        return MLXBackend(spec, device, dtype, storage_dtype, context, quantized_ffn)
     raise FlashLLMError(f"backend {name!r}: expected torch or mlx")
 
 
@@ -47,7 +49,8 @@ class Model:
         self.manifest = fmt.read_manifest(model_dir, verify=opts.verify)
         self.spec, self.layout, self.mode = self.manifest.spec, self.manifest.layout, opts.mode
         self.context = min(opts.context or DEFAULT_CONTEXT, self.spec.max_positions)
-        self.backend = make_backend(opts.backend, self.spec, opts.device, opts.dtype, self.manifest.dtype, self.context)
+        self.backend = make_backend(opts.backend, self.spec, opts.device, opts.dtype, self.manifest.dtype, self.context,
+                                    self.manifest.data.get("quantization", "none") != "none")
         self._tokenizer = None
         self._chat_template = None
         self._loader = None
@@ -97,9 +100,10 @@ class Model:
         return block
 
     def bundle_rows(self, block: np.ndarray, parts: tuple[str, ...] | None = None) -> dict:
-        """Split uint8 bundle rows [n, >=bundle_bytes] into per-part [n, d] backend tensors."""
+        """Split uint8 bundle rows [n, >=bundle_bytes] into per-part [n, d] backend tensors
+        (quantized bundles are dequantized here)."""
         lay = self.layout
-        values = torch.from_numpy(block).view(self.manifest.dtype)
+        values = bundle_values(lay, block, self.manifest.dtype)
         return {part: self.backend.tensor(values[:, lay.part_slice(part)]) for part in parts or lay.parts}
 
     def compute_row_bytes(self) -> int:

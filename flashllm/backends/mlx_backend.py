@@ -92,7 +92,8 @@ class MLXBackend:
 
     name = "mlx"
 
-    def __init__(self, spec: ArchSpec, device: str | None, dtype: str | None, storage_dtype, context: int):
+    def __init__(self, spec: ArchSpec, device: str | None, dtype: str | None, storage_dtype, context: int,
+                 quantized_ffn: bool = False):
         if dtype is not None and dtype not in DTYPES:
             raise FlashLLMError(f"dtype {dtype!r}: the MLX backend computes in {', '.join(DTYPES)}")
         self.spec = spec
@@ -319,8 +320,11 @@ class MLXRowStore:
             io = part if io is None else io + part
             with timed("mem_ms"):
                 # mx.array copies now, so the staging buffer is free for the next chunk at once
-                vals = mx.array(self.staging[:len(chunk), :self.layout.bundle_bytes].view(self._np_view))
-                if self._mx_view is not None:
+                if self.layout.quant:  # dequantized on insert (numpy), then cast to the compute dtype
+                    vals = mx.array(self.layout.dequantize(self.staging[:len(chunk)]))
+                else:
+                    vals = mx.array(self.staging[:len(chunk), :self.layout.bundle_bytes].view(self._np_view))
+                if self._mx_view is not None and not self.layout.quant:
                     vals = vals.view(self._mx_view)
                 r = mx.array(rows[k:k + step].astype(np.int32))
                 for p, a in self.parts.items():

@@ -24,6 +24,14 @@ def host_array(nbytes: int, pinned: bool) -> np.ndarray:
     return a[start:start + nbytes]
 
 
+def bundle_values(layout, block: np.ndarray, storage_dtype: torch.dtype) -> torch.Tensor:
+    """uint8 bundle rows [n, >= bundle_bytes] as values [n, len(parts) * d] (dequantized to float32
+    when the layout is quantized; otherwise a view in the storage dtype)."""
+    if layout.quant:
+        return torch.from_numpy(layout.dequantize(block))
+    return torch.from_numpy(block).view(storage_dtype)[:, :len(layout.parts) * layout.d_model]
+
+
 class StagingRing:
     def __init__(self, rows: int, stride: int, device: torch.device):
         self.device, self.cuda = device, device.type == "cuda"
@@ -48,10 +56,8 @@ class StagingRing:
             self.events[b] = None
         return b
 
-    def copy_rows(self, b: int, n: int, storage_dtype: torch.dtype, elems: int, matrix: torch.Tensor,
-                  rows: np.ndarray) -> None:
-        """matrix[rows] = the first n rows of buffer b (viewed as storage_dtype), in matrix's dtype."""
-        src = torch.from_numpy(self.buffers[b][:n]).view(storage_dtype)[:, :elems]
+    def copy_rows(self, b: int, src: torch.Tensor, matrix: torch.Tensor, rows: np.ndarray) -> None:
+        """matrix[rows] = src (host values decoded from buffer b), in matrix's dtype."""
         if not self.cuda:
             matrix[torch.from_numpy(rows)] = src.to(matrix.dtype)
             return

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from ..errors import FlashLLMError
 from ..stats import untimed
 from ..spec import ArchSpec
-from .staging import StagingRing, host_array
+from .staging import StagingRing, bundle_values, host_array
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 STAGING_BYTES = 1 << 20  # per staging buffer (two per backend); the I/O engine's largest read
@@ -31,7 +31,8 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, spec: ArchSpec, device: str, dtype: str | None, storage_dtype: torch.dtype, context: int):
+    def __init__(self, spec: ArchSpec, device: str, dtype: str | None, storage_dtype: torch.dtype, context: int,
+                 quantized_ffn: bool = False):
         self.spec = spec
         self.device = torch.device(_device(device))
         if dtype is None:  # fp16 matmul on CPU is ~4x slower than fp32; keep fp32 there
@@ -40,6 +41,7 @@ class TorchBackend:
             cdt = DTYPES[dtype]
         self.dtype = cdt
         self._storage_dtype = storage_dtype
+        self.quantized_ffn = quantized_ffn  # FFN rows are dequantized on insert, never read in place
         self.context = context
         self.w: dict[str, torch.Tensor] = {}
         kv_shape = (spec.n_layers, context, spec.n_kv_heads, spec.head_dim)
@@ -78,8 +80,8 @@ class TorchBackend:
         return TorchRowStore(self, capacity, layout, storage_dtype, biases)
 
     def reads_in_place(self, storage_dtype: torch.dtype) -> bool:
-        """Whether flash reads can land in cache rows directly (same dtype, host memory)."""
-        return self.device.type == "cpu" and self.dtype == storage_dtype
+        """Whether flash reads can land in cache rows directly (same dtype, host memory, not quantized)."""
+        return self.device.type == "cpu" and self.dtype == storage_dtype and not self.quantized_ffn
 
     def staging_bytes(self, stride: int) -> int:
         return 0 if self.reads_in_place(self._storage_dtype) else 2 * self._staging_rows(stride) * stride
@@ -224,7 +226,7 @@ class TorchRowStore:
         from ..flashio import aligned_empty
 
         self.layout, self.storage_dtype, self.backend = layout, storage_dtype, backend
-        self.elems = layout.bundle_bytes // storage_dtype.itemsize
+        self.elems = len(layout.parts) * layout.d_model
         if backend.reads_in_place(storage_dtype):
             self.raw = aligned_empty((capacity, layout.stride), np.uint8)
             self.matrix = torch.from_numpy(self.raw).view(storage_dtype)
@@ -263,7 +265,8 @@ class TorchRowStore:
                     part = read(chunk, ring.buffers[b], np.arange(len(chunk)))
                 io = part if io is None else io + part
                 with timed("mem_ms"):
-                    ring.copy_rows(b, len(chunk), self.storage_dtype, self.elems, self.matrix, rows[k:k + ring.rows])
+                    values = bundle_values(self.layout, ring.buffers[b][:len(chunk)], self.storage_dtype)
+                    ring.copy_rows(b, values, self.matrix, rows[k:k + ring.rows])
         if len(ids):
             with timed("mem_ms"):
                 r = torch.from_numpy(rows).to(self.backend.device)

@@ -97,12 +97,24 @@ def texts(split, root=None):
         yield path.relative_to(root).as_posix(), read_file(path)
 
 
-def write_text(split, path, max_bytes=None, root=None):
+def _head(text, max_bytes):
+    """The first lines of `text` that fit in `max_bytes` UTF-8 bytes (at least one line's worth)."""
+    data = text.encode("utf-8")
+    if len(data) <= max_bytes:
+        return text
+    cut = data[:max_bytes].rfind(b"\n")
+    return data[:cut + 1 if cut > 0 else max_bytes].decode("utf-8", errors="ignore")
+
+
+def write_text(split, path, max_bytes=None, root=None, max_file_bytes=None):
     """Write the files of `split` into one UTF-8 text file, separated by blank lines. With
-    `max_bytes`, stop before that size is exceeded; the last file is cut at a line end.
-    Returns a dict: files (whole or partly written), bytes."""
+    `max_bytes`, stop before that size is exceeded; the last file is cut at a line end. With
+    `max_file_bytes`, take only each file's first lines up to that size: more files, more varied
+    text in the same number of bytes (calibration data). Returns a dict: files, bytes."""
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError("max_bytes must be positive")
+    if max_file_bytes is not None and max_file_bytes <= 0:
+        raise ValueError("max_file_bytes must be positive")
     out = Path(path)
     if out.parent != Path(""):
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +122,8 @@ def write_text(split, path, max_bytes=None, root=None):
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "wb") as f:
         for _, text in texts(split, root):
+            if max_file_bytes is not None:
+                text = _head(text, max_file_bytes)
             data = (SEPARATOR if nfiles else "").encode() + text.encode("utf-8")
             if max_bytes is not None and written + len(data) > max_bytes:
                 room = data[: max_bytes - written]
@@ -144,13 +158,15 @@ def main(argv=None):
     ap.add_argument("--split", choices=SPLITS, default="heldout")
     ap.add_argument("--out", help="text file to write (omit to print the corpus summary)")
     ap.add_argument("--max-bytes", type=int, default=None)
+    ap.add_argument("--max-file-bytes", type=int, default=None,
+                    help="take at most this many bytes (whole lines) from the start of each file")
     ap.add_argument("--root", default=None, help="stdlib directory (default: this Python's)")
     args = ap.parse_args(argv)
     if args.out is None:
         import json
         print(json.dumps(describe(args.root), indent=2))
         return
-    res = write_text(args.split, args.out, args.max_bytes, args.root)
+    res = write_text(args.split, args.out, args.max_bytes, args.root, args.max_file_bytes)
     print(f"wrote {args.out}: {res['files']} files, {res['bytes']} bytes ({args.split} split)")
 
 

@@ -8,10 +8,10 @@ import sys
 TRAIN_DESCRIPTION = """\
 Run the model densely over the calibration text, record per layer the FFN input and the true
 activation mask (spilled to zstd-compressed per-layer shards in a temporary directory), then train
-per layer a low-rank predictor sigmoid(B(Ax)+b) with a class-balanced BCE. The rank is the smallest
-of the ladder reaching the recall target on held-out calibration tokens with at most 3x as many
-predicted as truly active neurons (--rank N forces one); the threshold is tuned for the recall
-target. Writes predictors.safetensors (with per-neuron activation frequencies) and predictors.json
+per layer a low-rank predictor sigmoid(B(Ax)+b) with a class-balanced BCE. Whole calibration
+sequences are held out: each layer's threshold is the largest reaching the recall target on them,
+and its rank the one of the ladder with the lowest DRAM cost at that recall (predictor weights +
+the cache rows a window of predicted sets needs; --rank N forces one). Writes predictors.safetensors (with per-neuron activation frequencies) and predictors.json
 into MODEL_DIR."""
 
 
@@ -28,7 +28,7 @@ def add_parsers(sub) -> None:
     """Add `train` and `eval` to the subparsers of `flashllm predictors`."""
     from flashllm.cli import _budget  # the same budget syntax as `flashllm generate`
 
-    from .train import RANK_LADDER, TrainSettings
+    from .train import DEFAULT_MAX_TOKENS, RANK_LADDER, TrainSettings
 
     d = TrainSettings()
     t = sub.add_parser("train", help="collect calibration data and train the predictors",
@@ -36,14 +36,15 @@ def add_parsers(sub) -> None:
     t.add_argument("model_dir")
     t.add_argument("--data", required=True, help="calibration text file (UTF-8)")
     t.add_argument("--rank", type=int, default=None,
-                   help=f"force this rank in every layer (default: adaptive from {list(RANK_LADDER)})")
-    t.add_argument("--max-tokens", type=int, default=None, help="cap the calibration tokens")
+                   help=f"force this rank in every layer (default: by cost, from {list(RANK_LADDER)})")
+    t.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"calibration tokens at most (default {DEFAULT_MAX_TOKENS:,}: collection time and temporary "
+                   "disk grow with it, predictor quality hardly does beyond)")
     t.add_argument("--recall-target", type=float, default=d.recall_target,
-                   help=f"held-out recall each layer's threshold is tuned for (default {d.recall_target})")
-    t.add_argument("--max-predicted-over-true", type=float, default=d.max_predicted_over_true,
-                   help="adaptive rank: accept the smallest rank predicting at most this many times the true "
-                   f"active neurons (default {d.max_predicted_over_true})")
-    t.add_argument("--seed", type=int, default=d.seed)
+                   help=f"recall on held-out sequences each layer's threshold is tuned for (default {d.recall_target})")
+    t.add_argument("--window", type=int, default=d.window,
+                   help=f"rank cost: cache rows for the union of this many tokens' predicted sets (default {d.window})")
+    t.add_argument("--seed", type=int, default=d.seed, help=f"data split and initialisation (default {d.seed})")
     t.add_argument("--activation-threshold", type=float, default=None,
                    help="opt-in rule for dense activations (silu, gelu): active iff |act(pre)| > T")
     t.add_argument("--epochs", type=int, default=d.epochs)
@@ -61,22 +62,35 @@ def add_parsers(sub) -> None:
     t.add_argument("--json", action="store_true", help="print predictors.json's content as one JSON object")
     t.set_defaults(func=cmd_train)
 
-    e = sub.add_parser("eval", help="evaluate trained predictors on held-out text",
-                       description="Per-layer recall/precision/predicted fraction against the true masks, "
-                       "perplexity dense vs sparse(lowrank, window) teacher-forced token by token, greedy top-1 "
-                       "agreement over generated tokens, and flash bytes read per decode token vs naive mode.")
+    e = sub.add_parser("eval", help="evaluate trained predictors on held-out text, at a DRAM budget or a sweep",
+                       description="Quality of sparse mode with the trained predictors, loaded with the given options "
+                       "(dtype, window, DRAM budget, backend, device, threads) against the dense model in the same "
+                       "dtype: perplexity, greedy top-1 agreement, per-layer recall/precision of the predictors and "
+                       "of what the FFN computed at that budget, neurons dropped, flash bytes and latency per token. "
+                       "--sweep-budget evaluates several budgets (and --sweep-dtype several dtypes) and, with --out, "
+                       "writes the quality-vs-memory table, JSON and plot.")
     e.add_argument("model_dir")
     e.add_argument("--data", required=True, help="held-out text file (UTF-8)")
     e.add_argument("--max-tokens", type=int, default=2048, help="held-out tokens to score (default 2048)")
-    e.add_argument("--window", type=int, default=4, help="sparse mode: neurons of the last K tokens stay cached")
-    e.add_argument("--gen-tokens", type=int, default=256, help="greedy tokens for the top-1 agreement")
-    e.add_argument("--prompt-tokens", type=int, default=32, help="held-out prompt length for generation")
+    e.add_argument("--gen-tokens", type=int, default=256, help="greedy tokens for the top-1 agreement (default 256)")
+    e.add_argument("--prompt-tokens", type=int, default=32, help="held-out prompt length for generation (default 32)")
     e.add_argument("--seq-len", type=int, default=None, help="tokens per scored sequence (default 256)")
     e.add_argument("--dram-budget", type=_budget, default=None,
-                   help="sparse mode DRAM budget: a fraction of the model size or bytes, e.g. 0.5 or 512MiB "
-                   "(default: unlimited)")
-    e.add_argument("--threads", type=int, default=4, help="flash reader threads")
-    e.add_argument("--device", default="cpu")
+                   help="DRAM budget: a fraction of the model size or bytes, e.g. 0.5, 50%%, 512MiB (default: unlimited)")
+    e.add_argument("--sweep-budget", type=lambda t: [_budget(v) for v in t.split(",")], default=None,
+                   help="comma-separated budgets to evaluate in turn, e.g. 0.4,0.5,0.6,0.8,1.0 (replaces --dram-budget)")
+    e.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="compute dtype (default: the backend's choice for the storage dtype)")
+    e.add_argument("--sweep-dtype", type=lambda t: t.split(","), default=None,
+                   help="comma-separated compute dtypes to evaluate in turn, e.g. float32,bfloat16 (replaces --dtype)")
+    e.add_argument("--window", type=int, default=4, help="neurons of the last K tokens stay cached (default 4)")
+    e.add_argument("--backend", default="torch", choices=["torch", "mlx"], help="compute backend (default torch)")
+    e.add_argument("--device", default=None, help="cpu, cuda or gpu (default: the backend's)")
+    e.add_argument("--threads", type=int, default=32, help="flash reads in flight (default 32)")
+    e.add_argument("--context", type=int, default=None,
+                   help="KV cache length, counted in the budget (default: the runtime's, min(model, 4096))")
+    e.add_argument("--out", default=None, help="write PREFIX.json, PREFIX.md and PREFIX.png (the quality-vs-memory "
+                   "table and plot), e.g. bench/results/quality_vs_memory")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(func=cmd_eval)
@@ -86,7 +100,7 @@ def cmd_train(args) -> None:
     from .train import TrainSettings, train_predictors
 
     settings = TrainSettings(rank=args.rank, recall_target=args.recall_target,
-                             max_predicted_over_true=args.max_predicted_over_true, epochs=args.epochs,
+                             window=args.window, epochs=args.epochs,
                              batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device)
     quiet = args.quiet or args.json
     meta = train_predictors(args.model_dir, args.data, settings, max_tokens=args.max_tokens, seq_len=args.seq_len,
@@ -103,10 +117,22 @@ def cmd_train(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from .evaluate import evaluate, format_report
+    from .evaluate import evaluate
+    from .report import format_report, write_sweep
 
-    result = evaluate(args.model_dir, args.data, max_tokens=args.max_tokens, window=args.window,
-                      gen_tokens=args.gen_tokens, prompt_tokens=args.prompt_tokens, seq_len=args.seq_len,
-                      dram_budget=args.dram_budget, threads=args.threads, device=args.device,
-                      progress=not (args.quiet or args.json))
-    print(json.dumps(result) if args.json else format_report(result))
+    options = {"backend": args.backend, "device": args.device, "window": args.window, "threads": args.threads,
+               "dram_budget": args.dram_budget}
+    if args.context is not None:
+        options["context"] = args.context
+    results = [evaluate(args.model_dir, args.data, {**options, "dtype": dtype}, budgets=args.sweep_budget,
+                        max_tokens=args.max_tokens, gen_tokens=args.gen_tokens, prompt_tokens=args.prompt_tokens,
+                        seq_len=args.seq_len, progress=not (args.quiet or args.json))
+               for dtype in (args.sweep_dtype or [args.dtype])]
+    if args.out:
+        paths = write_sweep(results, args.out, "flashllm " + " ".join(sys.argv[1:]))
+        if not args.json:
+            print("wrote " + ", ".join(map(str, paths)), file=sys.stderr)
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else {"results": results}))
+    else:
+        print("\n\n".join(format_report(r) for r in results))

@@ -190,6 +190,13 @@ def read_shard(path: Path, d_model: int, d_ffn: int) -> tuple[np.ndarray, np.nda
     return np.concatenate(xs), np.concatenate(ms)
 
 
+def shard_bytes_bound(n_layers: int, d_model: int, d_ffn: int, tokens: int, sequences: int) -> int:
+    """Bytes the shards of a collection take at most: every record uncompressed (zstd only shrinks them,
+    bar a few bytes of frame header)."""
+    frames = 2 * 64  # two zstd frames per record: header and block overhead, generously
+    return n_layers * (tokens * (2 * d_model + (d_ffn + 7) // 8) + sequences * (_RECORD.size + frames))
+
+
 def unpack_mask(packed: np.ndarray, d_ffn: int) -> np.ndarray:
     return np.unpackbits(packed, axis=1, count=d_ffn).astype(bool)
 
@@ -207,6 +214,7 @@ class Calibration:
     seq_len: int
     rule: ActivationRule
     active_counts: list[np.ndarray] = field(default_factory=list)  # per layer, int64 [d_ffn]
+    lengths: list[int] = field(default_factory=list)  # tokens of each sequence, in shard order
 
     def shard(self, layer: int) -> Path:
         return self.root / f"layer{layer:04d}.shard"
@@ -287,6 +295,7 @@ def collect(model, chunks: list[list[int]], rule: ActivationRule, workdir: str |
                 model.plan.reset()
                 model.forward(chunk, 0)
                 cal.tokens += len(chunk)
+                cal.lengths.append(len(chunk))
                 bar.update(len(chunk))
     except BaseException:
         cal.cleanup()

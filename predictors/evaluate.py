@@ -1,21 +1,28 @@
-"""How good are the trained predictors? Measured on held-out text against the dense model.
+"""How good are the trained predictors, at the DRAM budget and dtype the user runs? Measured on
+held-out text against the dense model computed in the same dtype.
 
-- per layer: recall, precision and predicted/true fraction of the predictors' masks against the
-  true masks (same activation rule as training), on the FFN inputs of a dense pass;
-- perplexity, dense vs sparse(lowrank, window): teacher-forced over the held-out tokens, each
-  sequence decoded one token at a time through the KV cache (sparse mode differs from dense only
-  on that decode path), scoring every token predicted by a decode step;
-- greedy top-1 agreement: the dense model generates `gen_tokens` greedily from a held-out prompt
-  (EOS ignored); the sparse model reads the same tokens and predicts each next one; agreement is the
-  fraction of positions where its argmax equals the dense choice (also reported: the free-running
-  sparse generation's positionwise agreement and its first divergence);
-- flash bytes read per decode token: sparse (measured over the perplexity run) vs naive (a short
-  measured naive run: every layer's weights per token).
+- per layer, from a dense pass: recall, precision and predicted/true fraction of the predictors'
+  masks against the true masks (same activation rule as training);
+- per evaluated load (one, or one per budget of a sweep), the sparse model with the trained
+  predictors, loaded with the user's options (dtype, window, budget, backend, device, threads):
+  - perplexity, dense vs sparse: teacher-forced over the held-out tokens, each sequence decoded one
+    token at a time through the KV cache after its first token, scoring every decode step;
+  - greedy top-1 agreement: the dense model generates `gen_tokens` greedily from a held-out prompt
+    (EOS ignored); the sparse model reads the same tokens, and its argmax is compared with the dense
+    choice at every position (also: agreement on the held-out text itself, and the free-running
+    sparse generation's agreement and first divergence);
+  - per layer at this budget: recall and precision of what the FFN really computed, the cache's
+    rows when a decode step runs, against the dense pass's true mask of that token; so neurons the
+    window kept help and neurons dropped for lack of room count as misses;
+  - neurons dropped per decode token, flash bytes and latency per decode token (from the stats);
+  - a budget the runtime refuses is reported with its reason, not measured;
+- flash bytes per decode token of naive mode (a short measured run: every layer's weights).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -46,47 +53,57 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-class MaskCounter:
-    """Accumulates, per layer, true-positive / predicted / true counts of predictor vs true masks."""
+class Counts:
+    """Per layer true-positive / predicted / true counts of a mask against the true masks."""
 
-    def __init__(self, n_layers: int, predictor):
-        self.predictor = predictor
-        self.tp, self.pred, self.true = (np.zeros(n_layers, np.int64) for _ in range(3))
-        self.cells = np.zeros(n_layers, np.int64)
+    def __init__(self, n_layers: int):
+        self.tp, self.pred, self.true, self.cells = (np.zeros(n_layers, np.int64) for _ in range(4))
 
-    def __call__(self, layer: int, x, mask: np.ndarray) -> None:
-        pred = self.predictor.predict(layer, x)
-        self.tp[layer] += int((pred & mask).sum())
+    def add(self, layer: int, pred: np.ndarray, true: np.ndarray) -> None:
+        self.tp[layer] += int((pred & true).sum())
         self.pred[layer] += int(pred.sum())
-        self.true[layer] += int(mask.sum())
-        self.cells[layer] += mask.size
+        self.true[layer] += int(true.sum())
+        self.cells[layer] += true.size
 
-    def layers(self, meta_layers: list[dict]) -> list[dict]:
-        rows = []
-        for i, info in enumerate(meta_layers):
-            t, p = int(self.true[i]), int(self.pred[i])
-            rows.append({"layer": i, "rank": int(info["rank"]), "threshold": float(info["threshold"]),
-                         "recall": self.tp[i] / t if t else 1.0, "precision": self.tp[i] / p if p else 1.0,
-                         "predicted_fraction": p / max(int(self.cells[i]), 1),
-                         "true_fraction": t / max(int(self.cells[i]), 1),
-                         "predicted_over_true": p / t if t else None})
-        return rows
+    def rows(self) -> list[dict]:
+        out = []
+        for i in range(len(self.tp)):
+            t, p, c = int(self.true[i]), int(self.pred[i]), max(int(self.cells[i]), 1)
+            out.append({"layer": i, "recall": self.tp[i] / t if t else 1.0, "precision": self.tp[i] / p if p else 1.0,
+                        "predicted_fraction": p / c, "true_fraction": t / c, "predicted_over_true": p / t if t else None})
+        return out
 
 
-def evaluate(model_dir: str | Path, data: str | Path, max_tokens: int | None = 2048, window: int = 4,
-             gen_tokens: int = 256, prompt_tokens: int = 32, seq_len: int | None = None,
-             dram_budget: float | None = None, threads: int = 4, device: str = "cpu", progress: bool = True) -> dict:
-    """Evaluate the trained predictors of `model_dir` on the held-out text file `data`."""
+@dataclass
+class Reference:
+    """The dense model's view of the held-out text: what every sparse load is compared with."""
+
+    chunks: list  # token id sequences
+    start: int  # rows start.. of each chunk come from decode steps and are scored
+    nll: np.ndarray  # dense negative log-likelihood of every scored token
+    argmax: list  # per chunk, the dense argmax of the scored rows
+    true_masks: list  # per chunk, per layer: packed true masks of every position
+    prompt: list
+    gen: list  # the dense greedy continuation of `prompt`
+    layers: list  # per-layer predictor figures from the dense pass
+    rule: str
+    d_ffn: int
+    dtype: str
+    extra: dict = field(default_factory=dict)
+
+
+def dense_reference(model_dir, data, options: dict, max_tokens: int | None, gen_tokens: int, prompt_tokens: int,
+                    seq_len: int | None, progress: bool) -> Reference:
+    """One dense pass over the held-out text (in the evaluated dtype) plus the greedy continuation."""
     import flashllm
     from flashllm.predictor import LowRankPredictor
     from tqdm import tqdm
 
-    if window < 1:
-        raise FlashLLMError(f"--window {window}: must be at least 1")
     if gen_tokens < 1 or prompt_tokens < 1:
         raise FlashLLMError("--gen-tokens and the prompt length must be at least 1")
     text = col.read_data(data, max_tokens)
-    dense = flashllm.load(model_dir, mode="dense", device=device)
+    dense_opts = {k: v for k, v in options.items() if k in ("backend", "device", "dtype", "context")}
+    dense = flashllm.load(model_dir, mode="dense", **dense_opts)
     predictor = LowRankPredictor(dense)
     spec = dense.spec
     saved_rule = predictor.meta.get("activation_rule")
@@ -94,105 +111,157 @@ def evaluate(model_dir: str | Path, data: str | Path, max_tokens: int | None = 2
         if saved_rule else col.activation_rule(spec)
     chunks = col.chunk_text(dense, text, seq_len, max_tokens, str(data))
     del text
-    prefix = len(dense.tokenizer.encode(""))
-    start = max(prefix, 1)  # rows start.. come from decode steps and are scored
+    start = max(len(dense.tokenizer.encode("")), 1)
     chunks = [c for c in chunks if len(c) >= start + 2] or chunks
-    total = sum(map(len, chunks))
-    counter = MaskCounter(spec.n_layers, predictor)
-    nll_dense, nll_sparse, argmax_dense, agree_heldout = [], [], [], []
-    with col.recording(dense, rule, counter), \
-            tqdm(total=total, desc="dense", unit="tok", disable=not progress, leave=False) as bar:
+    counts, masks = Counts(spec.n_layers), {}
+
+    def sink(layer, x, mask):
+        counts.add(layer, predictor.predict(layer, x), mask)
+        masks[layer] = np.packbits(mask, axis=1)
+
+    nll, argmax, true_masks = [], [], []
+    with col.recording(dense, rule, sink), \
+            tqdm(total=sum(map(len, chunks)), desc=f"dense {dense.backend.dtype}", unit="tok", disable=not progress,
+                 leave=False) as bar:
         for chunk in chunks:
             rows = dense.logits(chunk)[start:len(chunk) - 1]  # one prefill: the same math as token by token
-            nll_dense.append(_nll(rows, chunk[start + 1:]))
-            argmax_dense.append(np.argmax(rows, axis=1))
+            nll.append(_nll(rows, chunk[start + 1:]))
+            argmax.append(np.argmax(rows, axis=1))
+            true_masks.append([masks[i] for i in range(spec.n_layers)])
             bar.update(len(chunk))
-    layers = counter.layers(predictor.meta["layers"])
-    del predictor
-
-    sparse = flashllm.load(model_dir, mode="sparse", predictor="lowrank", window=window, dram_budget=dram_budget,
-                           threads=threads, device=device)
-    bytes_read, decode_tokens, dropped = 0.0, 0, 0.0
-    with tqdm(total=total, desc="sparse", unit="tok", disable=not progress, leave=False) as bar:
-        for chunk, d_argmax in zip(chunks, argmax_dense):
-            rows = sparse.logits(chunk, prefill=start)[start:len(chunk) - 1]
-            st = sparse.stats
-            bytes_read += st["bytes_read"] * st["decode_tokens"]
-            dropped += st["neurons_dropped"] * st["decode_tokens"]
-            decode_tokens += st["decode_tokens"]
-            nll_sparse.append(_nll(rows, chunk[start + 1:]))
-            agree_heldout.append(np.argmax(rows, axis=1) == d_argmax)
-            bar.update(len(chunk))
-    nd, ns = np.concatenate(nll_dense), np.concatenate(nll_sparse)
+    nd = np.concatenate(nll)
     if len(nd) == 0:
         raise FlashLLMError(f"data file {data}: too few tokens to score (sequences need at least {start + 2})")
-
-    # greedy generation: dense picks, sparse follows (teacher-forced) and runs free
+    layers = counts.rows()
+    for row, info in zip(layers, predictor.meta["layers"]):
+        row.update(rank=int(info["rank"]), threshold=float(info["threshold"]))
     prompt = chunks[0][:prompt_tokens]
-    n_gen = min(gen_tokens, dense.context - len(prompt), sparse.context - len(prompt))
+    n_gen = min(gen_tokens, dense.context - len(prompt))
     if n_gen < 1:
         raise FlashLLMError(f"context {dense.context} leaves no room to generate after a {len(prompt)}-token prompt")
     gen = _greedy(dense, prompt, n_gen)
-    del dense
-    tf = sparse.logits(prompt + gen[:-1], prefill=len(prompt))
-    follow = np.argmax(tf[len(prompt) - 1:], axis=1) == np.array(gen)
-    free = _greedy(sparse, prompt, n_gen)
-    free_match = np.array(free) == np.array(gen)
-    first_diff = int(np.argmin(free_match)) if not free_match.all() else n_gen
-    del sparse
+    return Reference(chunks, start, nd, argmax, true_masks, prompt, gen, layers, rule.describe(spec.activation),
+                     spec.d_ffn, str(dense.backend.dtype).replace("torch.", ""))
 
-    naive = flashllm.load(model_dir, mode="naive", threads=threads, device=device)
-    naive.logits(chunks[0][:NAIVE_PROMPT + NAIVE_DECODE] if len(chunks[0]) > NAIVE_PROMPT else chunks[0],
-                 prefill=min(NAIVE_PROMPT, len(chunks[0])))
-    naive_bytes = naive.stats["bytes_read"] if naive.stats["decode_tokens"] else None
-    del naive
 
-    ratios = [r["predicted_over_true"] for r in layers if r["predicted_over_true"] is not None]
-    sparse_bytes = bytes_read / max(decode_tokens, 1)
-    ppl_dense, ppl_sparse = float(math.exp(nd.mean())), float(math.exp(ns.mean()))
+def _computed_counts(model, ref: Reference, chunk_index: list, counts: Counts):
+    """A wrapper for model.plan.ffn: after each decode step, the cache's rows vs the true mask."""
+    plan, inner = model.plan, model.plan.ffn
+    position = {}
+
+    def ffn(layer: int, x, cost):
+        y = inner(layer, x, cost)
+        if x.shape[0] == 1:
+            p = position.get(layer, ref.start - 1) + 1
+            position[layer] = p
+            true = np.unpackbits(ref.true_masks[chunk_index[0]][layer][p], count=ref.d_ffn).astype(bool)
+            cache = plan.caches[layer]
+            computed = np.zeros(ref.d_ffn, bool)
+            computed[cache.pointer[:cache.num_used]] = True
+            counts.add(layer, computed, true)
+        return y
+
+    def next_chunk():
+        position.clear()
+
+    return ffn, next_chunk
+
+
+def evaluate_load(model_dir, ref: Reference, options: dict, progress: bool = True) -> dict:
+    """Quality, drops, bytes and latency of the sparse model loaded with `options` (one budget)."""
+    import flashllm
+    from tqdm import tqdm
+
+    try:
+        sparse = flashllm.load(model_dir, mode="sparse", predictor="lowrank", **options)
+    except FlashLLMError as exc:
+        return {"dram_budget": options.get("dram_budget"), "refused": str(exc)}
+    counts, chunk_index = Counts(sparse.spec.n_layers), [0]
+    ffn, next_chunk = _computed_counts(sparse, ref, chunk_index, counts)
+    sparse.plan.ffn = ffn
+    nll, agree, tokens, sums = [], [], 0, {"bytes_read": 0.0, "neurons_dropped": 0.0, "total_ms": 0.0, "io_ms": 0.0}
+    with tqdm(total=sum(map(len, ref.chunks)), desc=f"sparse {options.get('dram_budget')}", unit="tok",
+              disable=not progress, leave=False) as bar:
+        for i, (chunk, d_argmax) in enumerate(zip(ref.chunks, ref.argmax)):
+            chunk_index[0] = i
+            next_chunk()
+            rows = sparse.logits(chunk, prefill=ref.start)[ref.start:len(chunk) - 1]
+            st = sparse.stats
+            for k in sums:
+                sums[k] += st[k] * st["decode_tokens"]
+            tokens += st["decode_tokens"]
+            nll.append(_nll(rows, chunk[ref.start + 1:]))
+            agree.append(np.argmax(rows, axis=1) == d_argmax)
+            bar.update(len(chunk))
+    del sparse.plan.ffn  # the generation checks below run the plain path
+    layers = counts.rows()
+    dram = sparse.stats["dram_bytes"]
+    tf = sparse.logits(ref.prompt + ref.gen[:-1], prefill=len(ref.prompt))
+    follow = np.argmax(tf[len(ref.prompt) - 1:], axis=1) == np.array(ref.gen)
+    free = np.array(_greedy(sparse, ref.prompt, len(ref.gen))) == np.array(ref.gen)
+    ns = np.concatenate(nll)
+    ppl_dense, ppl_sparse = float(math.exp(ref.nll.mean())), float(math.exp(ns.mean()))
+    per = {k: v / max(tokens, 1) for k, v in sums.items()}
     return {
-        "model_dir": str(Path(model_dir)), "data": str(data), "tokens": total, "scored_tokens": int(len(nd)),
-        "window": window, "dram_budget": dram_budget, "activation_rule": rule.describe(spec.activation),
-        "recall": float(np.mean([r["recall"] for r in layers])),
-        "precision": float(np.mean([r["precision"] for r in layers])),
-        "predicted_over_true": float(np.mean(ratios)) if ratios else None,
-        "predicted_fraction": float(np.mean([r["predicted_fraction"] for r in layers])),
-        "true_fraction": float(np.mean([r["true_fraction"] for r in layers])),
+        "dram_budget": options.get("dram_budget"), "budget_bytes": sparse.dram_budget, "dram_bytes": dram,
+        "model_bytes": sparse.model_bytes, "cache_capacity": list(sparse.plan.capacities),
         "ppl_dense": ppl_dense, "ppl_sparse": ppl_sparse, "ppl_ratio": ppl_sparse / ppl_dense,
-        "top1_agreement": float(follow.mean()), "top1_agreement_tokens": int(n_gen),
-        "top1_agreement_heldout": float(np.concatenate(agree_heldout).mean()),
-        "free_run_agreement": float(free_match.mean()), "free_run_first_divergence": first_diff,
-        "bytes_per_token_sparse": sparse_bytes, "bytes_per_token_naive": naive_bytes,
-        "naive_over_sparse": naive_bytes / sparse_bytes if naive_bytes and sparse_bytes else None,
-        "neurons_dropped_per_token": dropped / max(decode_tokens, 1),
-        "layers": layers,
+        "top1_agreement": float(follow.mean()), "top1_agreement_tokens": len(ref.gen),
+        "top1_agreement_heldout": float(np.concatenate(agree).mean()),
+        "free_run_agreement": float(free.mean()),
+        "free_run_first_divergence": int(np.argmin(free)) if not free.all() else len(ref.gen),
+        "neurons_dropped_per_token": per["neurons_dropped"], "bytes_per_token": per["bytes_read"],
+        "latency_ms_per_token": per["total_ms"], "io_ms_per_token": per["io_ms"], "decode_tokens": tokens,
+        "computed_recall": float(np.mean([r["recall"] for r in layers])),
+        "computed_layers": [{"layer": r["layer"], "recall": r["recall"], "precision": r["precision"],
+                             "cached_fraction": r["predicted_fraction"]} for r in layers],
     }
 
 
-def format_report(r: dict) -> str:
-    """The evaluation as a few lines and a per-layer table."""
-    def mib(b):
-        return "n/a" if b is None else f"{b / 2**20:.3f} MiB"
+def naive_bytes(model_dir, ref: Reference, options: dict) -> float | None:
+    """Flash bytes per decode token of naive mode, from a short run."""
+    import flashllm
 
-    ratio = "n/a" if r["naive_over_sparse"] is None else f"{r['naive_over_sparse']:.1f}x fewer"
-    lines = [
-        f"{r['model_dir']} on {r['data']}: {r['tokens']} tokens, {r['scored_tokens']} scored; window {r['window']}",
-        f"active iff {r['activation_rule']}",
-        f"predictors: recall {r['recall']:.4f}  precision {r['precision']:.4f}  predicted/true "
-        f"{r['predicted_over_true'] if r['predicted_over_true'] is None else round(r['predicted_over_true'], 3)}  "
-        f"(predicted {r['predicted_fraction']:.3f} of neurons, true {r['true_fraction']:.3f})",
-        f"perplexity: dense {r['ppl_dense']:.4f}  sparse {r['ppl_sparse']:.4f}  ({(r['ppl_ratio'] - 1) * 100:+.2f}%)",
-        f"greedy top-1 agreement: {r['top1_agreement'] * 100:.1f}% over {r['top1_agreement_tokens']} tokens "
-        f"(held-out text {r['top1_agreement_heldout'] * 100:.1f}%; free-running {r['free_run_agreement'] * 100:.1f}%, "
-        f"first divergence at {r['free_run_first_divergence']})",
-        f"flash read per decode token: sparse {mib(r['bytes_per_token_sparse'])}  naive "
-        f"{mib(r['bytes_per_token_naive'])}  ({ratio})",
-        "",
-        f"{'layer':>5} {'rank':>5} {'threshold':>10} {'recall':>7} {'precision':>9} {'predicted':>9} {'true':>6} "
-        f"{'pred/true':>9}",
-    ]
-    for x in r["layers"]:
-        pt = "n/a" if x["predicted_over_true"] is None else f"{x['predicted_over_true']:.2f}"
-        lines.append(f"{x['layer']:>5} {x['rank']:>5} {x['threshold']:>10.3g} {x['recall']:>7.4f} "
-                     f"{x['precision']:>9.4f} {x['predicted_fraction']:>9.4f} {x['true_fraction']:>6.3f} {pt:>9}")
-    return "\n".join(lines)
+    opts = {k: v for k, v in options.items() if k in ("backend", "device", "dtype", "threads", "context")}
+    naive = flashllm.load(model_dir, mode="naive", **opts)
+    chunk = ref.chunks[0]
+    naive.logits(chunk[:NAIVE_PROMPT + NAIVE_DECODE] if len(chunk) > NAIVE_PROMPT else chunk,
+                 prefill=min(NAIVE_PROMPT, len(chunk)))
+    return naive.stats["bytes_read"] if naive.stats["decode_tokens"] else None
+
+
+def evaluate(model_dir: str | Path, data: str | Path, options: dict | None = None, budgets: list | None = None,
+             max_tokens: int | None = 2048, gen_tokens: int = 256, prompt_tokens: int = 32,
+             seq_len: int | None = None, progress: bool = True) -> dict:
+    """Evaluate the trained predictors of `model_dir` on the held-out text `data`, loaded with the
+    load options `options` (flashllm.load keywords) at each DRAM budget of `budgets` (default: the
+    options' own). The top-level keys describe the first budget; `points` holds all."""
+    options = dict(options or {})
+    if options.get("window", 4) < 1:
+        raise FlashLLMError(f"--window {options['window']}: must be at least 1")
+    ref = dense_reference(model_dir, data, options, max_tokens, gen_tokens, prompt_tokens, seq_len, progress)
+    budgets = budgets if budgets else [options.get("dram_budget")]
+    points = [evaluate_load(model_dir, ref, {**options, "dram_budget": b}, progress) for b in budgets]
+    naive = naive_bytes(model_dir, ref, options)
+    for p in points:
+        if "refused" not in p:
+            p["naive_over_sparse"] = naive / p["bytes_per_token"] if naive and p["bytes_per_token"] else None
+    ratios = [r["predicted_over_true"] for r in ref.layers if r["predicted_over_true"] is not None]
+    first = points[0]
+    return {
+        "model_dir": str(Path(model_dir)), "data": str(data), "tokens": sum(map(len, ref.chunks)),
+        "scored_tokens": int(len(ref.nll)), "dtype": ref.dtype, "window": options.get("window", 4),
+        "options": {k: v for k, v in options.items() if k != "dram_budget"}, "activation_rule": ref.rule,
+        "recall": float(np.mean([r["recall"] for r in ref.layers])),
+        "precision": float(np.mean([r["precision"] for r in ref.layers])),
+        "predicted_over_true": float(np.mean(ratios)) if ratios else None,
+        "predicted_fraction": float(np.mean([r["predicted_fraction"] for r in ref.layers])),
+        "true_fraction": float(np.mean([r["true_fraction"] for r in ref.layers])),
+        "ppl_dense": float(math.exp(ref.nll.mean())), "bytes_per_token_naive": naive,
+        **{k: first.get(k) for k in ("dram_budget", "refused", "ppl_sparse", "ppl_ratio", "top1_agreement",
+                                     "top1_agreement_tokens", "top1_agreement_heldout", "free_run_agreement",
+                                     "free_run_first_divergence", "neurons_dropped_per_token", "naive_over_sparse",
+                                     "latency_ms_per_token")},
+        "bytes_per_token_sparse": first.get("bytes_per_token"),
+        "layers": ref.layers, "points": points,
+    }

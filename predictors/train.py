@@ -1,15 +1,19 @@
 """Train the per-layer low-rank activation predictors `sigmoid(B (A x) + b)` (paper §3.1, App. B).
 
 Per layer, from that layer's calibration shard only (see collect.py):
-- tokens are split at random (seeded) into train and held-out parts (`heldout_fraction`);
+- whole calibration sequences are split at random (seeded) into train and held-out parts
+  (`heldout_fraction`): thresholds and ranks are chosen on text the predictor never saw, not on
+  tokens taken from the same sequences it trained on (those overstate recall);
 - loss: binary cross-entropy with each neuron's positives weighted by its inverse class
   frequency, n_inactive / n_active on the train tokens (capped at `max_pos_weight`), so rarely
   active neurons are not simply predicted off; Adam with a cosine learning-rate decay;
-- rank: PowerInfer-style adaptive sizing, the smallest rank of the ladder (16, 32, 64, 128, 256;
-  capped by d_model) whose held-out predictions reach the recall target with at most
-  `max_predicted_over_true` times as many neurons predicted as are truly active (`--rank N`
-  forces one rank); if none does, the rank with the fewest predicted neurons at that recall;
-- threshold: the largest one that still reaches the recall target on the held-out tokens.
+- threshold: the largest one that still reaches the recall target on the held-out sequences;
+- rank: the one of the ladder (16, 32, 64, 128, 256; capped by d_model) with the lowest total
+  DRAM cost at that recall: the predictor's own weights plus the cache rows its predictions need
+  (the union of the predicted sets of `window` consecutive held-out tokens, as the runtime's
+  sliding window holds them). A more precise predictor needs fewer rows and reads fewer bundles
+  per token, but costs more weights; ranks whose weights alone cost more than the best total so
+  far are not trained. `--rank N` forces one rank.
 
 Memory: one layer's shard in RAM at a time; see `memory_estimate` for a 7B-class model.
 """
@@ -21,7 +25,9 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import stat
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +41,11 @@ from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_FORMAT, PREDICTOR_META,
 from . import collect as col
 
 RANK_LADDER = (16, 32, 64, 128, 256)
+# Calibration tokens by default. Collection time and temporary disk grow linearly with tokens
+# (a 7B model: 29 GiB of shards at 100k tokens, see memory_estimate) while the predictors gain
+# little beyond: a rank-256 predictor of a 7B layer (3.9M weights) trains against 100k x 11008
+# labels; the embedded model's predictors are trained on this many (see README).
+DEFAULT_MAX_TOKENS = 100_000
 LOGIT_LIMIT = 30.0  # thresholds are stored as probabilities; keep logit(t) representable
 GiB = 1 << 30
 SMALL_STEP_FLOPS = 2e8
@@ -44,8 +55,8 @@ SMALL_STEP_FLOPS = 2e8
 class TrainSettings:
     rank: int | None = None  # None: adaptive, from rank_ladder
     rank_ladder: tuple[int, ...] = RANK_LADDER
-    recall_target: float = 0.96  # a little above 0.95: the held-out text figure lands within ~0.002
-    max_predicted_over_true: float = 3.0
+    recall_target: float = 0.97  # on held-out calibration sequences
+    window: int = 4  # the runtime's default window: rank cost counts the rows of this many tokens' union
     epochs: int = 6
     min_steps: int = 400  # small calibration sets: more epochs, at least this many Adam steps
     batch_size: int = 512
@@ -60,6 +71,8 @@ class TrainSettings:
             raise FlashLLMError(f"--rank {self.rank}: must be at least 1")
         if not 0 < self.recall_target < 1:
             raise FlashLLMError(f"--recall-target {self.recall_target}: must be between 0 and 1 (exclusive)")
+        if self.window < 1:
+            raise FlashLLMError(f"window {self.window}: must be at least 1")
         if not 0 < self.heldout_fraction < 1:
             raise FlashLLMError(f"held-out fraction {self.heldout_fraction}: must be between 0 and 1")
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
@@ -77,9 +90,11 @@ class LayerResult:
     A: np.ndarray = field(repr=False)  # [rank, d_model] float32
     B: np.ndarray = field(repr=False)  # [d_ffn, rank]
     b: np.ndarray = field(repr=False)  # [d_ffn]
-    tried: list = field(default_factory=list)  # [(rank, predicted_over_true), ...] in ladder order
+    tried: list = field(default_factory=list)  # per rank trained: {rank, predicted_over_true, union_rows, cost}
     train_tokens: int = 0
     heldout_tokens: int = 0
+    union_rows: float = 0.0  # mean cache rows the window's union of predicted sets needs
+    cost_bytes: int = 0  # predictor weights + those rows, float32
 
     @property
     def predicted_over_true(self) -> float:
@@ -89,7 +104,8 @@ class LayerResult:
         return {"rank": self.rank, "threshold": self.threshold, "recall": self.recall, "precision": self.precision,
                 "predicted_fraction": self.predicted_fraction, "true_fraction": self.true_fraction,
                 "predicted_over_true": _finite(self.predicted_over_true), "ranks_tried": self.tried,
-                "train_tokens": self.train_tokens, "heldout_tokens": self.heldout_tokens}
+                "train_tokens": self.train_tokens, "heldout_tokens": self.heldout_tokens,
+                "union_rows": self.union_rows, "cost_bytes": self.cost_bytes}
 
 
 def _finite(v: float) -> float | None:
@@ -121,11 +137,25 @@ class LayerData:
         return counts
 
 
-def split_tokens(n: int, heldout_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted train and held-out token indices; at least one token in each."""
-    perm = np.random.default_rng(seed).permutation(n)
-    h = min(n - 1, max(1, int(round(n * heldout_fraction))))
-    return np.sort(perm[h:]), np.sort(perm[:h])
+def split_tokens(lengths: list[int], heldout_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray, list]:
+    """Sorted train and held-out token indices, and the held-out sequences as index ranges.
+
+    Whole sequences are held out when there are at least 4 (so the threshold is tuned on text the
+    predictor did not train on); otherwise single tokens at random. At least one token in each part.
+    """
+    n, rng = sum(lengths), np.random.default_rng(seed)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    if len(lengths) >= 4:
+        h = min(len(lengths) - 1, max(1, int(round(len(lengths) * heldout_fraction))))
+        held_seqs = np.sort(rng.permutation(len(lengths))[:h])
+        ranges = [np.arange(starts[i], starts[i] + lengths[i]) for i in held_seqs]
+        held = np.concatenate(ranges)
+    else:
+        perm = rng.permutation(n)
+        held = np.sort(perm[:min(n - 1, max(1, int(round(n * heldout_fraction))))])
+        ranges = [held]  # scattered tokens: the window's union is counted over neighbours in this list
+    train = np.setdiff1d(np.arange(n), held, assume_unique=True)
+    return train, held, ranges
 
 
 @contextmanager
@@ -219,37 +249,57 @@ def mask_figures(pred: np.ndarray, y: np.ndarray) -> dict:
             "predicted_fraction": n_pred / pred.size, "true_fraction": n_true / y.size}
 
 
+def window_union_rows(pred: np.ndarray, ranges: list, window: int) -> float:
+    """Mean over tokens of |union of the predicted sets of this token and the window-1 before it|
+    within its sequence: the cache rows the runtime's sliding window holds. `pred` is [tokens, d_ffn]
+    bool in the order of the concatenated `ranges`."""
+    total, k = 0, 0
+    for r in ranges:
+        seq = pred[k:k + len(r)]
+        k += len(r)
+        union = seq.copy()
+        for j in range(1, window):
+            union[j:] |= seq[:-j]
+        total += int(union.sum())
+    return total / max(len(pred), 1)
+
+
 def _sigmoid(t: float) -> float:
     return 1.0 / (1.0 + math.exp(-t))
 
 
-def train_layer(x: np.ndarray, packed: np.ndarray, d_ffn: int, s: TrainSettings, layer: int = 0) -> LayerResult:
-    """Train one layer's predictor (adaptive rank unless s.rank) and tune its threshold."""
+def train_layer(x: np.ndarray, packed: np.ndarray, d_ffn: int, s: TrainSettings, layer: int = 0,
+                lengths: list[int] | None = None, row_elems: int | None = None) -> LayerResult:
+    """Train one layer's predictor, tune its threshold on held-out sequences and pick its rank by
+    total cost (unless s.rank). `lengths`: the calibration sequences' token counts (default: one
+    sequence); `row_elems`: elements of one cached neuron (default: up row + down column)."""
     import torch
 
     data = LayerData(x, packed, d_ffn, torch.device(s.device))
-    train_idx, held_idx = split_tokens(len(data), s.heldout_fraction, s.seed + 7919 * layer)
-    cap = min(x.shape[1], d_ffn)
-    if s.rank is not None:
-        ladder = [s.rank]
-    else:
-        ladder = sorted({min(r, cap) for r in s.rank_ladder})
+    d = x.shape[1]
+    row_elems = row_elems or 2 * d
+    train_idx, held_idx, ranges = split_tokens(lengths or [len(data)], s.heldout_fraction, s.seed + 7919 * layer)
+    cap = min(d, d_ffn)
+    ladder = [s.rank] if s.rank is not None else sorted({min(r, cap) for r in s.rank_ladder})
     best, tried = None, []
     for rank in ladder:
+        weights = 4 * (rank * (d + d_ffn) + d_ffn)
+        if best is not None and weights >= best[0]:
+            break  # its weights alone cost more than the best total: larger ranks cannot win
         params = fit(data, train_idx, rank, s, seed=s.seed * 1_000_003 + 7919 * layer + rank)
         z, y = heldout_scores(data, held_idx, params)
         fig = tune_threshold(z, y, s.recall_target)
+        union = window_union_rows(z > np.float32(fig["logit"]), ranges, s.window)
+        cost = weights + int(4 * row_elems * union)
         ratio = fig["predicted_fraction"] / fig["true_fraction"] if fig["true_fraction"] else float("inf")
-        tried.append([rank, _finite(ratio)])
-        if best is None or ratio < best[0]:
-            best = (ratio, rank, params, fig)
-        if ratio <= s.max_predicted_over_true:
-            best = (ratio, rank, params, fig)
-            break
-    _, rank, (A, B, b), fig = best
+        tried.append({"rank": rank, "predicted_over_true": _finite(ratio), "union_rows": round(union, 1),
+                      "cost_bytes": cost})
+        if best is None or cost < best[0]:
+            best = (cost, rank, params, fig, union)
+    cost, rank, (A, B, b), fig, union = best
     return LayerResult(rank, _sigmoid(fig["logit"]), fig["recall"], fig["precision"], fig["predicted_fraction"],
                        fig["true_fraction"], A.cpu().numpy().astype(np.float32), B.cpu().numpy().astype(np.float32),
-                       b.cpu().numpy().astype(np.float32), tried, len(train_idx), len(held_idx))
+                       b.cpu().numpy().astype(np.float32), tried, len(train_idx), len(held_idx), union, cost)
 
 
 def predict(result: LayerResult, x) -> np.ndarray:
@@ -263,6 +313,35 @@ def predict(result: LayerResult, x) -> np.ndarray:
 
 
 # -- the whole model ---------------------------------------------------------------------------
+def check_writable(model_dir: str | Path) -> None:
+    """The predictors are written into the model directory: make sure that can work before any work."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise FlashLLMError(f"model directory {root}: does not exist or is not a directory")
+    probe = root / f".flashllm-write-test-{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.unlink(probe)
+    except OSError as exc:
+        raise FlashLLMError(f"model directory {root}: not writable ({exc.strerror or exc}); the predictors are "
+                            f"written into it: copy the model somewhere writable or fix its permissions") from None
+
+
+def check_disk(workdir: str | Path | None, spec, chunks: list[list[int]]) -> int:
+    """The temporary shards' size bound (bytes); FlashLLMError with the numbers if `workdir` cannot hold it."""
+    where = Path(workdir or tempfile.gettempdir())
+    if not where.is_dir():
+        raise FlashLLMError(f"--workdir {where}: does not exist or is not a directory")
+    need = col.shard_bytes_bound(spec.n_layers, spec.d_model, spec.d_ffn, sum(map(len, chunks)), len(chunks))
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise FlashLLMError(f"{where}: {free / GiB:.2f} GiB free, but the calibration shards of "
+                            f"{sum(map(len, chunks)):,} tokens need up to {need / GiB:.2f} GiB ({spec.n_layers} "
+                            f"layers x (x float16 + mask bits) per token, before compression); pass --workdir on a "
+                            f"larger disk or lower --max-tokens")
+    return need
+
+
 def sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -299,7 +378,7 @@ def write_predictors(model_dir: str | Path, results: list[LayerResult], freqs: l
 
 
 def train_predictors(model_dir: str | Path, data: str | Path, settings: TrainSettings = TrainSettings(),
-                     max_tokens: int | None = None, seq_len: int | None = None,
+                     max_tokens: int | None = DEFAULT_MAX_TOKENS, seq_len: int | None = None,
                      activation_threshold: float | None = None, low_memory: bool = False, dtype: str | None = None,
                      workdir: str | Path | None = None, progress: bool = True, log=None) -> dict:
     """Collect calibration data over `data`, train every layer's predictor, write them into
@@ -309,6 +388,7 @@ def train_predictors(model_dir: str | Path, data: str | Path, settings: TrainSet
     settings.check()
     log = log or (lambda msg: None)
     t0 = time.perf_counter()
+    check_writable(model_dir)
     text = col.read_data(data, max_tokens)
     model = col.open_model(model_dir, device=settings.device, dtype=dtype, low_memory=low_memory, seq_len=seq_len)
     spec, root = model.spec, model.manifest.root
@@ -317,11 +397,15 @@ def train_predictors(model_dir: str | Path, data: str | Path, settings: TrainSet
                 "activation": spec.activation, "dtype": model.manifest.data["dtype"],
                 "sha256": {k: files[k]["sha256"] for k in ("resident", "ffn") if k in files}}
     rule = col.activation_rule(spec, activation_threshold)
+    row_elems = (3 if spec.gated_ffn else 2) * spec.d_model
     chunks = col.chunk_text(model, text, seq_len, max_tokens, str(data))
     del text
+    workdir = workdir or col.workdir_default()
+    need = check_disk(workdir, spec, chunks)
+    log(f"temporary shards: at most {need / 2**20:.1f} MiB in {workdir or tempfile.gettempdir()}")
     log(f"collecting {sum(map(len, chunks))} tokens in {len(chunks)} sequences over {spec.n_layers} layers "
         f"({'naive, one layer resident' if low_memory else 'dense'}); active iff {rule.describe(spec.activation)}")
-    cal = col.collect(model, chunks, rule, workdir or col.workdir_default(), progress)
+    cal = col.collect(model, chunks, rule, workdir, progress)
     del model
     gc.collect()
     try:
@@ -332,7 +416,7 @@ def train_predictors(model_dir: str | Path, data: str | Path, settings: TrainSet
         bar = tqdm(range(spec.n_layers), desc="train", unit="layer", disable=not progress, leave=False)
         for layer in bar:
             x, packed = cal.load(layer)
-            r = train_layer(x, packed, spec.d_ffn, settings, layer)
+            r = train_layer(x, packed, spec.d_ffn, settings, layer, cal.lengths, row_elems)
             del x, packed
             results.append(r)
             freqs.append(cal.frequencies(layer))
@@ -344,7 +428,7 @@ def train_predictors(model_dir: str | Path, data: str | Path, settings: TrainSet
             "created_by": "flashllm predictors train",
             "model": model_id,  # which conversion these were trained against
             "recall_target": settings.recall_target,
-            "max_predicted_over_true": settings.max_predicted_over_true,
+            "window": settings.window,
             "rank_ladder": None if settings.rank else list(settings.rank_ladder),
             "forced_rank": settings.rank,
             "seed": settings.seed,
@@ -352,7 +436,8 @@ def train_predictors(model_dir: str | Path, data: str | Path, settings: TrainSet
                          "max_pos_weight": settings.max_pos_weight, "optimizer": "Adam, cosine decay to 0.1x",
                          "epochs": settings.epochs, "batch_size": settings.batch_size, "lr": settings.lr,
                          "heldout_fraction": settings.heldout_fraction,
-                         "threshold": "largest reaching recall_target on the held-out tokens"},
+                         "threshold": "largest reaching recall_target on the held-out sequences",
+                         "rank": "lowest cost_bytes: predictor weights + rows of the window's union (float32)"},
             "data": {"file": str(data_path), "bytes": data_path.stat().st_size,
                      "sha256": sha256_of(data_path), "max_tokens": max_tokens},
             "calibration": {"tokens": cal.tokens, "sequences": cal.chunks, "seq_len": cal.seq_len,

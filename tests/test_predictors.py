@@ -213,3 +213,81 @@ def test_memory_estimate_fits_a_7b_model_in_24_gib():
     e = tr.memory_estimate(n_layers=32, d_model=4096, d_ffn=11008, tokens=100_000)
     assert e["shard_bytes_per_layer"] == 100_000 * (4096 * 2 + 11008 // 8)
     assert e["train_peak_bytes"] < 24 * tr.GiB and e["collect_low_memory_peak_bytes_excl_embeddings"] < 8 * tr.GiB
+
+
+def test_heldout_split_keeps_whole_sequences():
+    lengths = [5, 7, 3, 9, 4, 6]
+    train, held, ranges = tr.split_tokens(lengths, 0.34, seed=1)
+    assert len(np.intersect1d(train, held)) == 0 and len(train) + len(held) == sum(lengths)
+    starts = np.cumsum([0] + lengths[:-1])
+    seqs = [set(range(s, s + n)) for s, n in zip(starts, lengths)]
+    held_set = set(held.tolist())
+    assert len(ranges) == 2 and all(set(r.tolist()) in seqs for r in ranges)  # whole sequences only
+    assert held_set == set().union(*(set(r.tolist()) for r in ranges))
+
+
+def test_window_union_counts_rows_within_each_sequence():
+    pred = np.zeros((5, 4), bool)
+    pred[0, 0] = pred[1, 1] = pred[2, 2] = True  # sequence 1: tokens 0-2
+    pred[3, 3] = pred[4, 3] = True  # sequence 2: tokens 3-4 (its union never sees sequence 1)
+    rows = tr.window_union_rows(pred, [np.arange(3), np.arange(3, 5)], window=2)
+    assert rows == pytest.approx((1 + 2 + 2 + 1 + 1) / 5)
+
+
+def test_rank_is_chosen_by_total_cost(planted, texts):
+    model = col.open_model(planted, seq_len=64)
+    cal = col.collect(model, col.tokens_of(model, texts["train"], 64, 1500), col.activation_rule(model.spec),
+                      progress=False)
+    try:
+        x, packed = cal.load(0)
+        s = tr.TrainSettings(rank_ladder=(1, 4, 64), recall_target=0.98, epochs=3)
+        r = tr.train_layer(x, packed, cal.d_ffn, s, 0, cal.lengths)
+    finally:
+        cal.cleanup()
+    costs = {t["rank"]: t["cost_bytes"] for t in r.tried}
+    assert r.rank == 4 and r.cost_bytes == min(costs.values()) == costs[4]  # the planted rule's rank wins
+    assert costs[1] > costs[4] and r.recall >= 0.98
+
+
+def test_train_caps_calibration_tokens_by_default(tiny_models, texts, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(tr, "DEFAULT_MAX_TOKENS", 300)  # the parser reads the default when it is built
+    model_dir = own_copy(tiny_models, "opt", tmp_path)
+    code, out, err = run_cli(capsys, "predictors", "train", model_dir, "--data", texts["train"], "--rank", 4,
+                             "--epochs", 1, "--quiet", "--json")
+    assert code == 0, err
+    assert 16 <= json.loads(out)["calibration"]["tokens"] <= 300  # the text holds about 2,500 words
+
+
+def test_train_refuses_when_the_disk_cannot_hold_the_shards(tiny_models, texts, capsys, tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    model_dir = own_copy(tiny_models, "opt", tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(tr.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    code, out, err = run_cli(capsys, "predictors", "train", model_dir, "--data", texts["train"], "--max-tokens", 500,
+                             "--workdir", work, "--quiet")
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert "0.00 GiB free" in err and "500 tokens" in err and "--workdir" in err and "--max-tokens" in err
+    assert list(work.iterdir()) == [] and not (model_dir / "predictors.json").exists()
+    need = col.shard_bytes_bound(2, 64, 128, 500, 2)
+    assert need >= 2 * 500 * (2 * 64 + 128 // 8)  # x float16 + mask bits, every layer
+
+
+def test_train_refuses_an_unwritable_model_dir_before_any_work(tiny_models, texts, capsys, tmp_path, monkeypatch):
+    import os
+
+    model_dir = own_copy(tiny_models, "opt", tmp_path)
+    real_open = os.open
+
+    def read_only(path, *args, **kw):
+        if ".flashllm-write-test" in str(path):
+            raise OSError(30, "Read-only file system")
+        return real_open(path, *args, **kw)
+
+    monkeypatch.setattr(tr.os, "open", read_only)
+    monkeypatch.setattr(col, "read_data", lambda *a: pytest.fail("read the data before checking the model dir"))
+    code, out, err = run_cli(capsys, "predictors", "train", model_dir, "--data", texts["train"], "--quiet")
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert "not writable" in err and "Read-only file system" in err and str(model_dir) in err

@@ -151,9 +151,10 @@ def _computed_counts(model, ref: Reference, chunk_index: list, counts: Counts):
 
     def ffn(layer: int, x, cost):
         y = inner(layer, x, cost)
-        if x.shape[0] == 1:
-            p = position.get(layer, ref.start - 1) + 1
-            position[layer] = p
+        if layer not in position:  # a sequence's first call is its prefill (positions 0..start-1)
+            position[layer] = ref.start - 1
+        else:
+            p = position[layer] = position[layer] + 1
             true = np.unpackbits(ref.true_masks[chunk_index[0]][layer][p], count=ref.d_ffn).astype(bool)
             cache = plan.caches[layer]
             computed = np.zeros(ref.d_ffn, bool)

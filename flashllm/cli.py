@@ -67,15 +67,18 @@ def _budget(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_load_options(parser: argparse.ArgumentParser) -> None:
-    """Every LoadOptions field as a CLI option, with its default and a line of help (generate, serve, chat)."""
+def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Every LoadOptions field (but those named in `skip`) as a CLI option, with its default and a line
+    of help (generate, serve, chat, predictors eval)."""
     from .experts import POLICIES
     from .modes import PLANS
     from .options import BACKENDS, DTYPES, ON_OVERFLOW, LoadOptions
     from .predictor import PREDICTORS
 
     d = LoadOptions()
-    g = parser.add_argument_group("loading")
+    group = parser.add_argument_group("loading")
+    g = argparse.Namespace(add_argument=lambda flag, **kw: None if flag[2:].replace("-", "_") in skip
+                           else group.add_argument(flag, **kw))
     g.add_argument("--backend", default=d.backend, choices=BACKENDS, help="array library (default: %(default)s)")
     g.add_argument("--device", default=d.device,
                    help="cpu, cuda or gpu (default: torch cpu, mlx Metal where present)")

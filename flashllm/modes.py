@@ -6,6 +6,9 @@ the model's per-token path is the same for all of them.
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import numpy as np
 
 from . import budget as budget_mod
@@ -204,11 +207,29 @@ class SparsePlan(StreamingPlan):
                 f"(a dense activation), but at this budget a layer's cache holds {min(self.capacities)} of "
                 f"{lay.d_ffn} neurons: sparse mode would silently drop most of the FFN. Use --mode hybrid or "
                 f"naive, an unlimited --dram-budget, or trained predictors (--predictor lowrank)")
+        if avail is not None and need:
+            self._warn_if_short(model, budget, base, row, need)
         self.caches = []
         for i, capacity in enumerate(self.capacities):
             up_b, gate_b, _ = model.ffn_biases[i]
             store = B.row_store(capacity, lay, model.manifest.dtype, {"up": up_b, "gate": gate_b})
             self.caches.append(NeuronCache(capacity, lay.d_ffn, store))
+
+    def _warn_if_short(self, model, budget: int, base: int, row: int, need: list[float]) -> None:
+        """At load: caches smaller than their layer's mean predicted set per token drop predicted
+        neurons on most tokens, which costs quality; say so with the numbers and the budget that avoids it."""
+        want = [math.ceil(f * self.lay.d_ffn) for f in need]
+        short = [(i, c, w) for i, (c, w) in enumerate(zip(self.capacities, want)) if c < w]
+        if not short:
+            return
+        i, c, w = max(short, key=lambda s: s[2] - s[1])
+        option = "--gpu-budget" if model.backend.on_gpu else "--dram-budget"
+        enough = budget_mod.format_size(base + sum(want) * row)
+        warnings.warn(f"{option} {budget_mod.format_size(budget)}: {len(short)} of {len(want)} layer caches hold fewer "
+                      f"neurons than their predictors select per token on average (layer {i}: {c} for {w}), so about "
+                      f"{sum(w - c for _, c, w in short)} predicted neurons per token will be dropped, at a quality "
+                      f"cost that `flashllm predictors eval MODEL --data TEXT {option} ...` measures; {option} "
+                      f"{enough} avoids it", RuntimeWarning, stacklevel=4)
 
     @property
     def capacity(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -24,9 +25,24 @@ def _train_epilog() -> str:
             + describe_estimate())
 
 
+def _budgets(text: str) -> list:
+    from flashllm.cli import _budget  # the budget syntax of every load option
+
+    return [_budget(v) for v in text.split(",")]
+
+
+def _dtypes(text: str) -> list[str]:
+    from flashllm.options import DTYPES
+
+    bad = [v for v in text.split(",") if v not in DTYPES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"dtype {bad[0]!r}: expected one of {', '.join(DTYPES)}")
+    return text.split(",")
+
+
 def add_parsers(sub) -> None:
     """Add `train` and `eval` to the subparsers of `flashllm predictors`."""
-    from flashllm.cli import _budget  # the same budget syntax as `flashllm generate`
+    from flashllm.cli import add_load_options
 
     from .train import DEFAULT_MAX_TOKENS, RANK_LADDER, TrainSettings
 
@@ -75,24 +91,15 @@ def add_parsers(sub) -> None:
     e.add_argument("--gen-tokens", type=int, default=256, help="greedy tokens for the top-1 agreement (default 256)")
     e.add_argument("--prompt-tokens", type=int, default=32, help="held-out prompt length for generation (default 32)")
     e.add_argument("--seq-len", type=int, default=None, help="tokens per scored sequence (default 256)")
-    e.add_argument("--dram-budget", type=_budget, default=None,
-                   help="DRAM budget: a fraction of the model size or bytes, e.g. 0.5, 50%%, 512MiB (default: unlimited)")
-    e.add_argument("--sweep-budget", type=lambda t: [_budget(v) for v in t.split(",")], default=None,
-                   help="comma-separated budgets to evaluate in turn, e.g. 0.4,0.5,0.6,0.8,1.0 (replaces --dram-budget)")
-    e.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="compute dtype (default: the backend's choice for the storage dtype)")
-    e.add_argument("--sweep-dtype", type=lambda t: t.split(","), default=None,
-                   help="comma-separated compute dtypes to evaluate in turn, e.g. float32,bfloat16 (replaces --dtype)")
-    e.add_argument("--window", type=int, default=4, help="neurons of the last K tokens stay cached (default 4)")
-    e.add_argument("--backend", default="torch", choices=["torch", "mlx"], help="compute backend (default torch)")
-    e.add_argument("--device", default=None, help="cpu, cuda or gpu (default: the backend's)")
-    e.add_argument("--threads", type=int, default=32, help="flash reads in flight (default 32)")
-    e.add_argument("--context", type=int, default=None,
-                   help="KV cache length, counted in the budget (default: the runtime's, min(model, 4096))")
+    e.add_argument("--sweep-budget", type=_budgets, default=None, metavar="B1,B2,...",
+                   help="evaluate these DRAM budgets in turn, e.g. 0.4,0.5,0.6,0.8,1.0 (replaces --dram-budget)")
+    e.add_argument("--sweep-dtype", type=_dtypes, default=None, metavar="D1,D2,...",
+                   help="evaluate these compute dtypes in turn, e.g. float32,bfloat16 (replaces --dtype)")
     e.add_argument("--out", default=None, help="write PREFIX.json, PREFIX.md and PREFIX.png (the quality-vs-memory "
                    "table and plot), e.g. bench/results/quality_vs_memory")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.add_argument("--json", action="store_true", help="print one JSON object")
+    add_load_options(e, skip=("mode", "predictor"))  # the same options, help and defaults as generate
     e.set_defaults(func=cmd_eval)
 
 
@@ -117,17 +124,16 @@ def cmd_train(args) -> None:
 
 
 def cmd_eval(args) -> None:
+    from flashllm.cli import load_options
+
     from .evaluate import evaluate
     from .report import format_report, write_sweep
 
-    options = {"backend": args.backend, "device": args.device, "window": args.window, "threads": args.threads,
-               "dram_budget": args.dram_budget}
-    if args.context is not None:
-        options["context"] = args.context
-    results = [evaluate(args.model_dir, args.data, {**options, "dtype": dtype}, budgets=args.sweep_budget,
+    options = load_options(args)
+    results = [evaluate(args.model_dir, args.data, options.replace(dtype=dtype), budgets=args.sweep_budget,
                         max_tokens=args.max_tokens, gen_tokens=args.gen_tokens, prompt_tokens=args.prompt_tokens,
                         seq_len=args.seq_len, progress=not (args.quiet or args.json))
-               for dtype in (args.sweep_dtype or [args.dtype])]
+               for dtype in (args.sweep_dtype or [options.dtype])]
     if args.out:
         paths = write_sweep(results, args.out, "flashllm " + " ".join(sys.argv[1:]))
         if not args.json:

@@ -21,6 +21,7 @@ held-out text against the dense model computed in the same dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,7 +93,15 @@ class Reference:
     extra: dict = field(default_factory=dict)
 
 
-def dense_reference(model_dir, data, options: dict, max_tokens: int | None, gen_tokens: int, prompt_tokens: int,
+def _compute_options(options):
+    """The options that decide the math (not the memory): the dense reference and naive runs use these."""
+    from flashllm import LoadOptions
+
+    return LoadOptions(backend=options.backend, device=options.device, dtype=options.dtype, context=options.context,
+                       threads=options.threads, aio_depth=options.aio_depth)
+
+
+def dense_reference(model_dir, data, options, max_tokens: int | None, gen_tokens: int, prompt_tokens: int,
                     seq_len: int | None, progress: bool) -> Reference:
     """One dense pass over the held-out text (in the evaluated dtype) plus the greedy continuation."""
     import flashllm
@@ -102,8 +111,7 @@ def dense_reference(model_dir, data, options: dict, max_tokens: int | None, gen_
     if gen_tokens < 1 or prompt_tokens < 1:
         raise FlashLLMError("--gen-tokens and the prompt length must be at least 1")
     text = col.read_data(data, max_tokens)
-    dense_opts = {k: v for k, v in options.items() if k in ("backend", "device", "dtype", "context")}
-    dense = flashllm.load(model_dir, mode="dense", **dense_opts)
+    dense = flashllm.load(model_dir, _compute_options(options), mode="dense")
     predictor = LowRankPredictor(dense)
     spec = dense.spec
     saved_rule = predictor.meta.get("activation_rule")
@@ -168,20 +176,20 @@ def _computed_counts(model, ref: Reference, chunk_index: list, counts: Counts):
     return ffn, next_chunk
 
 
-def evaluate_load(model_dir, ref: Reference, options: dict, progress: bool = True) -> dict:
+def evaluate_load(model_dir, ref: Reference, options, progress: bool = True) -> dict:
     """Quality, drops, bytes and latency of the sparse model loaded with `options` (one budget)."""
     import flashllm
     from tqdm import tqdm
 
     try:
-        sparse = flashllm.load(model_dir, mode="sparse", predictor="lowrank", **options)
+        sparse = flashllm.load(model_dir, options, mode="sparse", predictor="lowrank")
     except FlashLLMError as exc:
-        return {"dram_budget": options.get("dram_budget"), "refused": str(exc)}
+        return {"dram_budget": options.dram_budget, "refused": str(exc)}
     counts, chunk_index = Counts(sparse.spec.n_layers), [0]
     ffn, next_chunk = _computed_counts(sparse, ref, chunk_index, counts)
     sparse.plan.ffn = ffn
     nll, agree, tokens, sums = [], [], 0, {"bytes_read": 0.0, "neurons_dropped": 0.0, "total_ms": 0.0, "io_ms": 0.0}
-    with tqdm(total=sum(map(len, ref.chunks)), desc=f"sparse {options.get('dram_budget')}", unit="tok",
+    with tqdm(total=sum(map(len, ref.chunks)), desc=f"sparse {options.dram_budget}", unit="tok",
               disable=not progress, leave=False) as bar:
         for i, (chunk, d_argmax) in enumerate(zip(ref.chunks, ref.argmax)):
             chunk_index[0] = i
@@ -204,7 +212,7 @@ def evaluate_load(model_dir, ref: Reference, options: dict, progress: bool = Tru
     ppl_dense, ppl_sparse = float(math.exp(ref.nll.mean())), float(math.exp(ns.mean()))
     per = {k: v / max(tokens, 1) for k, v in sums.items()}
     return {
-        "dram_budget": options.get("dram_budget"), "budget_bytes": sparse.dram_budget, "dram_bytes": dram,
+        "dram_budget": options.dram_budget, "budget_bytes": sparse.dram_budget, "dram_bytes": dram,
         "model_bytes": sparse.model_bytes, "cache_capacity": list(sparse.plan.capacities),
         "ppl_dense": ppl_dense, "ppl_sparse": ppl_sparse, "ppl_ratio": ppl_sparse / ppl_dense,
         "top1_agreement": float(follow.mean()), "top1_agreement_tokens": len(ref.gen),
@@ -219,30 +227,30 @@ def evaluate_load(model_dir, ref: Reference, options: dict, progress: bool = Tru
     }
 
 
-def naive_bytes(model_dir, ref: Reference, options: dict) -> float | None:
+def naive_bytes(model_dir, ref: Reference, options) -> float | None:
     """Flash bytes per decode token of naive mode, from a short run."""
     import flashllm
 
-    opts = {k: v for k, v in options.items() if k in ("backend", "device", "dtype", "threads", "context")}
-    naive = flashllm.load(model_dir, mode="naive", **opts)
+    naive = flashllm.load(model_dir, _compute_options(options), mode="naive")
     chunk = ref.chunks[0]
     naive.logits(chunk[:NAIVE_PROMPT + NAIVE_DECODE] if len(chunk) > NAIVE_PROMPT else chunk,
                  prefill=min(NAIVE_PROMPT, len(chunk)))
     return naive.stats["bytes_read"] if naive.stats["decode_tokens"] else None
 
 
-def evaluate(model_dir: str | Path, data: str | Path, options: dict | None = None, budgets: list | None = None,
+def evaluate(model_dir: str | Path, data: str | Path, options=None, budgets: list | None = None,
              max_tokens: int | None = 2048, gen_tokens: int = 256, prompt_tokens: int = 32,
              seq_len: int | None = None, progress: bool = True) -> dict:
-    """Evaluate the trained predictors of `model_dir` on the held-out text `data`, loaded with the
-    load options `options` (flashllm.load keywords) at each DRAM budget of `budgets` (default: the
-    options' own). The top-level keys describe the first budget; `points` holds all."""
-    options = dict(options or {})
-    if options.get("window", 4) < 1:
-        raise FlashLLMError(f"--window {options['window']}: must be at least 1")
+    """Evaluate the trained predictors of `model_dir` on the held-out text `data`, loaded with
+    `options` (a flashllm.LoadOptions; mode and predictor are sparse and lowrank) at each DRAM budget
+    of `budgets` (default: the options' own). The top-level keys describe the first budget;
+    `points` holds all."""
+    from flashllm import LoadOptions
+
+    options = options or LoadOptions()
     ref = dense_reference(model_dir, data, options, max_tokens, gen_tokens, prompt_tokens, seq_len, progress)
-    budgets = budgets if budgets else [options.get("dram_budget")]
-    points = [evaluate_load(model_dir, ref, {**options, "dram_budget": b}, progress) for b in budgets]
+    budgets = budgets if budgets else [options.dram_budget]
+    points = [evaluate_load(model_dir, ref, options.replace(dram_budget=b), progress) for b in budgets]
     naive = naive_bytes(model_dir, ref, options)
     for p in points:
         if "refused" not in p:
@@ -251,8 +259,9 @@ def evaluate(model_dir: str | Path, data: str | Path, options: dict | None = Non
     first = points[0]
     return {
         "model_dir": str(Path(model_dir)), "data": str(data), "tokens": sum(map(len, ref.chunks)),
-        "scored_tokens": int(len(ref.nll)), "dtype": ref.dtype, "window": options.get("window", 4),
-        "options": {k: v for k, v in options.items() if k != "dram_budget"}, "activation_rule": ref.rule,
+        "scored_tokens": int(len(ref.nll)), "dtype": ref.dtype, "window": options.window,
+        "options": {k: v for k, v in dataclasses.asdict(options).items() if k not in ("dram_budget", "mode", "predictor")},
+        "activation_rule": ref.rule,
         "recall": float(np.mean([r["recall"] for r in ref.layers])),
         "precision": float(np.mean([r["precision"] for r in ref.layers])),
         "predicted_over_true": float(np.mean(ratios)) if ratios else None,

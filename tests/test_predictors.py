@@ -291,3 +291,26 @@ def test_train_refuses_an_unwritable_model_dir_before_any_work(tiny_models, text
     code, out, err = run_cli(capsys, "predictors", "train", model_dir, "--data", texts["train"], "--quiet")
     assert code == 1 and out == "" and err.count("\n") == 1
     assert "not writable" in err and "Read-only file system" in err and str(model_dir) in err
+
+
+def test_budget_below_the_predicted_sets_warns_at_load_with_the_numbers(tiny_models, tmp_path):
+    import re
+    import warnings
+
+    from tiny import write_random_predictors
+
+    model_dir = own_copy(tiny_models, "opt", tmp_path)
+    write_random_predictors(model_dir)
+    meta = json.loads((model_dir / "predictors.json").read_text())
+    for layer in meta["layers"]:
+        layer["predicted_fraction"] = 0.75  # 96 of 128 neurons per token, as trained predictors would record
+    (model_dir / "predictors.json").write_text(json.dumps(meta))
+    with pytest.warns(RuntimeWarning, match=r"2 of 2 layer caches hold fewer neurons .* \(layer \d: \d+ for 96\)") as w:
+        model = flashllm.load(model_dir, mode="sparse", dram_budget=1.0)  # the resident part is most of it
+    assert all(c < 96 for c in model.plan.capacities)
+    enough = re.search(r"--dram-budget (\S+) avoids it", str(w[0].message)).group(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the suggested budget holds every layer's mean predicted set
+        model = flashllm.load(model_dir, mode="sparse", dram_budget=enough)
+        assert all(c >= 96 for c in model.plan.capacities)
+        flashllm.load(model_dir, mode="sparse")  # unlimited: no warning either

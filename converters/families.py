@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from flashllm.errors import FlashLLMError
+from flashllm.rope import check_scaling
 from flashllm.spec import ArchSpec
 
 from .checkpoint import Checkpoint
@@ -25,18 +26,45 @@ def activation(cfg: dict, key: str) -> tuple[str, float]:
     return ACTIVATIONS[name], threshold if name == "fatrelu" else 0.0
 
 
-def rope(cfg: dict, head_dim: int) -> dict:
-    """Rotary parameters from either the old (rope_theta, rope_scaling) or new (rope_parameters) keys."""
-    params = dict(cfg.get("rope_scaling") or {})
-    params.update(cfg.get("rope_parameters") or {})
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", None):
-        raise FlashLLMError(f"config.json: rope scaling {kind!r} is not supported yet (only default rotary)")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+def rope(cfg: dict, head_dim: int, params: dict | None = None) -> dict:
+    """Rotary spec fields from the old (rope_theta, rope_scaling) or transformers 5 (rope_parameters) keys.
+
+    `params`: one layer type's rope_parameters where they are nested per layer type (Gemma 3)."""
+    if params is None:
+        params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    params = dict(params)
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    factor = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     rotary_dim = int(head_dim * factor)
-    return {"positional": "rotary", "rope_theta": float(theta),
+    scaling = {"rope_type": kind, **params} if kind != "default" else {}
+    if kind in ("llama3", "yarn", "longrope"):  # as transformers: a top-level value wins (Phi-3)
+        orig = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = orig or cfg.get("max_position_embeddings")
+    try:
+        check_scaling(scaling, rotary_dim)
+    except FlashLLMError as exc:
+        raise FlashLLMError(f"config.json: {exc}") from None
+    return {"positional": "rotary", "rope_theta": float(theta), "rope_scaling": scaling,
             "rotary_dim": 0 if rotary_dim == head_dim else rotary_dim}
+
+
+def windows(cfg: dict, default_types: list[str] | None = None, enabled: bool = True) -> dict:
+    """sliding_window and per-layer layer_types ("full"/"sliding") from config.json.
+
+    Without layer_types (in the config or `default_types`) every layer uses the window (Mistral, Phi-3)."""
+    window = (cfg.get("sliding_window") or 0) if enabled else 0
+    types = cfg.get("layer_types") or default_types
+    if not window or not types:
+        return {"sliding_window": window, "layer_types": ()}
+    names = {"full_attention": "full", "sliding_attention": "sliding"}
+    unknown = sorted(set(types) - set(names))
+    if unknown:
+        raise FlashLLMError(f"config.json: layer_types {unknown} are not supported (expected {sorted(names)})")
+    mapped = tuple(names[t] for t in types)
+    if "sliding" not in mapped:
+        return {"sliding_window": 0, "layer_types": ()}
+    return {"sliding_window": window, "layer_types": () if "full" not in mapped else mapped}
 
 
 def split_fused_qkv(t: torch.Tensor, spec: ArchSpec) -> tuple[torch.Tensor, ...]:
@@ -44,6 +72,12 @@ def split_fused_qkv(t: torch.Tensor, spec: ArchSpec) -> tuple[torch.Tensor, ...]
     groups, per = spec.n_kv_heads, spec.n_heads // spec.n_kv_heads
     g = t.reshape(groups, per + 2, spec.head_dim, *t.shape[1:])
     return tuple(x.reshape(-1, *t.shape[1:]).contiguous() for x in (g[:, :per], g[:, per], g[:, per + 1]))
+
+
+def split_concat_qkv(t: torch.Tensor, spec: ArchSpec) -> tuple[torch.Tensor, ...]:
+    """Fused qkv_proj rows as all q heads, then all k heads, then all v heads (Phi-3)."""
+    q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    return t[:q].contiguous(), t[q:q + kv].contiguous(), t[q + kv:].contiguous()
 
 
 @dataclass(frozen=True)
@@ -57,10 +91,17 @@ class Family:
     layer: dict[str, str | tuple[str, ...]]  # canonical per-layer module -> HF module(s), first present wins
     ffn: dict[str, str]  # bundle part -> HF linear module
     fused_qkv: str | None = None  # HF module holding q, k and v rows together
+    qkv_grouped: bool = True  # fused rows per kv group (Falcon, Persimmon), else all q, all k, all v (Phi-3)
+    fused_gate_up: str | None = None  # HF module holding the gate rows, then the up rows (Phi-3)
+    norm_offset: float = 0.0  # added to every norm weight at conversion (Gemma's (1 + w) RMSNorm)
     rename: dict[str, str] = field(default_factory=dict)  # canonical param suffix -> HF suffix
 
     def tensor(self, ckpt: Checkpoint, spec: ArchSpec, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The resident tensor with canonical `name` (see flashllm.format.resident_shapes)."""
+        t = self._tensor(ckpt, spec, name, shape)
+        return t.float() + self.norm_offset if self.norm_offset and name.endswith("norm.weight") else t
+
+    def _tensor(self, ckpt: Checkpoint, spec: ArchSpec, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         parts = name.split(".")
         if parts[0] != "layers":
             hf = f"{self.globals[parts[0]]}.{parts[1]}"
@@ -76,16 +117,22 @@ class Family:
             return ckpt.get(f"{prefix}{self.ffn[module[:-5]]}.bias", shape)
         if module in ("q", "k", "v") and self.fused_qkv:
             fused = ckpt.get(f"{prefix}{self.fused_qkv}.{param}")
-            return _check(split_fused_qkv(fused, spec)["qkv".index(module)], f"{prefix}{self.fused_qkv}", shape)
+            split = split_fused_qkv if self.qkv_grouped else split_concat_qkv
+            return _check(split(fused, spec)["qkv".index(module)], f"{prefix}{self.fused_qkv}", shape)
         cands = self.layer[module] if isinstance(self.layer[module], tuple) else (self.layer[module],)
         names = [f"{prefix}{c}.{param}" for c in cands]
         return ckpt.get(next((n for n in names if ckpt.has(n)), names[0]), shape)
 
     def ffn_rows(self, ckpt: Checkpoint, spec: ArchSpec, i: int) -> dict[str, torch.Tensor]:
         """Per bundle part, a [d_ffn, d_model] matrix whose row j belongs to neuron j."""
-        prefix = self.layer_prefix.format(i=i)
+        prefix, f = self.layer_prefix.format(i=i), spec.d_ffn
         rows = {}
+        if self.fused_gate_up:
+            gate_up = ckpt.get(f"{prefix}{self.fused_gate_up}.weight", (2 * f, spec.d_model))
+            rows = {"gate": gate_up[:f], "up": gate_up[f:]}
         for part in spec.bundle_parts:
+            if part in rows:
+                continue
             shape = (spec.d_model, spec.d_ffn) if part == "down" else (spec.d_ffn, spec.d_model)
             w = ckpt.get(f"{prefix}{self.ffn[part]}.weight", shape)
             rows[part] = w.t() if part == "down" else w
@@ -127,14 +174,35 @@ def _opt_spec(cfg: dict) -> ArchSpec:
                    qkv_bias=bias, o_bias=bias, ffn_bias=bias, tied_embeddings=cfg.get("tie_word_embeddings", True))
 
 
-def _llama_spec(cfg: dict, family: str = "llama") -> ArchSpec:
+def _llama_spec(cfg: dict, family: str = "llama", **kw) -> ArchSpec:
     act, thr = activation(cfg, "hidden_act")
     d, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    return _common(cfg, family, d_ffn=cfg["intermediate_size"], norm="rmsnorm", norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                   **rope(cfg, cfg.get("head_dim") or d // heads), sliding_window=cfg.get("sliding_window") or 0,
-                   activation=act, activation_threshold=thr, gated_ffn=True,
-                   qkv_bias=cfg.get("attention_bias", False), o_bias=cfg.get("attention_bias", False),
-                   ffn_bias=cfg.get("mlp_bias", False), tied_embeddings=cfg.get("tie_word_embeddings", False))
+    base = dict(d_ffn=cfg["intermediate_size"], norm="rmsnorm", norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                **rope(cfg, cfg.get("head_dim") or d // heads), **windows(cfg),
+                activation=act, activation_threshold=thr, gated_ffn=True,
+                qkv_bias=cfg.get("attention_bias", False), o_bias=cfg.get("attention_bias", False),
+                ffn_bias=cfg.get("mlp_bias", False), tied_embeddings=cfg.get("tie_word_embeddings", False))
+    return _common(cfg, family, **{**base, **kw})
+
+
+def _qwen_spec(cfg: dict, family: str) -> ArchSpec:
+    """Qwen2/2.5 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm); sliding layers from max_window_layers."""
+    default_types = ["sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
+                     for i in range(cfg["num_hidden_layers"])]
+    sliding = windows(cfg, default_types, enabled=cfg.get("use_sliding_window", False))
+    if family == "qwen2":
+        return _llama_spec(cfg, family, qkv_bias=True, o_bias=False, **sliding)
+    return _llama_spec(cfg, family, qk_norm=True, **sliding)
+
+
+def _phi3_spec(cfg: dict) -> ArchSpec:
+    cfg = dict(cfg)
+    for key in ("rope_scaling", "rope_parameters"):  # older Phi-3 configs call longrope "su" (or "yarn")
+        params = dict(cfg.get(key) or {})
+        if params.get("rope_type", params.get("type")) in ("su", "yarn"):
+            params.pop("type", None)
+            cfg[key] = {**params, "rope_type": "longrope"}
+    return _llama_spec(cfg, "phi3")
 
 
 def _falcon_spec(cfg: dict) -> ArchSpec:
@@ -178,10 +246,47 @@ def _persimmon_spec(cfg: dict) -> ArchSpec:
                    qk_norm=cfg.get("qk_layernorm", True), tied_embeddings=cfg.get("tie_word_embeddings", False))
 
 
+def _gemma_spec(cfg: dict, family: str) -> ArchSpec:
+    """Gemma 1/2/3: GeGLU, (1 + w) RMSNorm (folded at conversion), embeddings times sqrt(d); Gemma 2/3 add
+    pre/post norms, query_pre_attn_scalar, soft-capping and sliding layers (Gemma 3: own rope base, q/k norm)."""
+    if cfg.get("use_bidirectional_attention"):
+        raise FlashLLMError("config.json: use_bidirectional_attention (Gemma encoders) is not supported")
+    act, _ = activation({"act": cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"}, "act")
+    d, heads, n = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or d // heads
+    kw = dict(d_ffn=cfg["intermediate_size"], norm="rmsnorm", norm_eps=cfg.get("rms_norm_eps", 1e-6),
+              activation=act, gated_ffn=True, qkv_bias=cfg.get("attention_bias", False),
+              o_bias=cfg.get("attention_bias", False), embed_scale=d ** 0.5,
+              tied_embeddings=cfg.get("tie_word_embeddings", True))
+    if family == "gemma":
+        return _common(cfg, family, **kw, **rope(cfg, head_dim))
+    kw.update(post_norms=True, attn_scale=cfg.get("query_pre_attn_scalar", head_dim) ** -0.5,
+              final_softcap=cfg.get("final_logit_softcapping") or 0.0)
+    if family == "gemma2":  # layers 0, 2, 4, ... slide
+        default = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        return _common(cfg, family, **kw, **rope(cfg, head_dim), **windows(cfg, default),
+                       attn_softcap=cfg.get("attn_logit_softcapping") or 0.0)
+    pattern = cfg.get("sliding_window_pattern", 6)  # Gemma 3: every 6th layer is global
+    default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:  # transformers 5: per layer type
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    else:  # older configs: rope_theta and rope_scaling for global layers, rope_local_base_freq for local ones
+        full = {**(cfg.get("rope_scaling") or {}), **params, "rope_theta": cfg.get("rope_theta", 1e6)}
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    local_rope = rope(cfg, head_dim, {"rope_theta": 10000.0, **local})
+    if local_rope["rope_scaling"]:
+        raise FlashLLMError("config.json: rope scaling on Gemma 3's sliding_attention layers is not supported")
+    return _common(cfg, family, **kw, **rope(cfg, head_dim, {"rope_theta": 1e6, **full}), **windows(cfg, default),
+                   local_rope_theta=local_rope["rope_theta"], qk_norm=True)
+
+
 _LLAMA_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "q": "self_attn.q_proj",
                 "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
 _LLAMA_FFN = {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 _LLAMA_GLOBALS = {"embed": "model.embed_tokens", "final_norm": "model.norm", "lm_head": "lm_head"}
+_GEMMA_LAYER = {**_LLAMA_LAYER, "post_attn_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffn_norm": "post_feedforward_layernorm", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
 
 FAMILIES = [
     Family(("opt",), _opt_spec,
@@ -194,6 +299,17 @@ FAMILIES = [
     Family(("llama",), _llama_spec, _LLAMA_GLOBALS, "model.layers.{i}.", _LLAMA_LAYER, _LLAMA_FFN),
     Family(("mistral",), lambda cfg: _llama_spec(cfg, "mistral"), _LLAMA_GLOBALS, "model.layers.{i}.",
            _LLAMA_LAYER, _LLAMA_FFN),
+    Family(("qwen2",), lambda cfg: _qwen_spec(cfg, "qwen2"), _LLAMA_GLOBALS, "model.layers.{i}.", _LLAMA_LAYER,
+           _LLAMA_FFN),
+    Family(("qwen3",), lambda cfg: _qwen_spec(cfg, "qwen3"), _LLAMA_GLOBALS, "model.layers.{i}.",
+           {**_LLAMA_LAYER, "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}, _LLAMA_FFN),
+    Family(("gemma",), lambda cfg: _gemma_spec(cfg, "gemma"), _LLAMA_GLOBALS, "model.layers.{i}.", _LLAMA_LAYER,
+           _LLAMA_FFN, norm_offset=1.0),
+    Family(("gemma2", "gemma3_text"), lambda cfg: _gemma_spec(cfg, cfg["model_type"].removesuffix("_text")),
+           _LLAMA_GLOBALS, "model.layers.{i}.", _GEMMA_LAYER, _LLAMA_FFN, norm_offset=1.0),
+    Family(("phi3",), _phi3_spec, _LLAMA_GLOBALS, "model.layers.{i}.",
+           {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "o": "self_attn.o_proj"},
+           {"down": "mlp.down_proj"}, fused_qkv="self_attn.qkv_proj", qkv_grouped=False, fused_gate_up="mlp.gate_up_proj"),
     Family(("falcon", "RefinedWeb", "RefinedWebModel"), _falcon_spec,
            {"embed": "transformer.word_embeddings", "final_norm": "transformer.ln_f", "lm_head": "lm_head"},
            "transformer.h.{i}.",

@@ -140,6 +140,9 @@ def resident_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
         norm(p + "attn_norm")
         if spec.ffn_norm:
             norm(p + "ffn_norm")
+        if spec.post_norms:
+            norm(p + "post_attn_norm")
+            norm(p + "post_ffn_norm")
         for name, rows in (("q", spec.n_heads * hd), ("k", spec.n_kv_heads * hd), ("v", spec.n_kv_heads * hd)):
             shapes[p + name + ".weight"] = (rows, d)
             if spec.qkv_bias:

@@ -132,9 +132,14 @@ class Model:
             if s.parallel_attn:
                 f_in = B.norm(f"layers.{layer}.ffn_norm", x) if s.ffn_norm else h
                 x = x + attn + self.plan.ffn(layer, f_in, cost)
+            elif s.post_norms:  # Gemma 2/3: each sublayer's output is normed before its residual add
+                x = x + B.norm(f"layers.{layer}.post_attn_norm", attn)
+                y = self.plan.ffn(layer, B.norm(f"layers.{layer}.ffn_norm", x), cost)
+                x = x + B.norm(f"layers.{layer}.post_ffn_norm", y)
             else:
                 x = x + attn
                 x = x + self.plan.ffn(layer, B.norm(f"layers.{layer}.ffn_norm", x), cost)
+            self.plan.after_layer(layer)
         logits = B.logits(x)
         cost.total_ms = (time.perf_counter() - t0) * 1e3
         cost.compute_ms = cost.total_ms - cost.io_ms - cost.mem_ms - cost.predictor_ms

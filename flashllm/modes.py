@@ -1,6 +1,6 @@
 """How layer weights are obtained per token: dense, naive, hybrid or sparse (the only difference).
 
-Each plan answers `ffn(layer, x, cost)` and may load weights around a layer (`before_layer`);
+Each plan answers `ffn(layer, x, cost)` and may load weights around a layer (`before_layer`, `after_layer`);
 the model's per-token path is the same for all of them.
 """
 
@@ -46,6 +46,9 @@ class DensePlan:
     def before_layer(self, layer: int, cost) -> None:
         pass
 
+    def after_layer(self, layer: int) -> None:
+        """Called once the layer's output is complete (its post-FFN norm applied)."""
+
     def ffn(self, layer: int, x, cost):
         up_b, gate_b, down_b = self.model.ffn_biases[layer]
         return self.model.backend.ffn(x, self.rows[layer], up_b, gate_b, down_b)
@@ -70,6 +73,9 @@ class StreamingPlan:
 
     def before_layer(self, layer: int, cost) -> None:
         pass
+
+    def after_layer(self, layer: int) -> None:
+        """Called once the layer's output is complete (its post-FFN norm applied)."""
 
     def read_rows(self, layer: int, lo: int, hi: int, buf: np.ndarray, cost) -> dict:
         """Neurons lo..hi-1 of `layer` read in one sequential range into `buf`, as backend rows."""
@@ -123,10 +129,11 @@ class NaivePlan(StreamingPlan):
     def ffn(self, layer: int, x, cost):
         rows = self.read_rows(layer, 0, self.lay.d_ffn, self.ffn_buf, cost)
         B, p = self.model.backend, f"layers.{layer}."
-        y = B.ffn(x, rows, B.w.get(p + "up_bias"), B.w.get(p + "gate_bias"), B.w.get(p + "down_bias"))
+        return B.ffn(x, rows, B.w.get(p + "up_bias"), B.w.get(p + "gate_bias"), B.w.get(p + "down_bias"))
+
+    def after_layer(self, layer: int) -> None:
         for name in self.spans[layer][2]:  # the layer's weights do not stay resident
-            B.w.pop(name, None)
-        return y
+            self.model.backend.w.pop(name, None)
 
     def host_bytes(self) -> int:
         return self.attn_buf.nbytes + self.ffn_buf.nbytes

@@ -33,6 +33,24 @@ FAMILIES = {
     "phi": ("PhiConfig", "PhiForCausalLM", dict(intermediate_size=128, partial_rotary_factor=0.5)),
     "persimmon": ("PersimmonConfig", "PersimmonForCausalLM",
                   dict(intermediate_size=128, qk_layernorm=True, partial_rotary_factor=0.5)),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=96, num_key_value_heads=2, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16))),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=96, num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=96, num_key_value_heads=2, head_dim=32)),
+    # soft-caps small enough to bite on random weights; window 8 < the 16-token test sequences
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        intermediate_size=96, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        intermediate_size=96, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=5.0, rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="linear", factor=4.0, rope_theta=1e6)))),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        intermediate_size=96, num_key_value_heads=2, partial_rotary_factor=0.5, original_max_position_embeddings=16,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                             short_factor=[1.0, 1.1, 1.3, 1.6], long_factor=[1.0, 2.0, 4.0, 8.0]))),
 }
 _MOE = dict(num_experts_per_tok=2, num_key_value_heads=2)
 # mixture-of-experts families: 8 experts, top-2 (kept out of FAMILIES so that only the MoE tests run them)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import FlashLLMError
+from ..rope import Rope, layer_ropes
 from ..stats import untimed
 from ..spec import ArchSpec
 
@@ -113,6 +114,8 @@ class MLXBackend:
         mx.eval(self.k_cache, self.v_cache)
         self.act = _act(spec.activation, spec.activation_threshold)
         self._staging = None
+        self.ropes = layer_ropes(spec)
+        self._rope_rows: dict[Rope, tuple] = {}  # rope -> (pos, count, cos, sin) of the current call
 
     # -- weights -------------------------------------------------------------------------------
     def put(self, name: str, t) -> None:
@@ -194,12 +197,26 @@ class MLXBackend:
 
     def embed(self, ids: list[int], pos: int) -> mx.array:
         x = self.w["embed.weight"][mx.array(ids, dtype=mx.int32)]
+        if self.spec.embed_scale != 1.0:  # Gemma: the scale rounded to the compute dtype, as transformers does
+            x = x * mx.array(self.spec.embed_scale, dtype=x.dtype)
         if self.spec.positional == "learned":
             x = x + self.w["pos_embed.weight"][pos:pos + len(ids)]
         return x
 
     def _linear(self, name: str, x: mx.array) -> mx.array:
         return self.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+
+    def _rope(self, x: mx.array, rope: Rope, pos: int) -> mx.array:
+        """HF rotate-half rotary on the first rope_dim dims of [1, heads, T, head_dim], tables from flashllm.rope."""
+        rd, T = self.spec.rope_dim, x.shape[2]
+        hit = self._rope_rows.get(rope)
+        if hit is None or hit[:2] != (pos, T):
+            hit = self._rope_rows[rope] = (pos, T, *(mx.array(a) for a in rope.cos_sin(pos, T)))
+        cos, sin = hit[2], hit[3]
+        xr, half = x[..., :rd].astype(mx.float32), rd // 2
+        rotated = mx.concatenate((-xr[..., half:], xr[..., :half]), axis=-1)
+        out = (xr * cos + rotated * sin).astype(x.dtype)
+        return out if rd == x.shape[-1] else mx.concatenate((out, x[..., rd:]), axis=-1)
 
     def attention(self, layer: int, x: mx.array, pos: int) -> tuple[mx.array, mx.array]:
         """Self-attention of block `layer` for tokens at positions pos..; returns (output, normed input)."""
@@ -213,22 +230,29 @@ class MLXBackend:
         if s.qk_norm and not s.qk_norm_full:
             q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
         q, k, v = (a.transpose(1, 0, 2)[None] for a in (q, k, v))  # [1, heads, T, head_dim]
-        if s.positional == "rotary":  # HF rotate-half on the first rope_dim dims (partial rotary)
-            q = mx.fast.rope(q, s.rope_dim, traditional=False, base=s.rope_theta, scale=1.0, offset=pos)
-            k = mx.fast.rope(k, s.rope_dim, traditional=False, base=s.rope_theta, scale=1.0, offset=pos)
+        if s.positional == "rotary":
+            q, k = self._rope(q, self.ropes[layer], pos), self._rope(k, self.ropes[layer], pos)
         self.k_cache[layer][:, :, pos:pos + T] = k
         self.v_cache[layer][:, :, pos:pos + T] = v
-        S = pos + T
-        lo = max(0, pos - s.sliding_window + 1) if s.sliding_window else 0  # earliest key any query sees
+        S, window = pos + T, s.window(layer)
+        lo = max(0, pos - window + 1) if window else 0  # earliest key any query sees
         keys, vals = self.k_cache[layer][:, :, lo:S], self.v_cache[layer][:, :, lo:S]
         mask = None
         if T > 1:  # causal (and windowed) among the new tokens; one decode token sees all of lo..S-1
             qpos, kpos = mx.arange(pos, S)[:, None], mx.arange(lo, S)[None, :]
             mask = kpos <= qpos
-            if s.sliding_window:
-                mask = mask & ((qpos - kpos) < s.sliding_window)
-        # GQA/MQA: the fused kernel takes kv heads untiled
-        out = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=s.head_dim ** -0.5, mask=mask)
+            if window:
+                mask = mask & ((qpos - kpos) < window)
+        scale = s.attn_scale or s.head_dim ** -0.5
+        if s.attn_softcap:  # Gemma 2: cap * tanh(scores / cap) before the mask; the fused kernel has no cap
+            group = s.n_heads // s.n_kv_heads
+            keys, vals = mx.repeat(keys, group, axis=1), mx.repeat(vals, group, axis=1)
+            scores = mx.tanh((q @ keys.transpose(0, 1, 3, 2)) * scale / s.attn_softcap) * s.attn_softcap
+            if mask is not None:
+                scores = mx.where(mask, scores, -mx.inf)
+            out = mx.softmax(scores.astype(mx.float32), axis=-1).astype(vals.dtype) @ vals
+        else:  # GQA/MQA: the fused kernel takes kv heads untiled
+            out = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=scale, mask=mask)
         return self._linear(p + "o", out[0].transpose(1, 0, 2).reshape(T, s.n_heads * s.head_dim)), h
 
     def ffn(self, x: mx.array, rows: dict[str, mx.array], up_bias, gate_bias, down_bias) -> mx.array:
@@ -258,7 +282,10 @@ class MLXBackend:
     def logits(self, x: mx.array) -> np.ndarray:
         h = self.norm("final_norm", x)
         w = self.w["embed.weight"] if self.spec.tied_embeddings else self.w["lm_head.weight"]
-        return np.array(self.linear(h, w, self.w.get("lm_head.bias")).astype(mx.float32))
+        logits = self.linear(h, w, self.w.get("lm_head.bias"))
+        if self.spec.final_softcap:
+            logits = mx.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
+        return np.array(logits.astype(mx.float32))
 
 
 class MLXRowStore:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import FlashLLMError
+from ..rope import Rope, layer_ropes
 from ..stats import untimed
 from ..spec import ArchSpec
 from .staging import StagingRing, bundle_values, host_array
@@ -48,12 +49,8 @@ class TorchBackend:
         self.k_cache = torch.zeros(kv_shape, dtype=cdt, device=self.device)
         self.v_cache = torch.zeros(kv_shape, dtype=cdt, device=self.device)
         self.act = _act(spec.activation, spec.activation_threshold)
-        if spec.positional == "rotary":
-            rd = spec.rope_dim
-            inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.int64).float() / rd))
-            freqs = torch.outer(torch.arange(context, dtype=torch.float32), inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self.cos, self.sin = emb.cos().to(self.device), emb.sin().to(self.device)
+        self.ropes = layer_ropes(spec)
+        self._rope_rows: dict[Rope, tuple] = {}  # rope -> (pos, count, cos, sin) of the current call
 
     # -- weights -------------------------------------------------------------------------------
     def put(self, name: str, t: torch.Tensor) -> None:
@@ -131,6 +128,8 @@ class TorchBackend:
     def embed(self, ids: list[int], pos: int) -> torch.Tensor:
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
         x = self.w["embed.weight"][idx]
+        if self.spec.embed_scale != 1.0:  # Gemma: the scale rounded to the compute dtype, as transformers does
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         if self.spec.positional == "learned":
             x = x + self.w["pos_embed.weight"][pos:pos + len(ids)]
         return x
@@ -138,9 +137,17 @@ class TorchBackend:
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
-    def _rope(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        rd, T = self.spec.rope_dim, x.shape[0]
-        cos, sin = self.cos[pos:pos + T, None, :], self.sin[pos:pos + T, None, :]
+    def _cos_sin(self, rope: Rope, pos: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[count, 1, rope dim] cos and sin from flashllm.rope, made once per forward call and rope."""
+        hit = self._rope_rows.get(rope)
+        if hit is None or hit[:2] != (pos, count):
+            cos, sin = (torch.from_numpy(a)[:, None, :].to(self.device) for a in rope.cos_sin(pos, count))
+            hit = self._rope_rows[rope] = (pos, count, cos, sin)
+        return hit[2], hit[3]
+
+    def _rope(self, x: torch.Tensor, rope: Rope, pos: int) -> torch.Tensor:
+        rd = self.spec.rope_dim
+        cos, sin = self._cos_sin(rope, pos, x.shape[0])
         xr, rest = x[..., :rd].float(), x[..., rd:]
         half = rd // 2
         rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
@@ -158,21 +165,28 @@ class TorchBackend:
         if s.qk_norm and not s.qk_norm_full:
             q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
         if s.positional == "rotary":
-            q, k = self._rope(q, pos), self._rope(k, pos)
+            q, k = self._rope(q, self.ropes[layer], pos), self._rope(k, self.ropes[layer], pos)
         self.k_cache[layer, pos:pos + T] = k
         self.v_cache[layer, pos:pos + T] = v
-        S = pos + T
-        keys, vals = self.k_cache[layer, :S], self.v_cache[layer, :S]
+        S, window = pos + T, s.window(layer)
+        lo = max(0, pos - window + 1) if window else 0  # earliest key any of the new queries sees
+        keys, vals = self.k_cache[layer, lo:S], self.v_cache[layer, lo:S]
         group = s.n_heads // s.n_kv_heads
         if group > 1:
             keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)
         qpos = torch.arange(pos, S, device=self.device)[:, None]
-        kpos = torch.arange(S, device=self.device)[None, :]
+        kpos = torch.arange(lo, S, device=self.device)[None, :]
         mask = kpos <= qpos
-        if s.sliding_window:
-            mask &= (qpos - kpos) < s.sliding_window
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
-                                             attn_mask=mask)
+        if window:
+            mask &= (qpos - kpos) < window
+        q, keys, vals = q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1)
+        scale = s.attn_scale or s.head_dim ** -0.5
+        if s.attn_softcap:  # Gemma 2: cap * tanh(scores / cap) before the mask; SDPA has no soft-capping
+            scores = torch.tanh((q @ keys.transpose(1, 2)) * scale / s.attn_softcap) * s.attn_softcap
+            weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+            out = weights.to(vals.dtype) @ vals
+        else:
+            out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale)
         return self._linear(p + "o", out.transpose(0, 1).reshape(T, s.n_heads * s.head_dim)), h
 
     def ffn(self, x: torch.Tensor, rows: dict[str, torch.Tensor], up_bias, gate_bias, down_bias) -> torch.Tensor:
@@ -202,7 +216,10 @@ class TorchBackend:
     def logits(self, x: torch.Tensor) -> np.ndarray:
         h = self.norm("final_norm", x)
         w = self.w["embed.weight"] if self.spec.tied_embeddings else self.w["lm_head.weight"]
-        return F.linear(h, w, self.w.get("lm_head.bias")).float().cpu().numpy()
+        logits = F.linear(h, w, self.w.get("lm_head.bias"))
+        if self.spec.final_softcap:
+            logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
+        return logits.float().cpu().numpy()
 
 
 def _device(device: str | None) -> str:

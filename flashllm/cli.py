@@ -218,7 +218,7 @@ def cmd_inspect(args) -> None:
     s = manifest.spec
     print(f"{manifest.root}: {s.family}, {s.n_layers} layers, d_model {s.d_model}, FFN {s.d_ffn} "
           f"({s.activation}{', gated' if s.gated_ffn else ''}), heads {s.n_heads}/{s.n_kv_heads} kv, "
-          f"vocab {s.vocab_size}, context {s.max_positions}, {data['dtype']}")
+          f"vocab {s.vocab_size}, context {s.context_limit}, {data['dtype']}")
     if s.is_moe:
         print(f"experts: {s.n_experts} of {s.d_ffn} neurons, top-{s.top_k} per token"
               f"{f', shared expert of {s.d_shared_expert}' if s.d_shared_expert else ''}")

@@ -48,7 +48,7 @@ class Model:
         self.options = opts = LoadOptions.of(options, **changes)
         self.manifest = fmt.read_manifest(model_dir, verify=opts.verify)
         self.spec, self.layout, self.mode = self.manifest.spec, self.manifest.layout, opts.mode
-        self.context = min(opts.context or DEFAULT_CONTEXT, self.spec.max_positions)
+        self.context = min(opts.context or DEFAULT_CONTEXT, self.spec.context_limit)
         self.backend = make_backend(opts.backend, self.spec, opts.device, opts.dtype, self.manifest.dtype, self.context,
                                     self.manifest.data.get("quantization", "none") != "none")
         self._tokenizer = None

@@ -96,6 +96,13 @@ class ArchSpec:
         return self.sliding_window
 
     @property
+    def context_limit(self) -> int:
+        """Positions the model attends over: max_positions, times the factor under dynamic NTK scaling."""
+        if self.rope_scaling.get("rope_type") == "dynamic":
+            return int(self.max_positions * self.rope_scaling["factor"])
+        return self.max_positions
+
+    @property
     def rope_dim(self) -> int:
         return self.rotary_dim or self.head_dim
 

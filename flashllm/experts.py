@@ -146,6 +146,9 @@ class MoEPlan:
     def before_layer(self, layer: int, cost) -> None:
         pass
 
+    def after_layer(self, layer: int) -> None:
+        pass
+
     def reset(self) -> None:
         pass
 

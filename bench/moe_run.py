@@ -51,6 +51,14 @@ def run_one(run: dict) -> dict:
                           expert_policy=run["policy"], expert_prefetch=run["prefetch"], window=run["window"],
                           threads=run["threads"])
     load_s = time.perf_counter() - t0
+    if run["routing"] == "uniform":  # replace the router's choice by k experts drawn uniformly per token
+        rng, spec = np.random.default_rng(run["seed"] + 1), model.spec
+
+        def uniform(layer, x):
+            ids = np.stack([rng.choice(spec.n_experts, spec.top_k, replace=False) for _ in range(x.shape[0])])
+            return ids, np.full(ids.shape, 1.0 / spec.top_k, dtype=np.float32)
+
+        model.plan.predictor.predict = uniform
     ids = np.random.default_rng(run["seed"]).integers(3, model.spec.vocab_size, run["prompt"] + run["tokens"])
     model.logits(ids.tolist(), prefill=run["prompt"])
     st = model.stats
@@ -111,6 +119,9 @@ def main(argv=None) -> dict:
     p.add_argument("--window", type=int, default=4, help="window of the lfu/window policies (default: %(default)s)")
     p.add_argument("--threads", type=int, default=32, help="flash reads in flight (default: %(default)s)")
     p.add_argument("--policies", default="lru,lfu,window", help="expert-cache policies (default: %(default)s)")
+    p.add_argument("--routing", default="model,uniform",
+                   help="model: the model's own router; uniform: k experts drawn uniformly per token and layer, "
+                   "the worst case for a cache (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cgroup", action="store_true", help="no memory group (the budget is then only accounting)")
     p.add_argument("--cgroup-slack", type=int, default=512, help="MiB above budget + baseline (default: %(default)s)")
@@ -160,8 +171,11 @@ def main(argv=None) -> dict:
         log(f"memory limit: {memory_limit}")
         base_run = dict(model_dir=str(model_dir), budget_bytes=budget_bytes, dtype=args.dtype, window=args.window,
                         threads=args.threads, seed=args.seed, prompt=args.prompt, tokens=args.tokens)
-        runs = [dict(base_run, policy=pol, prefetch=False, label=pol) for pol in args.policies.split(",")]
-        runs.append(dict(base_run, policy="lru", prefetch=True, label="lru + prefetch"))
+        runs = []
+        for routing in args.routing.split(","):
+            runs += [dict(base_run, routing=routing, policy=pol, prefetch=False, label=f"{routing}: {pol}")
+                     for pol in args.policies.split(",")]
+            runs.append(dict(base_run, routing=routing, policy="lru", prefetch=True, label=f"{routing}: lru + prefetch"))
         results = []
         for run in runs:
             tables.drop_page_cache(tables.model_files(model_dir))
@@ -172,8 +186,9 @@ def main(argv=None) -> dict:
         report = {"model": f"{manifest.data['source'].get('path', model_dir)}", "model_bytes": model_bytes,
                   "dtype": args.dtype, "budget": args.budget, "budget_bytes": budget_bytes, "slots": slots,
                   "n_experts": spec.n_experts, "top_k": spec.top_k, "memory_limit": memory_limit,
-                  "routing": "the model's own router on random weights and random token ids (effectively random "
-                             "routing; replaying a trained MoE's routing traces needs a trained MoE: not yet)",
+                  "routing": "`model`: the model's own router on its random weights and random token ids (not a "
+                             "trained router: replaying a trained MoE's routing traces needs a trained MoE, not yet in "
+                             "this project); `uniform`: top-k drawn uniformly at random per token and layer",
                   "prompt": args.prompt, "tokens": args.tokens, "load_average": os.getloadavg()[0],
                   "command": "python bench/moe_run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "runs": results}

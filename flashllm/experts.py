@@ -1,9 +1,11 @@
 """Mixture-of-experts layers: the router (the exact predictor), expert cache slots, dense and sparse plans.
 
-Dense holds every expert. Sparse streams experts from flash into a preallocated per-layer cache of
-slots sized by the DRAM budget: per token the router picks the top-k experts, the ones not cached
-are read in one I/O submission per layer into slots freed by the eviction policy. The result is
-exactly the dense one, whatever the budget (only bytes read change).
+Dense holds every expert. Sparse streams experts from flash into a per-layer cache of slots sized
+by the DRAM budget: per token the router picks the top-k experts, the ones not cached are read in
+one I/O submission per layer into slots freed by the eviction policy. On the CPU in the storage
+dtype the slots are one preallocated buffer per layer that direct I/O fills in place; otherwise
+(MLX, CUDA, another compute dtype) experts pass through a staging buffer and each slot gets a
+converted copy. The result is exactly the dense one, whatever the budget (only bytes read change).
 """
 
 from __future__ import annotations

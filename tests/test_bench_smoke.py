@@ -108,7 +108,8 @@ def test_paper_tables_json(tiny_random, capsys):
 def test_moe_run_reports_each_policy_and_removes_its_model(tmp_path):
     report = bench("moe_run").main(["--shape", "tiny-moe", "--work", str(tmp_path), "--budget", "0.6", "--dtype",
                                     "float32", "--tokens", "3", "--policies", "lru", "--no-cgroup", "--json"])
-    assert [r["label"] for r in report["runs"]] == ["lru", "lru + prefetch"]
+    assert [r["label"] for r in report["runs"]] == ["model: lru", "model: lru + prefetch", "uniform: lru",
+                                                    "uniform: lru + prefetch"]
     assert all("error" not in r and 0 <= r["expert_hit_rate"] <= 1 for r in report["runs"])
     assert report["slots"] < report["n_experts"] and report["runs"][1]["prefetch_recall"] is not None
     assert not (tmp_path / "tiny-moe").exists()

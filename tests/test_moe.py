@@ -43,9 +43,9 @@ def test_moe_greedy_generate_matches_transformers(tiny_models):
     assert ours == ref[:len(ours)] and len(ours) >= 1
 
 
-def _model_bytes_for_slots(model_dir, slots: int) -> int:
+def _budget_for_slots(model_dir, slots: int, **load) -> int:
     """A DRAM budget in bytes that leaves exactly `slots` expert slots per layer."""
-    probe = flashllm.load(model_dir, mode="sparse", dram_budget=None)
+    probe = flashllm.load(model_dir, mode="sparse", dram_budget=None, **load)
     plan, spec = probe.plan, probe.spec
     base = probe.counted(plan.host_bytes(), probe.backend.nbytes())
     return base + spec.n_layers * slots * plan.slot_bytes
@@ -56,7 +56,7 @@ def test_moe_streamed_equals_dense(tiny_moe, slots):
     """Sparse mode streams experts through a cache too small for all of them and still equals dense."""
     dense = flashllm.load(tiny_moe.model_dir, mode="dense").logits(IDS, prefill=4)
     model = flashllm.load(tiny_moe.model_dir, mode="sparse",
-                          dram_budget=_model_bytes_for_slots(tiny_moe.model_dir, slots))
+                          dram_budget=_budget_for_slots(tiny_moe.model_dir, slots))
     assert model.plan.capacities == [slots] * model.spec.n_layers
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
     stats = model.stats
@@ -64,13 +64,13 @@ def test_moe_streamed_equals_dense(tiny_moe, slots):
     per_token = model.spec.n_layers * model.spec.top_k
     assert stats["expert_hits"] + stats["expert_misses"] == pytest.approx(per_token)
     assert stats["expert_misses"] > 0 and stats["bytes_read"] >= stats["expert_misses"] * model.layout.bundle_bytes
-    assert stats["dram_bytes"] <= _model_bytes_for_slots(tiny_moe.model_dir, slots)
+    assert stats["dram_bytes"] <= _budget_for_slots(tiny_moe.model_dir, slots)
     assert stats["predictor"] == "router"
 
 
 def test_moe_prefill_reads_each_expert_of_the_union_once(tiny_models):
     tiny = tiny_models("mixtral")
-    model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=_model_bytes_for_slots(tiny.model_dir, 2))
+    model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=_budget_for_slots(tiny.model_dir, 2))
     model.logits(IDS, prefill=len(IDS))
     prompt = model.token_stats[0]
     assert prompt["experts_missed"] == prompt["bytes_read"] // model.layout.stride
@@ -81,7 +81,7 @@ def test_moe_prefill_reads_each_expert_of_the_union_once(tiny_models):
 
 def test_moe_budget_below_top_k_experts_is_a_clear_error(tiny_models):
     tiny = tiny_models("olmoe")
-    smallest = _model_bytes_for_slots(tiny.model_dir, 2)
+    smallest = _budget_for_slots(tiny.model_dir, 2)
     flashllm.load(tiny.model_dir, mode="sparse", dram_budget=smallest)
     with pytest.raises(FlashLLMError, match="too small: resident weights, KV cache and 2 experts per layer need"):
         flashllm.load(tiny.model_dir, mode="sparse", dram_budget=smallest - 1)
@@ -161,9 +161,7 @@ def test_moe_streamed_through_staging_equals_dense(tiny_models, backend, dtype):
     tiny = tiny_models("qwen2_moe")
     kw = dict(backend=backend, dtype=dtype, device="cpu")
     dense = flashllm.load(tiny.model_dir, mode="dense", **kw).logits(IDS, prefill=4)
-    model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=None, **kw)
-    model = flashllm.load(tiny.model_dir, mode="sparse", **kw, dram_budget=model.counted(
-        model.plan.host_bytes(), model.backend.nbytes()) + model.spec.n_layers * 2 * model.plan.slot_bytes)
+    model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=_budget_for_slots(tiny.model_dir, 2, **kw), **kw)
     assert not model.plan.in_place and model.plan.capacities == [2] * model.spec.n_layers
     tol = 1e-5 if dtype is None else 2e-2
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=tol, rtol=tol)
@@ -174,7 +172,7 @@ def test_moe_prefetch_is_exact_and_measured(tiny_models):
     """Prefetch reads layer l+1's predicted experts during layer l; wrong guesses cost reads, never results."""
     tiny = tiny_models("mixtral")
     dense = flashllm.load(tiny.model_dir, mode="dense").logits(IDS, prefill=3)
-    budget = _model_bytes_for_slots(tiny.model_dir, 3)
+    budget = _budget_for_slots(tiny.model_dir, 3)
     model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=budget, expert_prefetch=True)
     np.testing.assert_allclose(model.logits(IDS, prefill=3), dense, atol=1e-5, rtol=1e-5)
     stats, spec = model.stats, model.spec

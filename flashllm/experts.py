@@ -289,12 +289,14 @@ class MoESparsePlan(MoEPlan):
             self._finish_prefetch(layer, np.fromiter(groups, dtype=np.int64), cost)
         with cost.timed("mem_ms"):
             cache.start(ids)
-        if self.prefetch and layer + 1 < self.spec.n_layers and ids.shape[0] == 1:
-            self._prefetch(layer + 1, x, cost)
         hit = [e for e in groups if cache.slot_of[e] >= 0]
         missing = np.array([e for e in groups if cache.slot_of[e] < 0], dtype=np.int64)
         cost.experts_hit += len(hit)
         cost.experts_missed += len(missing)
+        # read ahead for the next layer once this layer's own reads are done (they would queue behind it)
+        prefetch = self.prefetch and layer + 1 < self.spec.n_layers and ids.shape[0] == 1
+        if prefetch and not len(missing):
+            self._prefetch(layer + 1, x, cost)
         y = self.combine(layer, x, [(slots[cache.slot_of[e]], *groups[e]) for e in hit])
         # the missing experts, in chunks of the cache size (one chunk for a decode token); the most
         # recently used are read last, so they are the ones left cached
@@ -305,6 +307,8 @@ class MoESparsePlan(MoEPlan):
                 where = cache.place(chunk, keep=chunk)
             self._read(layer, chunk, where, cost)
             cache.commit(chunk, where)
+            if prefetch and k + cache.capacity >= len(missing):
+                self._prefetch(layer + 1, x, cost)
             y = y + self.combine(layer, x, [(slots[s], *groups[int(e)]) for e, s in zip(chunk, where)], shared=False)
         return y
 

@@ -91,7 +91,8 @@ def markdown(report: dict) -> str:
              f"- memory limit: {report['memory_limit']}",
              f"- routing: {report['routing']}",
              f"- tokens: {report['prompt']}-token prompt, then {report['tokens']} decode tokens averaged; "
-             f"load average at start {report['load_average']}", "",
+             f"load average at start {report['load_average']:.1f}; OMP_WAIT_POLICY={report['omp_wait_policy']}; "
+             f"code {report['code']}", "",
              "| run | ms/token | tokens/s | GB read/token | io ms | expert hit rate | prefetch recall | "
              "prefetched/token (wasted) | peak cgroup GB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
@@ -135,6 +136,9 @@ def main(argv=None) -> dict:
         Path(args.result).write_text(json.dumps(run_one(json.loads(Path(args.run_one).read_text()))))
         return {}
 
+    # idle OpenMP threads sleep instead of spinning: on a loaded 2-core machine a spinning pool made one
+    # float16 768x2048 mat-vec take 17 ms instead of 0.3 ms (measured; as bench/paper_run.py does)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     tables = bench_module("paper_tables")
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     wrote, group = None, None
@@ -190,6 +194,7 @@ def main(argv=None) -> dict:
                              "trained router: replaying a trained MoE's routing traces needs a trained MoE, not yet in "
                              "this project); `uniform`: top-k drawn uniformly at random per token and layer",
                   "prompt": args.prompt, "tokens": args.tokens, "load_average": os.getloadavg()[0],
+                  "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "code": tables.code_version(),
                   "command": "python bench/moe_run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "runs": results}
     finally:

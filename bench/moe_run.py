@@ -31,6 +31,9 @@ sys.path.insert(0, str(BENCH.parent))  # run from a checkout
 from flashllm import format as fmt  # noqa: E402
 
 GB, MiB = 1e9, 1 << 20
+# idle OpenMP threads of the runs sleep instead of spinning: on a loaded 2-core machine a spinning pool
+# made one float16 768x2048 mat-vec take 17 ms instead of 0.3 ms (measured; bench/paper_run.py does the same)
+OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def bench_module(name: str):
@@ -76,7 +79,7 @@ def child(run: dict, group) -> dict:
         if group is not None:
             group.reset_peak()
             argv = group.command(argv)
-        rc = subprocess.run(argv, cwd=BENCH.parent).returncode
+        rc = subprocess.run(argv, cwd=BENCH.parent, env=dict(os.environ, OMP_WAIT_POLICY=OMP_WAIT_POLICY)).returncode
         usage = group.usage() if group is not None else None
         if rc != 0 or not res.is_file():
             return {"label": run["label"], "error": f"exit status {rc}", "cgroup_usage": usage}
@@ -136,17 +139,15 @@ def main(argv=None) -> dict:
         Path(args.result).write_text(json.dumps(run_one(json.loads(Path(args.run_one).read_text()))))
         return {}
 
-    # idle OpenMP threads sleep instead of spinning: on a loaded 2-core machine a spinning pool made one
-    # float16 768x2048 mat-vec take 17 ms instead of 0.3 ms (measured; as bench/paper_run.py does)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     tables = bench_module("paper_tables")
     log = (lambda m: print(m, file=sys.stderr, flush=True))
-    wrote, group = None, None
+    wrote, made_work, group = None, None, None
     try:
         if args.model_dir:
             model_dir = Path(args.model_dir)
         else:
-            work = Path(args.work or tempfile.mkdtemp(prefix="flashllm-moe-"))
+            made_work = None if args.work else Path(tempfile.mkdtemp(prefix="flashllm-moe-"))
+            work = Path(args.work) if args.work else made_work
             model_dir = work / args.shape
             if model_dir.exists():
                 log(f"{model_dir}: exists, reused (not removed at the end)")
@@ -194,7 +195,7 @@ def main(argv=None) -> dict:
                              "trained router: replaying a trained MoE's routing traces needs a trained MoE, not yet in "
                              "this project); `uniform`: top-k drawn uniformly at random per token and layer",
                   "prompt": args.prompt, "tokens": args.tokens, "load_average": os.getloadavg()[0],
-                  "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "code": tables.code_version(),
+                  "omp_wait_policy": OMP_WAIT_POLICY, "code": tables.code_version(),
                   "command": "python bench/moe_run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "runs": results}
     finally:
@@ -202,6 +203,8 @@ def main(argv=None) -> dict:
             group.remove()
         if wrote is not None and not args.keep:
             shutil.rmtree(wrote, ignore_errors=True)
+            if made_work is not None:
+                made_work.rmdir()  # the temporary directory this script made, now empty
     text = markdown(report)
     if args.out:
         Path(args.out).write_text(text)

@@ -139,8 +139,9 @@ def test_reader_refuses_unknown_quantization(tiny_models, tmp_path, edit, needle
 
 IDS = [1, 17, 33, 5, 60, 8, 21, 90, 44, 12, 3, 77]
 # max |logit error| / max |logit| of dense mode vs the float32 model, group size 32 (measured on
-# these random checkpoints: int8 0.006-0.013, int4 0.10-0.17; random weights have no structure)
-FAMILY_BOUND = {"int8": 0.03, "int4": 0.3}
+# these random checkpoints: int8 0.006-0.015, int4 0.10-0.31, the top from Phi-3 and Gemma 2, whose
+# smaller logits (soft-capped for Gemma 2) make the ratio larger; random weights have no structure)
+FAMILY_BOUND = {"int8": 0.03, "int4": 0.4}
 
 
 def hf_with_dequantized_ffn(tiny, q: QuantScheme):
@@ -156,7 +157,8 @@ def hf_with_dequantized_ffn(tiny, q: QuantScheme):
     params = dict(hf.named_parameters())
     with torch.no_grad():
         for i in range(spec.n_layers):
-            for part, module in family.ffn.items():
+            fused = {"gate_up": family.fused_gate_up} if family.fused_gate_up else {}  # Phi-3: rows of both
+            for part, module in {**family.ffn, **fused}.items():
                 w = params[family.layer_prefix.format(i=i) + module + ".weight"]
                 rows = w.t() if part == "down" else w  # groups run along d_model in every part
                 back = torch.from_numpy(q.dequantize(q.quantize(rows.numpy()), spec.d_model))

@@ -38,13 +38,13 @@ FAMILIES = {
         original_max_position_embeddings=16))),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=96, num_key_value_heads=2)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=96, num_key_value_heads=2, head_dim=32)),
-    # soft-caps small enough to bite on random weights; window 8 < the 16-token test sequences
+    # soft-caps small enough to bite on random weights (Gemma 3 has none); window 8 < the 16-token sequences
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         intermediate_size=96, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
         attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         intermediate_size=96, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=5.0, rope_parameters=dict(
+        layer_types=["sliding_attention", "full_attention"], rope_parameters=dict(
             sliding_attention=dict(rope_type="default", rope_theta=10000.0),
             full_attention=dict(rope_type="linear", factor=4.0, rope_theta=1e6)))),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(

@@ -87,10 +87,6 @@ class ExpertCache:
         self.uses = np.zeros(self.n_experts, dtype=np.int64)
         self.token = -1
 
-    @property
-    def num_used(self) -> int:
-        return int((self.expert_in >= 0).sum())
-
     def start(self, ids: np.ndarray) -> np.ndarray:
         """Advance over the tokens whose experts are `ids` [T, k]; return the experts they use."""
         T = ids.shape[0]

@@ -89,6 +89,14 @@ def test_moe_budget_below_top_k_experts_is_a_clear_error(tiny_models):
         flashllm.load(tiny.model_dir, mode="naive")
 
 
+def test_moe_quantize_is_refused_clearly(tiny_models, tmp_path):
+    from flashllm.converters import convert
+
+    with pytest.raises(FlashLLMError, match="expert bundles of MoE models are not quantized yet"):
+        convert(tiny_models("olmoe").ckpt, tmp_path / "q", quantize="int8", progress=False)
+    assert not (tmp_path / "q").exists()
+
+
 def test_expert_layout_is_aligned_and_validated(tiny_models, tmp_path):
     import shutil
 

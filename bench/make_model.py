@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 from flashllm import format as fmt  # noqa: E402
+from flashllm.errors import FlashLLMError  # noqa: E402
 from flashllm.spec import ArchSpec  # noqa: E402
 from flashllm.st_io import write_safetensors  # noqa: E402
 
@@ -145,20 +146,16 @@ def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: in
     from tqdm import tqdm
 
     from flashllm.converters.moe_families import write_experts
-    from flashllm.converters.writer import _replace, write_ffn, write_manifest
+    from flashllm.converters.writer import _replace, check_replaceable, make_temporary, write_ffn, write_manifest
 
     out = Path(out)
-    if out.exists() and not force:
-        raise SystemExit(f"{out}: already exists (pass --force to replace it)")
+    check_replaceable(out, force)
     dtype = fmt.STORAGE_DTYPES[dtype_name]
     layout = _layout(spec, dtype.itemsize, bundled)
     ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
     weights = RandomWeights(spec, dtype, seed)
     shapes = fmt.resident_shapes(spec)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = make_temporary(out)
     try:
         total = model_bytes(spec, dtype.itemsize, bundled)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {out.name}", file=sys.stderr,
@@ -319,7 +316,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--activation", default=None, help="override the shape's activation (e.g. silu)")
     p.add_argument("--hf", action="store_true", help="also write an HF checkpoint of the same weights")
     p.add_argument("--hf-out", default=None, help="where to write it (default OUT/hf)")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--force", action="store_true", help="replace OUT if it is a flashllm model directory or empty")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -328,8 +325,11 @@ def main(argv=None) -> Path:
     args = setup_arg_parser().parse_args(argv)
     spec = spec_for(args.shape, args.activation)
     t0 = time.perf_counter()
-    out = write_model(spec, Path(args.out), args.dtype, args.seed, not args.no_bundle, args.force,
-                      False if args.quiet else None, args.shape)
+    try:
+        out = write_model(spec, Path(args.out), args.dtype, args.seed, not args.no_bundle, args.force,
+                          False if args.quiet else None, args.shape)
+    except FlashLLMError as exc:
+        raise SystemExit(f"make_model: error: {exc}") from None
     size = sum(e["size"] for e in fmt.read_manifest(out, verify=False).data["files"].values())
     print(f"{out}: {args.shape} {args.dtype} {'unbundled' if args.no_bundle else 'bundled'}, "
           f"{size / 1e9:.2f} GB, seed {args.seed}, {time.perf_counter() - t0:.0f} s")

@@ -76,10 +76,18 @@ class Checkpoint:
                                 f"{tuple(t.shape)}, expected {tuple(shape)} from config.json")
         return t
 
-    def dtype(self) -> torch.dtype:
-        """The floating dtype most of the checkpoint is stored in."""
-        name = next(n for n in self.where)
-        return self._file(self.where[name]).read(name).dtype
+    def dtype(self, names: list[str]) -> torch.dtype:
+        """The dtype most bytes of `names` are stored in; an error names a tensor in a dtype that
+        flashllm does not convert (integer/quantized or float64 weights would be silently recast)."""
+        sizes: dict[torch.dtype, int] = {}
+        for name in names:
+            dtype, numel = self._file(self.where[name]).info(name)
+            if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise FlashLLMError(f"{self.root / self.where[name]}: tensor {name!r} is stored as "
+                                    f"{str(dtype).removeprefix('torch.')}; flashllm converts float32, float16 and "
+                                    f"bfloat16 checkpoints only")
+            sizes[dtype] = sizes.get(dtype, 0) + numel * dtype.itemsize
+        return max(sizes, key=sizes.get)
 
 
 class _BinFile:
@@ -93,6 +101,9 @@ class _BinFile:
 
     def names(self):
         return list(self.state)
+
+    def info(self, name: str) -> tuple[torch.dtype, int]:
+        return self.state[name].dtype, self.state[name].numel()
 
     def read(self, name: str) -> torch.Tensor:
         return self.state[name].clone()

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from flashllm import format as fmt
 from flashllm.errors import FlashLLMError
 from flashllm.rope import check_scaling
 from flashllm.spec import ArchSpec
@@ -96,47 +97,87 @@ class Family:
     norm_offset: float = 0.0  # added to every norm weight at conversion (Gemma's (1 + w) RMSNorm)
     rename: dict[str, str] = field(default_factory=dict)  # canonical param suffix -> HF suffix
 
+    def source(self, ckpt: Checkpoint, name: str) -> str:
+        """The HF tensor that canonical resident `name` is read from (q, k, v: the fused tensor if any)."""
+        parts = name.split(".")
+        if parts[0] != "layers":
+            return f"{self.globals[parts[0]]}.{parts[1]}"
+        prefix = self.layer_prefix.format(i=parts[1])
+        module, param = parts[2], parts[3] if len(parts) > 3 else None
+        if module.endswith("_bias"):  # FFN biases: up_bias, gate_bias, down_bias
+            return f"{prefix}{self.ffn[module[:-5]]}.bias"
+        if module in ("q", "k", "v") and self.fused_qkv:
+            return f"{prefix}{self.fused_qkv}.{param}"
+        cands = self.layer[module] if isinstance(self.layer[module], tuple) else (self.layer[module],)
+        names = [f"{prefix}{c}.{param}" for c in cands]
+        return next((n for n in names if ckpt.has(n)), names[0])
+
+    def ffn_source(self, i: int, part: str) -> str:
+        """The HF weight whose rows (up, gate) or columns (down) hold layer i's neurons for `part`."""
+        prefix = self.layer_prefix.format(i=i)
+        if self.fused_gate_up and part in ("gate", "up"):
+            return f"{prefix}{self.fused_gate_up}.weight"
+        return f"{prefix}{self.ffn[part]}.weight"
+
     def tensor(self, ckpt: Checkpoint, spec: ArchSpec, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The resident tensor with canonical `name` (see flashllm.format.resident_shapes)."""
         t = self._tensor(ckpt, spec, name, shape)
         return t.float() + self.norm_offset if self.norm_offset and name.endswith("norm.weight") else t
 
     def _tensor(self, ckpt: Checkpoint, spec: ArchSpec, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        hf = self.source(ckpt, name)
+        if name == "pos_embed.weight":  # OPT keeps 2 unused rows before position 0
+            full = ckpt.get(hf)
+            return _check(full[full.shape[0] - shape[0]:], hf, shape)
+        if name == "lm_head.weight" and not ckpt.has(hf):
+            raise FlashLLMError(f"{ckpt.root}: tensor {hf!r} is missing and config.json does not tie embeddings")
         parts = name.split(".")
-        if parts[0] != "layers":
-            hf = f"{self.globals[parts[0]]}.{parts[1]}"
-            if name == "pos_embed.weight":  # OPT keeps 2 unused rows before position 0
-                full = ckpt.get(hf)
-                return _check(full[full.shape[0] - shape[0]:], hf, shape)
-            if name == "lm_head.weight" and not ckpt.has(hf):
-                raise FlashLLMError(f"{ckpt.root}: tensor {hf!r} is missing and config.json does not tie embeddings")
-            return ckpt.get(hf, shape)
-        prefix = self.layer_prefix.format(i=parts[1])
-        module, param = parts[2], parts[3] if len(parts) > 3 else None
-        if module.endswith("_bias"):  # FFN biases: up_bias, gate_bias, down_bias
-            return ckpt.get(f"{prefix}{self.ffn[module[:-5]]}.bias", shape)
-        if module in ("q", "k", "v") and self.fused_qkv:
-            fused = ckpt.get(f"{prefix}{self.fused_qkv}.{param}")
+        if parts[0] == "layers" and parts[2] in ("q", "k", "v") and self.fused_qkv:
             split = split_fused_qkv if self.qkv_grouped else split_concat_qkv
-            return _check(split(fused, spec)["qkv".index(module)], f"{prefix}{self.fused_qkv}", shape)
-        cands = self.layer[module] if isinstance(self.layer[module], tuple) else (self.layer[module],)
-        names = [f"{prefix}{c}.{param}" for c in cands]
-        return ckpt.get(next((n for n in names if ckpt.has(n)), names[0]), shape)
+            return _check(split(ckpt.get(hf), spec)["qkv".index(parts[2])], hf, shape)
+        return ckpt.get(hf, shape)
 
     def ffn_rows(self, ckpt: Checkpoint, spec: ArchSpec, i: int) -> dict[str, torch.Tensor]:
         """Per bundle part, a [d_ffn, d_model] matrix whose row j belongs to neuron j."""
-        prefix, f = self.layer_prefix.format(i=i), spec.d_ffn
-        rows = {}
+        f, rows = spec.d_ffn, {}
         if self.fused_gate_up:
-            gate_up = ckpt.get(f"{prefix}{self.fused_gate_up}.weight", (2 * f, spec.d_model))
+            gate_up = ckpt.get(self.ffn_source(i, "gate"), (2 * f, spec.d_model))
             rows = {"gate": gate_up[:f], "up": gate_up[f:]}
         for part in spec.bundle_parts:
             if part in rows:
                 continue
             shape = (spec.d_model, spec.d_ffn) if part == "down" else (spec.d_ffn, spec.d_model)
-            w = ckpt.get(f"{prefix}{self.ffn[part]}.weight", shape)
+            w = ckpt.get(self.ffn_source(i, part), shape)
             rows[part] = w.t() if part == "down" else w
         return rows
+
+    def streamed_sources(self, ckpt: Checkpoint, spec: ArchSpec) -> list[str]:
+        """The HF tensors whose neurons go to the streamed file (the FFN weights)."""
+        return [self.ffn_source(i, p) for i in range(spec.n_layers) for p in spec.bundle_parts]
+
+    def sources(self, ckpt: Checkpoint, spec: ArchSpec) -> list[str]:
+        """The stored names of every tensor the conversion reads; an error names checkpoint tensors it
+        would leave out (they change the model: e.g. a Qwen2 checkpoint labelled llama has q/k/v biases)."""
+        wanted = [self.source(ckpt, n) for n in fmt.resident_shapes(spec)] + self.streamed_sources(ckpt, spec)
+        used = {stored for stored in map(ckpt.resolve, wanted) if stored is not None}
+        unused = sorted(n for n in ckpt.where if n not in used and not self._ignorable(ckpt, spec, n))
+        if unused:
+            shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+            raise FlashLLMError(f"{ckpt.root}: {len(unused)} tensors are not used by the {spec.family!r} adapter "
+                                f"({shown}); is model_type in config.json right?")
+        return sorted(used)
+
+    def _ignorable(self, ckpt: Checkpoint, spec: ArchSpec, stored: str) -> bool:
+        """Tensors that carry nothing the model needs: rotary buffers, and a tied lm_head equal to the embeddings."""
+        if stored.endswith("rotary_emb.inv_freq"):
+            return True
+        lm_head = ckpt.resolve(f"{self.globals['lm_head']}.weight")
+        if stored == lm_head and spec.tied_embeddings:
+            if not torch.equal(ckpt.get(stored), ckpt.get(f"{self.globals['embed']}.weight")):
+                raise FlashLLMError(f"{ckpt.root}: config.json ties the embeddings, but {stored!r} differs from "
+                                    f"them (set tie_word_embeddings to false?)")
+            return True
+        return False
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -31,6 +31,18 @@ class MoEFamily(Family):
     expert_parts: tuple[tuple[str, str], ...] = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
     fused_experts: str = "mlp.experts"  # fused: {fused}.gate_up_proj [E, 2f, d] and {fused}.down_proj [E, d, f]
 
+    def streamed_sources(self, ckpt: Checkpoint, spec: ArchSpec) -> list[str]:
+        """The HF tensors of the routed experts (fused per layer, or one per expert and part)."""
+        names = []
+        for i in range(spec.n_layers):
+            p = self.layer_prefix.format(i=i)
+            fused = f"{p}{self.fused_experts}."
+            if ckpt.has(fused + "gate_up_proj"):
+                names += [fused + "gate_up_proj", fused + "down_proj"]
+            else:
+                names += [f"{p}{self.experts}.{e}.{hf}.weight" for e in range(spec.n_experts) for _, hf in self.expert_parts]
+        return names
+
     def expert_rows(self, ckpt: Checkpoint, spec: ArchSpec, i: int) -> list[dict[str, torch.Tensor]]:
         """Per expert of layer i: gate, up and down^T, each [d_ffn, d_model] (row j = neuron j)."""
         p, f, d, E = self.layer_prefix.format(i=i), spec.d_ffn, spec.d_model, spec.n_experts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -30,34 +31,36 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
 
     `quantize` int8/int4 stores the FFN bundles group-wise quantized (groups of `group_size`
     along d_model, `quant_scheme` asymmetric or symmetric; see flashllm/quant.py); resident
-    tensors stay in `dtype`. `bundled=False` stores up rows and down columns in separate regions
-    (the paper's baseline without row-column bundling; for benchmarks)."""
+    tensors stay in `dtype`. `force` replaces `out` only if it is a flashllm model directory or
+    empty. Everything is written into a temporary directory beside `out` and renamed into place at
+    the end; on any error it is removed and `out` is untouched. `bundled=False` stores up rows and
+    down columns in separate regions (the paper's baseline without row-column bundling; for benchmarks)."""
     quant = None if quantize == "none" else QuantScheme.named(quantize, group_size, quant_scheme)
-    ckpt = Checkpoint(src)
-    family, spec = family_for(ckpt.config)
-    if quant:
-        quant.check(spec.d_model)
     out = Path(out)
-    if out.exists() and not force:
-        raise FlashLLMError(f"{out}: already exists (pass --force to replace it)")
-    dtype_name = dtype or _dtype_name(ckpt.dtype())
-    if dtype_name not in fmt.STORAGE_DTYPES:
-        raise FlashLLMError(f"--dtype {dtype_name}: expected one of {sorted(fmt.STORAGE_DTYPES)}")
-    torch_dtype = fmt.STORAGE_DTYPES[dtype_name]
-    if spec.is_moe and not bundled:
-        raise FlashLLMError("bundled=False: an MoE model's experts are always stored as expert bundles")
-    if spec.is_moe and quant:
-        raise FlashLLMError(f"--quantize {quantize}: expert bundles of MoE models are not quantized yet (use none)")
-    layout = fmt.ExpertLayout.plan(spec, torch_dtype.itemsize) if spec.is_moe else \
-        fmt.FFNLayout.plan(spec, torch_dtype.itemsize, bundled, quant)
-    ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    check_output(Path(src), out, force)
+    if dtype is not None and dtype not in fmt.STORAGE_DTYPES:
+        raise FlashLLMError(f"--dtype {dtype}: expected one of {sorted(fmt.STORAGE_DTYPES)}")
+    tmp = make_temporary(out)
     try:
+        ckpt = Checkpoint(src)
+        family, spec = family_for(ckpt.config)
+        if quant:
+            quant.check(spec.d_model)
+        sources = family.sources(ckpt, spec)
+        stored = ckpt.dtype(sources)  # also refuses tensors stored in dtypes we cannot convert
+        dtype_name = dtype or _dtype_name(stored)
+        torch_dtype = fmt.STORAGE_DTYPES[dtype_name]
+        if spec.is_moe and not bundled:
+            raise FlashLLMError("bundled=False: an MoE model's experts are always stored as expert bundles")
+        if spec.is_moe and quant:
+            raise FlashLLMError(f"--quantize {quantize}: expert bundles of MoE models are not quantized yet (use none)")
+        layout = fmt.ExpertLayout.plan(spec, torch_dtype.itemsize) if spec.is_moe else \
+            fmt.FFNLayout.plan(spec, torch_dtype.itemsize, bundled, quant)
+        ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
         shapes = fmt.resident_shapes(spec)
+        copied = [f for f in fmt.TOKENIZER_FILES if (ckpt.root / f).is_file()]
+        _check_space(tmp, sum(np.prod(s, dtype=np.int64) for s in shapes.values()) * torch_dtype.itemsize
+                     + layout.file_size + sum((ckpt.root / f).stat().st_size for f in copied))
         with tqdm(total=spec.n_layers + 1, desc=f"convert {ckpt.root.name}", unit="layer", disable=None if progress is None else not progress) as bar:
             write_safetensors(tmp / fmt.RESIDENT_FILE, [(n, torch_dtype, s) for n, s in shapes.items()],
                               lambda n: family.tensor(ckpt, spec, n, shapes[n]).to(torch_dtype),
@@ -69,16 +72,64 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
             else:
                 ffn_sha, layer_sha = write_ffn(tmp / ffn_file, layout,
                                                lambda i: family.ffn_rows(ckpt, spec, i), torch_dtype, bar.update)
-        copied = [f for f in fmt.TOKENIZER_FILES if (ckpt.root / f).is_file()]
         for f in copied:
             shutil.copyfile(ckpt.root / f, tmp / f)
         write_manifest(tmp, spec, dtype_name, layout, ffn_sha, layer_sha, copied, ffn_file=ffn_file,
                        source={"path": str(ckpt.root.resolve()), "model_type": ckpt.config.get("model_type")})
         _replace(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise FlashLLMError(f"{out.parent}: no space left on the device while converting (the partial "
+                                f"output was removed; free some space and convert again)") from None
+        raise FlashLLMError(f"{exc.filename or out}: {exc.strerror or exc} (the partial output was removed)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_output(src: Path, out: Path, force: bool) -> None:
+    """Refuse an `out` that would lose data: the checkpoint itself (or around or inside it), or an
+    existing path that is not a flashllm model directory or an empty directory."""
+    src_r, out_r = src.resolve(), out.resolve()
+    if out_r == src_r or src_r in out_r.parents or out_r in src_r.parents:
+        where = "is" if out_r == src_r else "is inside" if src_r in out_r.parents else "contains"
+        raise FlashLLMError(f"{out}: the output {where} the checkpoint {src}; choose another output directory")
+    check_replaceable(out, force)
+
+
+def check_replaceable(out: Path, force: bool) -> None:
+    """`out` may be written: it does not exist, or `force` and it is a flashllm model directory or empty."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not force:
+        raise FlashLLMError(f"{out}: already exists (pass --force to replace a flashllm model directory)")
+    if out.is_symlink() or not out.is_dir():
+        raise FlashLLMError(f"{out}: exists and is not a directory; --force replaces only a flashllm model "
+                            f"directory or an empty one (nothing was changed)")
+    if not (out / fmt.MANIFEST).is_file() and any(out.iterdir()):
+        raise FlashLLMError(f"{out}: not a flashllm model directory (no {fmt.MANIFEST}) and not empty; --force "
+                            f"replaces only those (nothing was changed)")
+
+
+def make_temporary(out: Path) -> Path:
+    """The temporary directory beside `out` (this is where an unwritable location shows, before any work)."""
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as exc:
+        raise FlashLLMError(f"{out.parent}: cannot write the output there ({exc.strerror})") from None
+    return tmp
+
+
+def _check_space(tmp: Path, need: int) -> None:
+    free = shutil.disk_usage(tmp).free
+    if free < need:
+        raise FlashLLMError(f"{tmp.parent}: the converted model needs {need / 2**30:.2f} GiB but only "
+                            f"{free / 2**30:.2f} GiB are free there")
 
 
 def write_ffn(path: Path, layout: fmt.FFNLayout, rows_of_layer, dtype: torch.dtype,
@@ -150,7 +201,4 @@ def _replace(tmp: Path, out: Path) -> None:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in fmt.STORAGE_DTYPES.items():
-        if dt == dtype:
-            return name
-    return "float32"
+    return next(name for name, dt in fmt.STORAGE_DTYPES.items() if dt == dtype)

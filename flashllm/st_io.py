@@ -52,10 +52,13 @@ class SafetensorsFile:
         for name, e in header.items():
             try:
                 begin, end = e["data_offsets"]
-                dtype = DTYPES[e["dtype"]]
+                dtype = DTYPES.get(e["dtype"])
                 numel = int(np.prod(e["shape"], dtype=np.int64))
             except (KeyError, TypeError, ValueError):
                 raise FlashLLMError(f"{self.path}: corrupt header entry for tensor {name!r}") from None
+            if dtype is None:
+                raise FlashLLMError(f"{self.path}: tensor {name!r} has dtype {e['dtype']!r}, which flashllm cannot "
+                                    f"read (supported: {', '.join(DTYPES)})")
             if end > data_len:
                 raise FlashLLMError(f"{self.path}: truncated: tensor {name!r} ends at byte {end} "
                                     f"but the file holds {data_len} data bytes")
@@ -68,6 +71,10 @@ class SafetensorsFile:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.entries[name]["shape"])
+
+    def info(self, name: str) -> tuple[torch.dtype, int]:
+        """(dtype, element count) of tensor `name`, from the header."""
+        return DTYPES[self.entries[name]["dtype"]], int(np.prod(self.entries[name]["shape"], dtype=np.int64))
 
     def read(self, name: str) -> torch.Tensor:
         """The tensor `name` as a fresh CPU tensor of its stored dtype."""

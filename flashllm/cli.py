@@ -301,6 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .predictors.cli import add_parsers as add_predictor_parsers  # train, eval and their handlers
 
     add_predictor_parsers(pr.add_subparsers(dest="predictors_command", required=True))
+    from . import chat, serve  # each adds its subcommand
+
+    chat.add_parser(sub)
+    serve.add_parser(sub)
     return p
 
 

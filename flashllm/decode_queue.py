@@ -67,9 +67,14 @@ class DecodeQueue:
             running = sum(j.state == "running" for j in self._admitted)
             return {"running": running, "queued": len(self._admitted) - running, "max_queued": self.max_waiting}
 
-    def close(self) -> None:
-        """Stop the worker after the job it is running (queued jobs are dropped)."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel every admitted job and wait for the worker to finish its current token."""
+        with self._lock:
+            jobs = list(self._admitted)
+        for job in jobs:
+            job.cancel()
         self._jobs.put(None)
+        self._thread.join(timeout)
 
     def _release(self, job: Job) -> None:
         with self._lock:

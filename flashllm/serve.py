@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
+import sys
 import time
 import uuid
 from pathlib import Path
-
-import anyio
-from starlette.applications import Starlette
-from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Route
 
 from .decode_queue import DecodeQueue, Job
 from .errors import FlashLLMError
@@ -40,7 +35,9 @@ class Server:
         try:
             model.chat_template = chat_template
             self.template, self.no_template = model.chat_template, None
-        except FlashLLMError as exc:  # completions still work; chat requests get this message
+        except FlashLLMError as exc:  # the model has none: completions still work, chat requests get this
+            if chat_template is not None:
+                raise
             self.template, self.no_template = None, str(exc)
         self.queue = DecodeQueue(max_queue)
 
@@ -137,6 +134,25 @@ class Server:
 
 def create_app(server: Server):
     """The Starlette application for `server` (routes, JSON errors, the API-key check)."""
+    anyio, starlette = _require()
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    class SSEResponse(StreamingResponse):
+        """Server-sent events that cancel their job however the response ends (a client gone included)."""
+
+        def __init__(self, job: Job, content, **kw):
+            super().__init__(content, **kw)
+            self.job = job
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.job.cancel()
+
     async def read_json(request) -> dict:
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > server.max_body_bytes:
@@ -251,20 +267,6 @@ async def cancel_on_disconnect(request, job: Job) -> None:
     job.cancel()
 
 
-class SSEResponse(StreamingResponse):
-    """Server-sent events that cancel their job however the response ends (a client gone included)."""
-
-    def __init__(self, job: Job, content, **kw):
-        super().__init__(content, **kw)
-        self.job = job
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.job.cancel()
-
-
 class APIKeyCheck:
     """ASGI middleware: with an API key set, every request must carry `Authorization: Bearer KEY`."""
 
@@ -273,9 +275,70 @@ class APIKeyCheck:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
+            from starlette.datastructures import Headers
+            from starlette.responses import JSONResponse
+
             if not self.server.authorized(Headers(scope=scope)):
                 error = APIError(401, "missing or wrong API key (send the header Authorization: Bearer KEY)",
                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await JSONResponse(error.body(), status_code=401, headers=error.headers)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _require():
+    """anyio and starlette, or a clear error saying how to install the server's dependencies."""
+    try:
+        import anyio
+        import starlette
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise FlashLLMError(f"flashllm serve needs the 'serve' extra ({exc.name} is missing): "
+                            f"pip install 'flashllm[serve]'") from None
+    return anyio, starlette
+
+
+def run(server: Server, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") -> None:
+    """Serve until interrupted (Ctrl-C stops uvicorn cleanly)."""
+    import uvicorn
+
+    app = create_app(server)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+    server.queue.close()
+
+
+def add_parser(sub) -> None:
+    """The `flashllm serve` subcommand."""
+    from .cli import add_load_options
+
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Load MODEL once and answer POST /v1/chat/completions, POST /v1/completions "
+                       "(OpenAI-compatible, stream: true as server-sent events), GET /v1/models and GET /health. "
+                       "One request decodes at a time; others wait in a bounded queue (503 when full).")
+    s.add_argument("model_dir")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback unless you open it up)")
+    s.add_argument("--port", type=int, default=8080, help="TCP port")
+    s.add_argument("--api-key", default=os.environ.get("FLASHLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every request (default: $FLASHLLM_API_KEY, else none)")
+    s.add_argument("--model-name", help="the model id clients send (default: the model directory's name)")
+    s.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file, or 'plain' (role-prefixed "
+                   "turns, for base models) (default: the checkpoint's own; without one, only /v1/completions)")
+    s.add_argument("--max-queue", type=int, default=8, help="requests that may wait while one decodes")
+    s.add_argument("--max-body", type=int, default=MAX_BODY_BYTES, help="largest request body in bytes")
+    add_load_options(s)
+    s.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args) -> None:
+    from . import load
+    from .cli import load_options
+
+    _require()
+    if args.max_queue < 0:
+        raise FlashLLMError(f"--max-queue {args.max_queue}: must be 0 or more")
+    server = Server(load(args.model_dir, load_options(args)), args.model_name, args.max_queue, args.api_key,
+                    args.chat_template, args.max_body)
+    print(f"flashllm serve: {server.name} ({server.model.mode} mode, context {server.model.context}, chat template: "
+          f"{server.template.origin if server.template else 'none'}) on http://{args.host}:{args.port}/v1 "
+          f"(one decode at a time, {args.max_queue} may wait)", file=sys.stderr, flush=True)
+    run(server, args.host, args.port)

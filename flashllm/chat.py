@@ -1,0 +1,79 @@
+"""`flashllm chat`: a multi-turn conversation in the terminal, streamed as it is generated.
+
+The whole conversation goes through the model's chat template each turn. Ctrl-C stops a reply
+(what was shown stays in the conversation); Ctrl-C or Ctrl-D at the prompt, or /exit, ends the chat.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .errors import FlashLLMError
+
+HELP = "/reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
+
+
+def add_parser(sub) -> None:
+    """The `flashllm chat` subcommand."""
+    from .cli import add_load_options, add_sampling_options
+
+    c = sub.add_parser("chat", help="chat with a model in the terminal",
+                       description="An interactive multi-turn chat through the model's chat template, streamed "
+                       "as it is generated. " + HELP + ".")
+    c.add_argument("model_dir")
+    c.add_argument("--system", help="system prompt that opens the conversation (default: none)")
+    c.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file, or 'plain' (role-prefixed "
+                   "turns, for base models) (default: the checkpoint's own)")
+    c.add_argument("--stats", action="store_true", help="print per-token stats after each reply (to stderr)")
+    add_sampling_options(c)
+    c.set_defaults(max_new_tokens=256, func=run)
+    add_load_options(c)
+
+
+def run(args) -> None:
+    from . import load
+    from .cli import format_stats, load_options
+
+    model = load(args.model_dir, load_options(args))
+    model.chat_template = args.chat_template
+    model.chat_template  # noqa: B018  (a model without a template fails here, before the first turn)
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(opening)
+    print(f"flashllm chat: {model.manifest.root.name} ({model.mode} mode, context {model.context} tokens); {HELP}",
+          file=sys.stderr, flush=True)
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if not line.strip():
+            continue
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            history = list(opening)
+            continue
+        messages = history + [{"role": "user", "content": line}]
+        reply = []
+        try:
+            for piece in model.stream_chat(messages, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                           top_p=args.top_p, seed=args.seed, stop=args.stop):
+                print(piece, end="", flush=True)
+                reply.append(piece)
+        except KeyboardInterrupt:
+            print(" [stopped]", end="")
+        except FlashLLMError as exc:
+            print(f"flashllm: error: {exc} (/reset starts a new conversation)", file=sys.stderr, flush=True)
+            continue
+        print(flush=True)
+        history = messages + [{"role": "assistant", "content": "".join(reply)}]
+        if model.last_stop_reason == "context":
+            print(f"flashllm: note: the conversation filled the context ({model.context} tokens); /reset to go on",
+                  file=sys.stderr, flush=True)
+        if args.stats:
+            print(format_stats(model.stats), file=sys.stderr, flush=True)

@@ -1,0 +1,331 @@
+"""`flashllm serve` driven by the official openai client (and raw HTTP for bad requests) on loopback."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+
+import flashllm
+
+from flashllm.serve import Server, create_app
+
+openai = pytest.importorskip("openai")
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+USER = [{"role": "user", "content": "the quick brown fox"}]
+
+
+class Running:
+    """A Server on a free loopback port, served by uvicorn in a thread."""
+
+    def __init__(self, server: Server):
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.server, self.port = server, sock.getsockname()[1]
+        self.uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.uv.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=kw.pop("api_key", "none"),
+                             max_retries=0, timeout=kw.pop("timeout", 60), **kw)
+
+    def raw(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+        """(status, parsed JSON body) of one plain HTTP request."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read())
+        finally:
+            conn.close()
+
+    def post(self, path: str, payload, **kw):
+        return self.raw("POST", path, json.dumps(payload).encode(), **kw)
+
+    def wait_idle(self, seconds: float) -> float:
+        """Seconds until no request is decoding or queued (fails after `seconds`)."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            q = self.raw("GET", "/health")[1]["queue"]
+            if q["running"] == 0 and q["queued"] == 0:
+                return time.monotonic() - t0
+            time.sleep(0.02)
+        pytest.fail(f"server still busy after {seconds} s: {q}")
+
+    def stop(self):
+        self.uv.should_exit = True
+        self.thread.join(10)
+        self.server.queue.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_models, tmp_path_factory):
+    """The tiny opt model with a chat template beside it (as transformers 5 saves one)."""
+    out = tmp_path_factory.mktemp("serve") / "tiny-chat"
+    shutil.copytree(tiny_models("opt").model_dir, out)
+    (out / "chat_template.jinja").write_text(TEMPLATE)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """A second copy of the model to compute what the server should answer."""
+    return flashllm.load(model_dir)
+
+
+def slow(model, seconds: float):
+    """Make every forward take at least `seconds` (so queues fill and cancellation is observable)."""
+    forward, calls = model.forward, []
+
+    def slowed(ids, pos):
+        calls.append(pos)
+        time.sleep(seconds)
+        return forward(ids, pos)
+
+    model.forward = slowed
+    return calls
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    running = Running(Server(flashllm.load(model_dir), name="tiny", max_queue=4))
+    yield running
+    running.stop()
+
+
+def test_models_and_health(served):
+    client = served.client()
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    status, health = served.raw("GET", "/health")
+    assert status == 200 and health["status"] == "ok" and health["model"] == "tiny"
+    assert health["queue"] == {"running": 0, "queued": 0, "max_queued": 4}
+
+
+def test_chat_answers_like_the_api(served, reference):
+    resp = served.client().chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=0)
+    want = reference.chat(USER, max_new_tokens=8)
+    assert resp.choices[0].message.content == want and resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].finish_reason == {"length": "length", "eos": "stop"}[reference.last_stop_reason]
+    assert resp.usage.prompt_tokens == len(reference.chat_ids(USER))
+    assert resp.usage.completion_tokens == len(reference.last_generation.token_ids)
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    ext = resp.model_extra["flashllm"]
+    assert ext["stop_reason"] == reference.last_stop_reason
+    assert ext["stats"]["decode_tokens"] == resp.usage.completion_tokens - 1  # the first comes from the prompt
+    assert ext["stats"]["total_ms"] > 0 and ext["stats"]["mode"] == "dense"
+
+
+def test_completion_answers_like_generate(served, reference):
+    prompt = "the lazy dog"
+    resp = served.client().completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+    assert resp.choices[0].text == reference.generate(prompt, max_new_tokens=6)
+    assert resp.usage.prompt_tokens == len(reference.tokenizer.encode(prompt))
+    assert resp.usage.completion_tokens == 6 and resp.choices[0].finish_reason == "length"
+    ids = served.client().completions.create(model="tiny", prompt=reference.tokenizer.encode(prompt), max_tokens=6,
+                                             temperature=0)
+    assert ids.choices[0].text == resp.choices[0].text
+
+
+def test_streaming_gives_the_same_text_and_ends_with_done(served, reference):
+    client = served.client()
+    chunks = list(client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference.chat(USER, max_new_tokens=8)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(reference.last_generation.token_ids)
+    pieces = list(client.completions.create(model="tiny", prompt="the lazy dog", max_tokens=6, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in pieces) == reference.generate("the lazy dog", max_new_tokens=6)
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)  # the raw event stream
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "the", "max_tokens": 3,
+                                                        "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    events = [e for e in resp.read().decode().split("\n\n") if e]
+    conn.close()
+    assert resp.getheader("content-type").startswith("text/event-stream")
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def test_stop_strings_end_the_text(served, reference):
+    full = reference.generate("the lazy dog", max_new_tokens=12)
+    stop = next(full[i:i + 2] for i in range(len(full) // 3, len(full) - 1) if " " not in full[i:i + 2])
+    client = served.client()
+    resp = client.completions.create(model="tiny", prompt="the lazy dog", max_tokens=12, temperature=0, stop=[stop])
+    assert resp.choices[0].text == full[:full.index(stop)] and resp.choices[0].finish_reason == "stop"
+    assert resp.model_extra["flashllm"]["stop_reason"] == "stop"
+    streamed = client.completions.create(model="tiny", prompt="the lazy dog", max_tokens=12, temperature=0,
+                                         stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == full[:full.index(stop)]
+
+
+def test_sampling_with_a_seed_repeats(served):
+    client = served.client()
+    runs = [client.completions.create(model="tiny", prompt="the", max_tokens=8, temperature=1.5, top_p=0.9,
+                                      seed=7).choices[0].text for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("payload, status, param, words", [
+    ({"model": "other", "prompt": "x"}, 404, "model", "'other' is not served here"),
+    ({"prompt": "x"}, 400, "model", "model: required"),
+    ({"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature", "expected a number"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "expected an integer"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens", "negative"),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p", "outside"),
+    ({"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "stream", "true or false"),
+    ({"model": "tiny", "prompt": "x", "seed": True}, 400, "seed", "expected an integer"),
+    ({"model": "tiny", "prompt": "x", "stop": [1]}, 400, "stop", "list of at most 4 strings"),
+    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n", "not supported"),
+    ({"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+    ({"model": "tiny", "prompt": {"text": "x"}}, 400, "prompt", "expected a string"),
+    ({"model": "tiny", "prompt": [100000]}, 400, "prompt", "token ids must lie in"),
+    ({"model": "tiny", "prompt": "the quick brown fox " * 20}, 400, "prompt", "but the context holds 64"),
+])
+def test_bad_completion_requests_get_openai_errors(served, payload, status, param, words):
+    got, body = served.post("/v1/completions", payload)
+    assert got == status, body
+    assert words in body["error"]["message"] and body["error"]["param"] == param
+    assert body["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+@pytest.mark.parametrize("payload, words", [
+    ({"model": "tiny", "messages": "hi"}, "messages: expected a non-empty list"),
+    ({"model": "tiny", "messages": [{"role": "user"}]}, "messages[0].content: expected a string"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "fox " * 40}]}, "but the context holds 64"),
+])
+def test_bad_chat_requests_get_openai_errors(served, payload, words):
+    status, body = served.post("/v1/chat/completions", payload)
+    assert status == 400 and words in body["error"]["message"], body
+    assert body["error"]["param"] == "messages"
+
+
+def test_prompt_too_long_names_the_numbers_through_the_client(served, reference):
+    prompt = "the quick brown fox " * 20
+    with pytest.raises(openai.BadRequestError) as err:
+        served.client().completions.create(model="tiny", prompt=prompt, max_tokens=4)
+    n = len(reference.tokenizer.encode(prompt))
+    assert f"the prompt has {n} tokens but the context holds 64" in err.value.message
+    assert err.value.code == "context_length_exceeded"
+
+
+def test_malformed_bodies_and_routes(served):
+    status, body = served.raw("POST", "/v1/completions", b'{"model": "tiny", "prompt": ')
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = served.raw("POST", "/v1/completions", b"[1, 2]")
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    status, body = served.raw("POST", "/v1/completions", b"\xff\xfe")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    big = json.dumps({"model": "tiny", "prompt": "x" * (5 << 20)}).encode()
+    status, body = served.raw("POST", "/v1/completions", big)
+    assert status == 413 and f"most accepted is {4 << 20}" in body["error"]["message"]
+    status, body = served.raw("GET", "/v1/nothing")
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+    status, body = served.raw("GET", "/v1/completions")
+    assert status == 405 and "Method Not Allowed" in body["error"]["message"]
+    assert served.raw("GET", "/health")[0] == 200  # still serving
+
+
+def test_api_key_is_checked_on_every_request(model_dir):
+    running = Running(Server(flashllm.load(model_dir), name="tiny", api_key="s3cret"))
+    try:
+        for path in ("/health", "/v1/models"):
+            status, body = running.raw("GET", path)
+            assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert running.raw("GET", "/health", headers={"Authorization": "Bearer wrong"})[0] == 401
+        with pytest.raises(openai.AuthenticationError):
+            running.client(api_key="wrong").completions.create(model="tiny", prompt="the", max_tokens=2)
+        resp = running.client(api_key="s3cret").completions.create(model="tiny", prompt="the", max_tokens=2)
+        assert resp.usage.completion_tokens >= 1
+    finally:
+        running.stop()
+
+
+def test_chat_without_a_template_says_what_to_do(tiny_models):
+    running = Running(Server(flashllm.load(tiny_models("opt").model_dir), name="tiny"))
+    try:
+        with pytest.raises(openai.BadRequestError) as err:
+            running.client().chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+        assert "no chat template" in err.value.message and "--chat-template" in err.value.message
+        assert running.client().completions.create(model="tiny", prompt="the", max_tokens=2).choices[0].text
+    finally:
+        running.stop()
+
+
+def test_sixteen_clients_complete_or_get_a_clean_503(model_dir):
+    model = flashllm.load(model_dir)
+    slow(model, 0.02)
+    running = Running(Server(model, name="tiny", max_queue=3))
+    try:
+        def ask(i):
+            client = running.client(timeout=60)
+            try:
+                if i % 2:
+                    return "ok", client.chat.completions.create(model="tiny", messages=USER, max_tokens=6,
+                                                                temperature=0).choices[0].message.content
+                return "ok", "".join(c.choices[0].text for c in client.completions.create(
+                    model="tiny", prompt="the", max_tokens=6, temperature=0, stream=True))
+            except openai.APIStatusError as exc:
+                return exc.status_code, exc.body
+
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(ask, range(16), timeout=120))
+        elapsed = time.monotonic() - t0
+        oks = [r for r in results if r[0] == "ok"]
+        busy = [r for r in results if r[0] == 503]
+        assert len(oks) + len(busy) == 16, results
+        assert oks and busy, results  # 16 at once cannot fit in 1 decoding + 3 queued
+        assert all("server is busy" in body["message"] and body["code"] == "overloaded" for _, body in busy)
+        assert len({text for _, text in oks if text}) <= 2  # greedy: one answer per endpoint
+        assert elapsed < 60
+        running.wait_idle(5)
+        again = running.client().completions.create(model="tiny", prompt="the", max_tokens=2, temperature=0)
+        assert again.choices[0].text
+    finally:
+        running.stop()
+
+
+def test_a_client_that_leaves_frees_the_slot_at_once(model_dir):
+    model = flashllm.load(model_dir)
+    calls = slow(model, 0.05)
+    running = Running(Server(model, name="tiny", max_queue=0))
+    try:
+        for stream in (True, False):
+            calls.clear()
+            sock = socket.create_connection(("127.0.0.1", running.port))
+            body = json.dumps({"model": "tiny", "prompt": "the", "max_tokens": 60, "stream": stream}).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            if stream:
+                seen = b""
+                while b"data: " not in seen:  # it is generating
+                    seen += sock.recv(65536)
+            else:
+                while len(calls) < 3:
+                    time.sleep(0.01)
+            sock.close()
+            running.wait_idle(2)  # 60 tokens would take 3 s; freed within a token or two
+            made = len(calls)
+            time.sleep(0.3)
+            assert len(calls) == made < 40, calls  # no further tokens for the client that left
+            resp = running.client().completions.create(model="tiny", prompt="the", max_tokens=2)
+            assert resp.choices[0].finish_reason == "length"  # the only slot is free again
+    finally:
+        running.stop()

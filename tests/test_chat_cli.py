@@ -54,9 +54,13 @@ class Terminal:
     def send(self, data: bytes) -> None:
         os.write(self.fd, data)
 
-    def finish(self, seconds: float = 60) -> tuple[int, str]:
+    def finish(self, seconds: float = 120) -> tuple[int, str]:
         try:
             _, err = self.proc.communicate(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"chat did not exit within {seconds} s; terminal: {self.out!r}, stderr: "
+                        f"{self.proc.communicate()[1]!r}")
         finally:
             os.close(self.fd)
         return self.proc.returncode, err.decode()

@@ -28,7 +28,7 @@ def _train_epilog() -> str:
 def _budgets(text: str) -> list:
     from flashllm.cli import _budget  # the budget syntax of every load option
 
-    return [_budget(v) for v in text.split(",")]
+    return [None if v == "unlimited" else _budget(v) for v in text.split(",")]
 
 
 def _dtypes(text: str) -> list[str]:
@@ -92,7 +92,7 @@ def add_parsers(sub) -> None:
     e.add_argument("--prompt-tokens", type=int, default=32, help="held-out prompt length for generation (default 32)")
     e.add_argument("--seq-len", type=int, default=None, help="tokens per scored sequence (default 256)")
     e.add_argument("--sweep-budget", type=_budgets, default=None, metavar="B1,B2,...",
-                   help="evaluate these DRAM budgets in turn, e.g. 0.4,0.5,0.6,0.8,1.0 (replaces --dram-budget)")
+                   help="evaluate these DRAM budgets in turn, e.g. 0.4,0.5,0.6,0.8,1.0,unlimited (replaces --dram-budget)")
     e.add_argument("--sweep-dtype", type=_dtypes, default=None, metavar="D1,D2,...",
                    help="evaluate these compute dtypes in turn, e.g. float32,bfloat16 (replaces --dtype)")
     e.add_argument("--out", default=None, help="write PREFIX.json, PREFIX.md and PREFIX.png (the quality-vs-memory "
@@ -136,8 +136,8 @@ def cmd_eval(args) -> None:
                for dtype in (args.sweep_dtype or [options.dtype])]
     if args.out:
         paths = write_sweep(results, args.out, "flashllm " + " ".join(sys.argv[1:]))
-        if not args.json:
-            print("wrote " + ", ".join(map(str, paths)), file=sys.stderr)
+        note = "" if len(paths) == 3 else " (no plot: matplotlib is not installed; pip install 'flashllm[bench]')"
+        print("wrote " + ", ".join(map(str, paths)) + note, file=sys.stderr)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else {"results": results}))
     else:

@@ -4,6 +4,7 @@ flash bytes and latency per token): what a user needs to pick a budget."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -124,7 +125,8 @@ def plot_sweep(results: list[dict], path: Path) -> None:
 
 
 def write_sweep(results: list[dict], prefix: str | Path, command: str) -> list[Path]:
-    """PREFIX.json (every figure), PREFIX.md (the table and the command) and PREFIX.png."""
+    """PREFIX.json (every figure), PREFIX.md (the table and the command) and PREFIX.png (where
+    matplotlib is installed: the `bench` extra). Returns the paths written."""
     prefix = Path(prefix)
     if not prefix.parent.is_dir():
         from flashllm.errors import FlashLLMError
@@ -137,5 +139,7 @@ def write_sweep(results: list[dict], prefix: str | Path, command: str) -> list[P
           f"ppl against the dense model in the same dtype; top-1 over {r0['top1_agreement_tokens']} greedy tokens.\n\n"
           + sweep_table(results) + f"\n\n![quality vs memory]({paths[2].name})\n")
     _write(paths[1], lambda p: p.write_text(md))
+    if importlib.util.find_spec("matplotlib") is None:
+        return paths[:2]
     plot_sweep(results, paths[2])
     return paths

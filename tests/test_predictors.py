@@ -314,3 +314,36 @@ def test_budget_below_the_predicted_sets_warns_at_load_with_the_numbers(tiny_mod
         model = flashllm.load(model_dir, mode="sparse", dram_budget=enough)
         assert all(c >= 96 for c in model.plan.capacities)
         flashllm.load(model_dir, mode="sparse")  # unlimited: no warning either
+
+
+def test_eval_sweep_reports_refusals_drops_and_writes_the_curve(tiny_models, texts, capsys, tmp_path):
+    import importlib.util
+
+    from tiny import write_random_predictors
+
+    model_dir = own_copy(tiny_models, "opt", tmp_path)
+    write_random_predictors(model_dir)
+    meta = json.loads((model_dir / "predictors.json").read_text())
+    for layer in meta["layers"]:
+        layer["threshold"] = 0.05  # most of the FFN predicted: more than the caches at a 100% budget hold
+    (model_dir / "predictors.json").write_text(json.dumps(meta))
+    code, out, err = run_cli(capsys, "predictors", "eval", model_dir, "--data", texts["heldout"], "--max-tokens", 60,
+                             "--gen-tokens", 4, "--threads", 2, "--sweep-budget", "0.3,100%,unlimited",
+                             "--sweep-dtype", "float32,bfloat16", "--out", tmp_path / "curve", "--json")
+    assert code == 0, err
+    results = json.loads(out)["results"]
+    assert [r["dtype"] for r in results] == ["float32", "bfloat16"]
+    for r in results:
+        refused, tight, unlimited = r["points"]
+        assert refused["dram_budget"] == 0.3 and "too small" in refused["refused"]
+        assert tight["dram_bytes"] <= tight["budget_bytes"] and max(tight["cache_capacity"]) < 128
+        assert tight["neurons_dropped_per_token"] > 0 and unlimited["neurons_dropped_per_token"] == 0
+        assert tight["computed_recall"] < unlimited["computed_recall"]  # dropped neurons are misses
+        assert unlimited["budget_bytes"] is None and unlimited["ppl_dense"] == tight["ppl_dense"]
+    md = (tmp_path / "curve.md").read_text()
+    assert md.count("refused: ") == 2 and md.count("| float32 |") == 3 and md.count("| bfloat16 |") == 3
+    saved = json.loads((tmp_path / "curve.json").read_text())
+    assert saved["results"][1]["points"][1]["ppl_ratio"] == results[1]["points"][1]["ppl_ratio"]
+    assert (tmp_path / "curve.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+    if (tmp_path / "curve.png").exists():
+        assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

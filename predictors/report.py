@@ -18,7 +18,7 @@ def _mib(b) -> str:
 
 def _budget(p: dict) -> str:
     b = p.get("dram_budget")
-    return "unlimited" if b is None else (f"{b:g}" if b <= 1 else f"{b / MiB:.1f} MiB")
+    return "unlimited" if b is None else (str(b) if b <= 1 else f"{b / MiB:.1f} MiB")
 
 
 def format_point(p: dict) -> list[str]:
@@ -106,12 +106,13 @@ def plot_sweep(results: list[dict], path: Path) -> None:
               ("bytes_per_token", "flash read per token (KiB)", 1 / 1024),
               ("latency_ms_per_token", "latency per token (ms)", 1)]
     for ax, (key, label, scale) in zip(axes.flat, panels):
-        for r in results:
+        for k, r in enumerate(results):
             ok = [p for p in r["points"] if "refused" not in p and p["dram_budget"] is not None]
-            ax.plot([p["dram_budget"] for p in ok], [p[key] * scale for p in ok], "o-", label=r["dtype"])
+            line, = ax.plot([p["dram_budget"] for p in ok], [p[key] * scale for p in ok], "o-", label=r["dtype"])
             refused = [p["dram_budget"] for p in r["points"] if "refused" in p and p["dram_budget"] is not None]
-            if refused:
-                ax.plot(refused, [ax.get_ylim()[0]] * len(refused), "x", color="red", label=f"{r['dtype']} refused")
+            if refused:  # at the bottom of the panel, one row per dtype: the runtime refuses these budgets
+                ax.plot(refused, [0.04 + 0.05 * k] * len(refused), "x", color=line.get_color(),
+                        transform=ax.get_xaxis_transform(), label=f"{r['dtype']}: refused")
         ax.set_xlabel("--dram-budget (fraction of the model on flash)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -134,9 +135,10 @@ def write_sweep(results: list[dict], prefix: str | Path, command: str) -> list[P
     paths = [prefix.with_suffix(".json"), prefix.with_suffix(".md"), prefix.with_suffix(".png")]
     _write(paths[0], lambda p: p.write_text(json.dumps({"command": command, "results": results}, indent=1) + "\n"))
     r0 = results[0]
+    gen = next((p["top1_agreement_tokens"] for r in results for p in r["points"] if "refused" not in p), 0)
     md = (f"# Quality vs memory: {r0['model_dir']}\n\n```\n{command}\n```\n\n"
           f"{r0['tokens']} held-out tokens of {r0['data']} ({r0['scored_tokens']} scored), window {r0['window']}; "
-          f"ppl against the dense model in the same dtype; top-1 over {r0['top1_agreement_tokens']} greedy tokens.\n\n"
+          f"ppl against the dense model in the same dtype; top-1 over {gen} greedy tokens.\n\n"
           + sweep_table(results) + f"\n\n![quality vs memory]({paths[2].name})\n")
     _write(paths[1], lambda p: p.write_text(md))
     if importlib.util.find_spec("matplotlib") is None:

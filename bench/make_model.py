@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from flashllm import format as fmt  # noqa: E402
 from flashllm.errors import FlashLLMError  # noqa: E402
 from flashllm.spec import ArchSpec  # noqa: E402
+from flashllm.converters.checkpoint import tensor_bytes  # noqa: E402
 from flashllm.st_io import write_safetensors  # noqa: E402
 
 STD = 0.02
@@ -150,7 +151,7 @@ def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: in
 
     out = Path(out)
     check_replaceable(out, force)
-    dtype = fmt.STORAGE_DTYPES[dtype_name]
+    dtype = getattr(torch, dtype_name)
     layout = _layout(spec, dtype.itemsize, bundled)
     ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
     weights = RandomWeights(spec, dtype, seed)
@@ -170,7 +171,7 @@ def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: in
                 return t
 
             write_safetensors(tmp / fmt.RESIDENT_FILE, [(n, dtype, s) for n, s in shapes.items()], produce,
-                              metadata={"format": fmt.FORMAT_NAME})
+                              metadata={"format": fmt.FORMAT_NAME}, to_bytes=tensor_bytes)
             drop()
             drop_ffn = _Dropper(tmp / ffn_file)
 
@@ -267,7 +268,7 @@ def write_hf(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: int =
     out = Path(out)
     if out.exists() and not force:
         raise SystemExit(f"{out}: already exists (pass --force to replace it)")
-    dtype = fmt.STORAGE_DTYPES[dtype_name]
+    dtype = getattr(torch, dtype_name)
     weights = RandomWeights(spec, dtype, seed)
     shards = hf_tensors(spec, weights)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -291,7 +292,7 @@ def write_hf(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: int =
                     return t
 
                 write_safetensors(tmp / fname, [(n, dtype, s) for n, s, _ in shard], produce,
-                                  metadata={"format": "pt"})
+                                  metadata={"format": "pt"}, to_bytes=tensor_bytes)
                 _Dropper(tmp / fname)()
                 weight_map.update({n: fname for n, _, _ in shard})
         (tmp / "model.safetensors.index.json").write_text(json.dumps(

@@ -95,30 +95,6 @@ def _own_memory_cgroup() -> str | None:
     return None
 
 
-def _timed_reads(obj, method: str, acc: list) -> None:
-    """Instrument a reader: add the wall time of each engine call (IOStats.wall_s) to acc[0]."""
-    orig = getattr(obj, method)
-
-    def wrapper(*a, **kw):
-        io = orig(*a, **kw)
-        acc[0] += io.wall_s
-        return io
-
-    setattr(obj, method, wrapper)
-
-
-def _counted_predictions(predictor, acc: list) -> None:
-    """Instrument a predictor: add the number of predicted neurons of each call to acc[0]."""
-    orig = predictor.predict
-
-    def wrapper(layer, x):
-        mask = orig(layer, x)
-        acc[0] += int(mask.sum())
-        return mask
-
-    predictor.predict = wrapper
-
-
 def measure(run: dict) -> dict:
     """Load the model as `run` says, decode the prompt, warm-up and measured tokens; per-token costs."""
     import flashllm
@@ -138,12 +114,15 @@ def measure(run: dict) -> dict:
     load_s = time.perf_counter() - t0
     read_acc, predicted_acc = [0.0], [0]
     plan = model.plan
-    if hasattr(plan, "reader"):
-        _timed_reads(plan.reader, "read", read_acc)
-    if hasattr(plan, "attn_reader"):
-        _timed_reads(plan.attn_reader, "read_range", read_acc)
-    if run["mode"] == "sparse":
-        _counted_predictions(model.predictor, predicted_acc)
+
+    def on_read(io):  # the engine's wall time of each read
+        read_acc[0] += io.wall_s
+
+    def on_predict(layer, mask):  # neurons each prediction selects
+        predicted_acc[0] += int(mask.sum())
+
+    model.hooks.add("read", on_read)
+    model.hooks.add("predict", on_predict)
     ids = np.random.default_rng(run["seed"]).integers(3, model.spec.vocab_size, size=n).tolist()
     read_ms, predicted = [], []
     prof = None
@@ -172,7 +151,7 @@ def measure(run: dict) -> dict:
     row_bytes = model.compute_row_bytes()
     out = {"run": run, "load_s": load_s, "decode_tokens": len(measured), "warmup_tokens": run["warmup"],
            "model_bytes": model.model_bytes, "dram_budget": model.dram_budget, "dram_bytes": model.dram_bytes(),
-           "compute_dtype": str(getattr(model.backend.dtype, "mx", model.backend.dtype)).replace("torch.", ""),
+           "compute_dtype": model.backend.dtype_name,
            "storage_dtype": model.manifest.data["dtype"], "bundled": model.layout.bundled,
            "context": model.context, "n_layers": model.spec.n_layers, "d_ffn": model.spec.d_ffn, "kv_bytes": _kv_bytes(model), "row_bytes": row_bytes,
            "prompt": {k2: costs[0][k2] for k2 in ("bytes_read", "io_ms", "total_ms")}}
@@ -232,7 +211,7 @@ def profile_rows(prof, tokens: int, top: int = 25) -> list[dict]:
 
 def _kv_bytes(model) -> int:
     s = model.spec
-    return 2 * s.n_layers * model.context * s.n_kv_heads * s.head_dim * model.backend.dtype.itemsize
+    return 2 * s.n_layers * model.context * s.n_kv_heads * s.head_dim * model.backend.itemsize
 
 
 # -- page cache and memory limit ---------------------------------------------------------------

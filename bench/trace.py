@@ -262,13 +262,11 @@ class TracePredictor:
         self.backend, self.rank = backend, cost_rank
         self.A, self.B, self.b = [], [], []
         if backend is not None and cost_rank > 0:
-            import torch
-
-            g = torch.Generator().manual_seed(seed)
+            g = np.random.default_rng(seed)
             for _ in range(spec.n_layers):
-                self.A.append(backend.tensor(torch.randn(cost_rank, spec.d_model, generator=g) * spec.d_model ** -0.5))
-                self.B.append(backend.tensor(torch.randn(spec.d_ffn, cost_rank, generator=g) * cost_rank ** -0.5))
-                self.b.append(backend.tensor(torch.zeros(spec.d_ffn)))
+                self.A.append(backend.tensor(g.standard_normal((cost_rank, spec.d_model), np.float32) * spec.d_model ** -0.5))
+                self.B.append(backend.tensor(g.standard_normal((spec.d_ffn, cost_rank), np.float32) * cost_rank ** -0.5))
+                self.b.append(backend.tensor(np.zeros(spec.d_ffn, np.float32)))
 
     def predict(self, layer: int, x) -> np.ndarray:
         T = x.shape[0]

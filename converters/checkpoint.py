@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from flashllm.errors import FlashLLMError
@@ -50,7 +51,7 @@ class Checkpoint:
         if fname not in self._open:
             path = self.root / fname
             if fname.endswith(".safetensors"):
-                self._open[fname] = SafetensorsFile(path)
+                self._open[fname] = _SafetensorsTensors(path)
             else:
                 self._open[fname] = _BinFile(path)
         return self._open[fname]
@@ -90,6 +91,17 @@ class Checkpoint:
         return max(sizes, key=sizes.get)
 
 
+class _SafetensorsTensors(SafetensorsFile):
+    """A safetensors shard read as torch tensors."""
+
+    def read(self, name: str) -> torch.Tensor:
+        return read_tensor(self, name)
+
+    def info(self, name: str) -> tuple[torch.dtype, int]:
+        """(dtype, element count) of tensor `name`, from the header."""
+        return getattr(torch, self.dtype(name)), int(np.prod(self.shape(name), dtype=np.int64))
+
+
 class _BinFile:
     """A PyTorch .bin state dict, loaded only with weights_only=True (no code execution)."""
 
@@ -107,3 +119,16 @@ class _BinFile:
 
     def read(self, name: str) -> torch.Tensor:
         return self.state[name].clone()
+
+
+def read_tensor(st: SafetensorsFile, name: str) -> torch.Tensor:
+    """Tensor `name` of a safetensors file as a fresh CPU tensor of its stored dtype."""
+    raw = st.read_bytes(name)
+    flat = torch.from_numpy(raw) if len(raw) else torch.empty(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, st.dtype(name))).reshape(st.shape(name))
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a CPU tensor (bfloat16 included)."""
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")

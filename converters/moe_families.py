@@ -17,9 +17,8 @@ import torch
 from flashllm.errors import FlashLLMError
 from flashllm.expert_format import ExpertLayout
 from flashllm.spec import ArchSpec
-from flashllm.st_io import tensor_bytes
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, tensor_bytes
 from .families import _LLAMA_GLOBALS, _LLAMA_LAYER, Family, _llama_spec
 
 

@@ -17,9 +17,9 @@ from flashllm import format as fmt
 from flashllm.errors import FlashLLMError
 from flashllm.quant import DEFAULT_GROUP, DEFAULT_SCHEME, QuantScheme
 from flashllm.spec import ArchSpec
-from flashllm.st_io import tensor_bytes, write_safetensors
+from flashllm.st_io import write_safetensors
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, tensor_bytes
 from .families import family_for
 from .moe_families import write_experts
 
@@ -49,22 +49,22 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
         sources = family.sources(ckpt, spec)
         stored = ckpt.dtype(sources)  # also refuses tensors stored in dtypes we cannot convert
         dtype_name = dtype or _dtype_name(stored)
-        torch_dtype = fmt.STORAGE_DTYPES[dtype_name]
+        torch_dtype = getattr(torch, dtype_name)
         if spec.is_moe and not bundled:
             raise FlashLLMError("bundled=False: an MoE model's experts are always stored as expert bundles")
         if spec.is_moe and quant:
             raise FlashLLMError(f"--quantize {quantize}: expert bundles of MoE models are not quantized yet (use none)")
-        layout = fmt.ExpertLayout.plan(spec, torch_dtype.itemsize) if spec.is_moe else \
-            fmt.FFNLayout.plan(spec, torch_dtype.itemsize, bundled, quant)
+        layout = fmt.ExpertLayout.plan(spec, fmt.STORAGE_DTYPES[dtype_name]) if spec.is_moe else \
+            fmt.FFNLayout.plan(spec, fmt.STORAGE_DTYPES[dtype_name], bundled, quant)
         ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
         shapes = fmt.resident_shapes(spec)
         copied = [f for f in fmt.TOKENIZER_FILES if (ckpt.root / f).is_file()]
-        _check_space(tmp, sum(np.prod(s, dtype=np.int64) for s in shapes.values()) * torch_dtype.itemsize
+        _check_space(tmp, sum(np.prod(s, dtype=np.int64) for s in shapes.values()) * fmt.STORAGE_DTYPES[dtype_name]
                      + layout.file_size + sum((ckpt.root / f).stat().st_size for f in copied))
         with tqdm(total=spec.n_layers + 1, desc=f"convert {ckpt.root.name}", unit="layer", disable=None if progress is None else not progress) as bar:
             write_safetensors(tmp / fmt.RESIDENT_FILE, [(n, torch_dtype, s) for n, s in shapes.items()],
                               lambda n: family.tensor(ckpt, spec, n, shapes[n]).to(torch_dtype),
-                              metadata={"format": fmt.FORMAT_NAME})
+                              metadata={"format": fmt.FORMAT_NAME}, to_bytes=tensor_bytes)
             bar.update(1)
             if spec.is_moe:
                 ffn_sha, layer_sha = write_experts(tmp / ffn_file, layout, lambda i: family.expert_rows(ckpt, spec, i),
@@ -201,4 +201,4 @@ def _replace(tmp: Path, out: Path) -> None:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, dt in fmt.STORAGE_DTYPES.items() if dt == dtype)
+    return str(dtype).removeprefix("torch.")  # Checkpoint.dtype admits storable float dtypes only

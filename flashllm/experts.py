@@ -11,7 +11,6 @@ converted copy. The result is exactly the dense one, whatever the budget (only b
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from .errors import FlashLLMError
 from .ffn_reader import FFNReader
@@ -130,8 +129,8 @@ def expert_views(model, raw: np.ndarray) -> dict:
     """One expert bundle (uint8, >= bundle_bytes) as part -> [d_ffn, d_model] backend tensors
     (views of `raw`, no copy, when the backend computes on the CPU in the storage dtype)."""
     lay = model.layout
-    values = torch.from_numpy(raw[:lay.bundle_bytes]).view(model.manifest.dtype)
-    return {p: model.backend.tensor(values[lay.part_slice(p)].view(lay.d_ffn, lay.d_model)) for p in lay.parts}
+    values = model.backend.storage_view(raw[:lay.bundle_bytes])
+    return {p: model.backend.tensor(values[lay.part_slice(p)].reshape(lay.d_ffn, lay.d_model)) for p in lay.parts}
 
 
 class MoEPlan:
@@ -209,13 +208,13 @@ class MoESparsePlan(MoEPlan):
         B, lay, s = model.backend, self.lay, self.spec
         window, policy = options.window, options.expert_policy
         self.window, self.policy = window, policy
-        self.in_place = B.reads_in_place(model.manifest.dtype)
+        self.in_place = B.reads_in_place()
         # prefetch: while layer l computes, read the experts layer l+1's router picks for layer l's input
         self.prefetch = options.expert_prefetch and self.in_place
         self.pending: dict[int, tuple] = {}  # layer -> (predicted experts, PendingRead)
         # reads land in the slots themselves, or in a staging buffer holding one token's experts
         self.staging = None if self.in_place else B.host_buffer((s.top_k, lay.stride))
-        self.slot_bytes = lay.stride if self.in_place else 3 * lay.d_ffn * lay.d_model * B.dtype.itemsize
+        self.slot_bytes = lay.stride if self.in_place else 3 * lay.d_ffn * lay.d_model * B.itemsize
         if budget is None:
             capacity = s.n_experts
         else:

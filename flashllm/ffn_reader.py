@@ -58,8 +58,8 @@ class FFNReader:
     """One read per neuron (bundled layout) or per neuron and part (unbundled), coalesced by the engine."""
 
     def __init__(self, path, layout: FFNLayout, threads: int, aio_depth: int = 0,
-                 checksums: LayerChecksums | None = None):
-        self.layout, self.checksums = layout, checksums
+                 checksums: LayerChecksums | None = None, hooks=None):
+        self.layout, self.checksums, self.hooks = layout, checksums, hooks
         self.io = FlashReader(path, threads=threads, aio_depth=aio_depth)
 
     def read(self, layer: int, ids: np.ndarray, dest: np.ndarray, dest_rows: np.ndarray) -> IOStats:
@@ -69,6 +69,8 @@ class FFNReader:
             total = total + self.io.read_rows(base, stride, nbytes, ids, dest[:, col:col + nbytes], dest_rows)
         if self.checksums is not None:
             self.checksums.observe(layer, ids, dest, dest_rows)
+        if self.hooks is not None:
+            self.hooks.emit("read", total)
         return total
 
     def reader_for(self, layer: int):

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import numpy as np
 
-import torch
-
 from .errors import FlashLLMError
 from .expert_format import EXPERTS_FILE, ExpertLayout, expert_resident_shapes  # noqa: F401 (EXPERTS_FILE re-exported)
 from .quant import QuantScheme
@@ -25,7 +23,7 @@ FFN_FILE = "ffn.bin"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
 LAYER_ALIGN = 4096
-STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+STORAGE_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # storage dtype name -> bytes per value
 VERIFY_AUTO_LIMIT = 256 << 20  # load() checksums files up to this size; `inspect --verify` checks all
 
 
@@ -193,8 +191,9 @@ class Manifest:
     layout: FFNLayout | ExpertLayout  # the streamed file: FFN neuron bundles, or expert bundles (MoE)
 
     @property
-    def dtype(self) -> torch.dtype:
-        return STORAGE_DTYPES[self.data["dtype"]]
+    def dtype(self) -> str:
+        """The storage dtype's name (a key of STORAGE_DTYPES); backends map it to their own dtype."""
+        return self.data["dtype"]
 
     def path(self, key: str) -> Path:
         return self.root / self.data["files"][key]["path"]
@@ -241,7 +240,7 @@ def read_manifest(model_dir: str | Path, verify: bool | None = None) -> Manifest
         for key in ("resident", "ffn"):
             if key not in files:
                 raise FlashLLMError(f"{mpath}: manifest lists no {key!r} file")
-        itemsize = STORAGE_DTYPES[data["dtype"]].itemsize
+        itemsize = STORAGE_DTYPES[data["dtype"]]
         layout = ExpertLayout.plan(spec, itemsize) if spec.is_moe else \
             FFNLayout.plan(spec, itemsize, ffn.get("bundled", True), quant)
         if layout.to_dict() != {k: ffn.get(k) for k in layout.to_dict()}:

@@ -9,16 +9,15 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
-import torch
 
 from . import format as fmt
 from . import modes
 from .budget import budget_bytes, counted, row_bytes, too_small
-from .backends.staging import bundle_values
 from .chat_template import ChatTemplate
 from .errors import FlashLLMError
 from .experts import MOE_PLANS
 from .ffn_reader import FFNReader, LayerChecksums
+from .hooks import Hooks
 from .generate import Generation, TextStream, eos_token_ids, generate_tokens
 from .options import LoadOptions
 from .st_io import SafetensorsFile
@@ -55,6 +54,7 @@ class Model:
         self._chat_template = None
         self._loader = None
         self._warned_overflow = False
+        self.hooks = Hooks()  # observers of the per-token path (see hooks.py)
         self.checksums = LayerChecksums(self.manifest.path("ffn"), self.layout, self.manifest.data["ffn"].get("layer_sha256"))
         self._costs: list[TokenCost] = []
         self.last_generation = Generation()
@@ -86,10 +86,7 @@ class Model:
             if st.shape(name) != shape:
                 raise FlashLLMError(f"{path}: tensor {name!r} has shape {st.shape(name)}, expected {shape}")
             if not (skip_layers and name.startswith("layers.")):
-                self.backend.put(name, st.read(name))
-        self.ffn_biases = [
-            tuple(self.backend.w.get(f"layers.{i}.{b}") for b in ("up_bias", "gate_bias", "down_bias"))
-            for i in range(self.spec.n_layers)]
+                self.backend.put_bytes(name, st.read_bytes(name), st.dtype(name), shape)
 
     def read_layer_block(self, layer: int) -> np.ndarray:
         """All neurons of one layer as uint8 bundle rows [d_ffn, stride] (for loading resident FFNs)."""
@@ -100,21 +97,18 @@ class Model:
         return block
 
     def bundle_rows(self, block: np.ndarray, parts: tuple[str, ...] | None = None) -> dict:
-        """Split uint8 bundle rows [n, >=bundle_bytes] into per-part [n, d] backend tensors
-        (quantized bundles are dequantized here)."""
-        lay = self.layout
-        values = bundle_values(lay, block, self.manifest.dtype)
-        return {part: self.backend.tensor(values[:, lay.part_slice(part)]) for part in parts or lay.parts}
+        """Split uint8 bundle rows [n, >=bundle_bytes] into per-part [n, d] backend tensors."""
+        return self.backend.bundle_rows(block, self.layout, parts)
 
     def compute_row_bytes(self) -> int:
         """DRAM one cached neuron costs: its bundle in the compute dtype plus per-row biases."""
         B = self.backend
-        return row_bytes(self.layout, B.reads_in_place(self.manifest.dtype), B.dtype.itemsize)
+        return row_bytes(self.layout, B.reads_in_place(), B.itemsize)
 
     def max_layer_bytes(self) -> int:
         """DRAM one layer's weights (resident tensors and FFN) take in the compute dtype."""
         per_layer = sum(int(np.prod(s)) for n, s in fmt.resident_shapes(self.spec).items() if n.startswith("layers.0."))
-        return per_layer * self.backend.dtype.itemsize + self.layout.d_ffn * self.compute_row_bytes()
+        return per_layer * self.backend.itemsize + self.layout.d_ffn * self.compute_row_bytes()
 
     # -- the per-token path --------------------------------------------------------------------
     def forward(self, ids: list[int], pos: int) -> np.ndarray:
@@ -129,16 +123,16 @@ class Model:
         for layer in range(s.n_layers):
             self.plan.before_layer(layer, cost)
             attn, h = B.attention(layer, x, pos)
-            if s.parallel_attn:
+            if s.parallel_attn:  # attention and FFN both read the block's input
                 f_in = B.norm(f"layers.{layer}.ffn_norm", x) if s.ffn_norm else h
-                x = x + attn + self.plan.ffn(layer, f_in, cost)
+                x = x + attn + self._ffn(layer, f_in, cost)
             elif s.post_norms:  # Gemma 2/3: each sublayer's output is normed before its residual add
                 x = x + B.norm(f"layers.{layer}.post_attn_norm", attn)
-                y = self.plan.ffn(layer, B.norm(f"layers.{layer}.ffn_norm", x), cost)
+                y = self._ffn(layer, B.norm(f"layers.{layer}.ffn_norm", x), cost)
                 x = x + B.norm(f"layers.{layer}.post_ffn_norm", y)
             else:
                 x = x + attn
-                x = x + self.plan.ffn(layer, B.norm(f"layers.{layer}.ffn_norm", x), cost)
+                x = x + self._ffn(layer, B.norm(f"layers.{layer}.ffn_norm", x), cost)
             self.plan.after_layer(layer)
         logits = B.logits(x)
         cost.total_ms = (time.perf_counter() - t0) * 1e3
@@ -152,6 +146,11 @@ class Model:
                   f"score mass); raise --dram-budget, or --on-overflow error to refuse (shown once; --stats "
                   f"reports the per-token average)", file=sys.stderr)
         return logits
+
+    def _ffn(self, layer: int, x, cost):
+        """The FFN of `layer`, computed by the plan (the only part that differs between modes)."""
+        self.hooks.emit("ffn_input", layer, x)
+        return self.plan.ffn(layer, x, cost)
 
     # -- public API ----------------------------------------------------------------------------
     @property

@@ -26,7 +26,7 @@ def _too_small(model, budget: int, needed: int, what: str):
     """The "budget too small" error of a plan, with the smallest budget and what would lower it."""
     B = model.backend
     option = "--gpu-budget" if B.on_gpu else "--dram-budget"
-    hints = budget_mod.lowering_hints(model.mode, B.dtype.itemsize, B.kv_bytes(), needed)
+    hints = budget_mod.lowering_hints(model.mode, B.itemsize, B.kv_bytes(), needed)
     return budget_mod.too_small(budget, needed, what, model.model_bytes, hints, option)
 
 
@@ -50,8 +50,8 @@ class DensePlan:
         """Called once the layer's output is complete (its post-FFN norm applied)."""
 
     def ffn(self, layer: int, x, cost):
-        up_b, gate_b, down_b = self.model.ffn_biases[layer]
-        return self.model.backend.ffn(x, self.rows[layer], up_b, gate_b, down_b)
+        b = self.model.backend.ffn_biases(layer)
+        return self.model.backend.ffn(x, self.rows[layer], b["up"], b["gate"], b["down"])
 
     def host_bytes(self) -> int:
         return 0
@@ -69,7 +69,7 @@ class StreamingPlan:
     def __init__(self, model, options):
         self.model, self.lay = model, model.layout
         self.reader = FFNReader(model.manifest.path("ffn"), model.layout, options.threads, options.aio_depth,
-                                model.checksums)
+                                model.checksums, model.hooks)
 
     def before_layer(self, layer: int, cost) -> None:
         pass
@@ -113,23 +113,23 @@ class NaivePlan(StreamingPlan):
 
     def before_layer(self, layer: int, cost) -> None:
         """Read this layer's resident tensors (attention, norms, biases) and make them live."""
-        import torch
-
         offset, nbytes, names = self.spans[layer]
         with cost.timed("io_ms"):
-            cost.add_io(self.attn_reader.read_range(offset, nbytes, self.attn_buf))
+            io = self.attn_reader.read_range(offset, nbytes, self.attn_buf)
+            cost.add_io(io)
+            self.model.hooks.emit("read", io)
         with cost.timed("mem_ms"):
             base = offset - self.st.data_start
             for name in names:
                 e = self.st.entries[name]
                 b, en = e["data_offsets"]
-                raw = torch.from_numpy(self.attn_buf[b - base:en - base])
-                self.model.backend.put(name, raw.view(self.model.manifest.dtype).reshape(e["shape"]))
+                self.model.backend.put_bytes(name, self.attn_buf[b - base:en - base], self.st.dtype(name), e["shape"])
 
     def ffn(self, layer: int, x, cost):
         rows = self.read_rows(layer, 0, self.lay.d_ffn, self.ffn_buf, cost)
-        B, p = self.model.backend, f"layers.{layer}."
-        return B.ffn(x, rows, B.w.get(p + "up_bias"), B.w.get(p + "gate_bias"), B.w.get(p + "down_bias"))
+        B = self.model.backend
+        b = B.ffn_biases(layer)
+        return B.ffn(x, rows, b["up"], b["gate"], b["down"])
 
     def after_layer(self, layer: int) -> None:
         for name in self.spans[layer][2]:  # the layer's weights do not stay resident
@@ -165,7 +165,8 @@ class HybridPlan(StreamingPlan):
 
     def ffn(self, layer: int, x, cost):
         B = self.model.backend
-        up_b, gate_b, down_b = self.model.ffn_biases[layer]
+        b = B.ffn_biases(layer)
+        up_b, gate_b, down_b = b["up"], b["gate"], b["down"]
         h, n = self.h, self.lay.d_ffn
 
         def part(b, lo, hi):
@@ -218,8 +219,8 @@ class SparsePlan(StreamingPlan):
             self._warn_if_short(model, budget, base, row, need)
         self.caches = []
         for i, capacity in enumerate(self.capacities):
-            up_b, gate_b, _ = model.ffn_biases[i]
-            store = B.row_store(capacity, lay, model.manifest.dtype, {"up": up_b, "gate": gate_b})
+            b = B.ffn_biases(i)
+            store = B.row_store(capacity, lay, {"up": b["up"], "gate": b["gate"]})
             self.caches.append(NeuronCache(capacity, lay.d_ffn, store))
 
     def _warn_if_short(self, model, budget: int, base: int, row: int, need: list[float]) -> None:
@@ -277,12 +278,13 @@ class SparsePlan(StreamingPlan):
 
     def _compute(self, layer: int, x, n: int, with_down_bias: bool):
         rows, bias = self.caches[layer].store.views(n)
-        down_b = self.model.ffn_biases[layer][2] if with_down_bias else None
+        down_b = self.model.backend.ffn_biases(layer)["down"] if with_down_bias else None
         return self.model.backend.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b)
 
     def ffn(self, layer: int, x, cost):
         with cost.timed("predictor_ms"):
             mask, scores = predict_scored(self.predictor, layer, x)
+        self.model.hooks.emit("predict", layer, mask)
         if mask.shape[0] == 1:
             active = self._fit(layer, np.flatnonzero(mask[0]), None if scores is None else scores[0], cost)
             cost.neurons_loaded.append(self._load(layer, active, self.window, cost))
@@ -317,8 +319,9 @@ class SparsePlan(StreamingPlan):
         cost.neurons_cached.append(cache.num_used)
         if y is None:  # nothing predicted active: only the bias remains
             y = self.model.backend.zeros_like(x)
-            if self.model.ffn_biases[layer][2] is not None:
-                y = y + self.model.ffn_biases[layer][2]
+            down_b = self.model.backend.ffn_biases(layer)["down"]
+            if down_b is not None:
+                y = y + down_b
         return y
 
     def host_bytes(self) -> int:

@@ -42,8 +42,7 @@ class OraclePredictor:
         for layer in range(self.spec.n_layers):
             block = model.read_layer_block(layer)
             self.rows.append(model.bundle_rows(block, parts=(part,))[part])
-            up_b, gate_b, _ = model.ffn_biases[layer]
-            self.bias.append(gate_b if self.spec.gated_ffn else up_b)
+            self.bias.append(model.backend.ffn_biases(layer)[part])
 
     @property
     def selective(self) -> bool:
@@ -117,16 +116,17 @@ class LowRankPredictor:
         if meta.get("sha256") and fmt.sha256_file(st_path) != meta["sha256"]:
             raise FlashLLMError(f"{st_path}: checksum mismatch (train the predictors again)")
         st = SafetensorsFile(st_path)
-        self.A, self.B, self.b, self.threshold = [], [], [], []
+        backend = self.backend
+        self.proj_in, self.proj_out, self.bias, self.threshold = [], [], [], []  # A, B, b of each layer
         for i, info in enumerate(layers):
             r = int(info["rank"])
             for name, shape in ((f"layers.{i}.A", (r, spec.d_model)), (f"layers.{i}.B", (spec.d_ffn, r)),
                                 (f"layers.{i}.b", (spec.d_ffn,))):
                 if name not in st.entries or st.shape(name) != shape:
                     raise FlashLLMError(f"{st_path}: tensor {name!r} is missing or not of shape {shape}")
-            self.A.append(model.backend.tensor(st.read(f"layers.{i}.A")))
-            self.B.append(model.backend.tensor(st.read(f"layers.{i}.B")))
-            self.b.append(model.backend.tensor(st.read(f"layers.{i}.b")))
+            self.proj_in.append(backend.read_tensor(st, f"layers.{i}.A"))
+            self.proj_out.append(backend.read_tensor(st, f"layers.{i}.B"))
+            self.bias.append(backend.read_tensor(st, f"layers.{i}.b"))
             # sigmoid(z) > t  <=>  z > logit(t): compare logits, skip the sigmoid
             t = float(info["threshold"])
             self.threshold.append(float(np.log(t / (1 - t))))
@@ -139,14 +139,15 @@ class LowRankPredictor:
 
     def scores(self, layer: int, x) -> np.ndarray:
         """The predictor's logit minus its threshold's logit [tokens, d_ffn] (> 0: predicted active)."""
-        B = self.backend
-        return B.to_host(B.linear(B.linear(x, self.A[layer], None), self.B[layer], self.b[layer])) - self.threshold[layer]
+        backend = self.backend
+        hidden = backend.linear(x, self.proj_in[layer], None)
+        return backend.to_host(backend.linear(hidden, self.proj_out[layer], self.bias[layer])) - self.threshold[layer]
 
     def predict(self, layer: int, x) -> np.ndarray:
         return self.scores(layer, x) > 0
 
     def nbytes(self) -> int:
-        return sum(self.backend.nbytes_of(t) for ts in (self.A, self.B, self.b) for t in ts)
+        return sum(self.backend.nbytes_of(t) for ts in (self.proj_in, self.proj_out, self.bias) for t in ts)
 
 
 def predict_scored(predictor, layer: int, x) -> tuple[np.ndarray, np.ndarray | None]:

@@ -12,16 +12,25 @@ import struct
 from typing import Callable, Iterable
 
 import numpy as np
-import torch
 
 from .errors import FlashLLMError
 
+# safetensors dtype -> (neutral name, bytes per element); array libraries map the names themselves
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
+    "U8": ("uint8", 1), "BOOL": ("bool", 1),
 }
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES = {name: key for key, (name, _) in DTYPES.items()}
+
+
+def dtype_name(dtype) -> str:
+    """The neutral name of a dtype given by name, as a numpy dtype or as a torch dtype (torch.float16)."""
+    name = dtype if isinstance(dtype, str) else str(dtype)
+    name = name.removeprefix("torch.")
+    if name not in DTYPE_NAMES:
+        raise FlashLLMError(f"dtype {dtype!r}: not storable in safetensors ({', '.join(DTYPE_NAMES)})")
+    return name
 _HEADER_LIMIT = 100 << 20
 
 
@@ -53,6 +62,7 @@ class SafetensorsFile:
             try:
                 begin, end = e["data_offsets"]
                 dtype = DTYPES.get(e["dtype"])
+                itemsize = dtype[1] if dtype else 0
                 numel = int(np.prod(e["shape"], dtype=np.int64))
             except (KeyError, TypeError, ValueError):
                 raise FlashLLMError(f"{self.path}: corrupt header entry for tensor {name!r}") from None
@@ -62,9 +72,9 @@ class SafetensorsFile:
             if end > data_len:
                 raise FlashLLMError(f"{self.path}: truncated: tensor {name!r} ends at byte {end} "
                                     f"but the file holds {data_len} data bytes")
-            if end - begin != numel * dtype.itemsize:
+            if end - begin != numel * itemsize:
                 raise FlashLLMError(f"{self.path}: tensor {name!r} has {end - begin} bytes, "
-                                    f"shape {e['shape']} needs {numel * dtype.itemsize}")
+                                    f"shape {e['shape']} needs {numel * itemsize}")
 
     def names(self) -> list[str]:
         return list(self.entries)
@@ -72,33 +82,47 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.entries[name]["shape"])
 
-    def info(self, name: str) -> tuple[torch.dtype, int]:
-        """(dtype, element count) of tensor `name`, from the header."""
-        return DTYPES[self.entries[name]["dtype"]], int(np.prod(self.entries[name]["shape"], dtype=np.int64))
+    def dtype(self, name: str) -> str:
+        """The neutral dtype name of tensor `name` (float32, float16, bfloat16, ...)."""
+        return DTYPES[self.entries[name]["dtype"]][0]
 
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor `name` as a fresh CPU tensor of its stored dtype."""
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name` as a numpy array of its values (bfloat16, which numpy lacks, widened exactly to float32)."""
+        raw, dtype = self.read_bytes(name), self.dtype(name)
+        if dtype == "bfloat16":
+            values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            values = raw.view(np.dtype(dtype))
+        return values.reshape(self.shape(name))
+
+    def read_bytes(self, name: str) -> np.ndarray:
+        """The raw little-endian bytes of tensor `name` as a fresh uint8 array (see `dtype`, `shape`)."""
         e = self.entries[name]
         begin, end = e["data_offsets"]
-        buf = bytearray(end - begin)
+        buf = np.empty(end - begin, dtype=np.uint8)
         with open(self.path, "rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [buf], self.data_start + begin) if buf else 0
+            got = os.preadv(f.fileno(), [buf], self.data_start + begin) if len(buf) else 0
             if got != len(buf):
                 raise FlashLLMError(f"{self.path}: short read of tensor {name!r}")
             if hasattr(os, "posix_fadvise"):  # do not let a big checkpoint pile up in page cache
                 os.posix_fadvise(f.fileno(), self.data_start + begin, len(buf), os.POSIX_FADV_DONTNEED)
-        dtype = DTYPES[e["dtype"]]
-        flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-        return flat.view(dtype).reshape(e["shape"])
+        return buf
 
 
-def write_safetensors(path: str, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
-                      produce: Callable[[str], torch.Tensor], metadata: dict | None = None) -> None:
-    """Stream tensors into `path`: the header comes from `specs`, each tensor from `produce(name)`."""
-    specs = list(specs)
+def array_bytes(t) -> memoryview:
+    """The raw bytes of a numpy array, or of a CPU tensor whose dtype numpy has (via `.numpy()`)."""
+    a = t if isinstance(t, np.ndarray) else t.detach().cpu().numpy()
+    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+
+
+def write_safetensors(path: str, specs: Iterable[tuple[str, object, tuple[int, ...]]], produce: Callable[[str], object],
+                      metadata: dict | None = None, to_bytes: Callable[[object], memoryview] = array_bytes) -> None:
+    """Stream tensors into `path`: the header comes from `specs` (name, dtype, shape), each tensor from
+    `produce(name)` and its bytes from `to_bytes` (bfloat16 tensors: converters.tensors.tensor_bytes)."""
+    specs = [(name, dtype_name(dtype), tuple(shape)) for name, dtype, shape in specs]
     header, offset = {}, 0
     for name, dtype, shape in specs:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[DTYPE_NAMES[dtype]][1]
         header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     if metadata:
@@ -109,13 +133,7 @@ def write_safetensors(path: str, specs: Iterable[tuple[str, torch.dtype, tuple[i
         f.write(struct.pack("<Q", len(blob)) + blob)
         for name, dtype, shape in specs:
             t = produce(name)
-            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+            if dtype_name(t.dtype) != dtype or tuple(t.shape) != shape:
                 raise FlashLLMError(f"internal: tensor {name} is {t.dtype}{tuple(t.shape)}, "
-                                    f"header says {dtype}{tuple(shape)}")
-            f.write(tensor_bytes(t))
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a CPU tensor (bfloat16 included)."""
-    t = t.detach().contiguous().cpu()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+                                    f"header says {dtype}{shape}")
+            f.write(to_bytes(t))

@@ -23,7 +23,6 @@ import os
 import shutil
 import struct
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -233,44 +232,28 @@ class Calibration:
 
 
 # -- the pass ----------------------------------------------------------------------------------
-def _gate_rows(model, layer: int, part: str):
-    """This layer's up (or gate) rows as backend tensors: resident in dense mode, else read."""
+def _rule_rows(model, layer: int, part: str):
+    """The rows the activation rule looks at (gate rows of a gated FFN, else up rows) as backend
+    tensors: resident in dense mode, else read."""
     rows = getattr(model.plan, "rows", None)
     if rows is not None:
         return rows[layer][part]
     return model.bundle_rows(model.read_layer_block(layer), parts=(part,))[part]
 
 
-@contextmanager
 def recording(model, rule: ActivationRule, sink):
-    """While active, every `model.plan.ffn` call first hands (layer, x, true mask) to `sink`.
+    """A context in which each layer's FFN input first goes to `sink(layer, x, true mask)` (a hook).
 
     x is the backend tensor the plan receives; the mask is a bool numpy array [tokens, d_ffn].
     """
-    import torch
+    backend = model.backend
 
-    plan, backend = model.plan, model.backend
-    before = plan.__dict__.get("ffn")
-    inner = plan.ffn
-    bias_name = "gate_bias" if rule.part == "gate" else "up_bias"
+    def observe(layer: int, x):
+        pre = backend.linear(x, _rule_rows(model, layer, rule.part), backend.ffn_biases(layer)[rule.part])
+        values = backend.to_host(pre if rule.kind == "pre" else backend.act(pre))
+        sink(layer, x, (values if rule.kind == "pre" else np.abs(values)) > rule.threshold)
 
-    def ffn(layer: int, x, cost):
-        pre = backend.linear(x, _gate_rows(model, layer, rule.part), backend.w.get(f"layers.{layer}.{bias_name}"))
-        if rule.kind == "pre":
-            mask = pre > rule.threshold
-        else:
-            mask = torch.abs(backend.act(pre)) > rule.threshold
-        sink(layer, x, mask.cpu().numpy())
-        return inner(layer, x, cost)
-
-    plan.ffn = ffn
-    try:
-        yield
-    finally:
-        if before is None:
-            del plan.ffn
-        else:
-            plan.ffn = before
+    return model.hooks.observing("ffn_input", observe)
 
 
 def collect(model, chunks: list[list[int]], rule: ActivationRule, workdir: str | Path | None = None,
@@ -285,7 +268,7 @@ def collect(model, chunks: list[list[int]], rule: ActivationRule, workdir: str |
     writers = [ShardWriter(cal.shard(i)) for i in range(s.n_layers)]
 
     def sink(layer, x, mask):
-        writers[layer].append(x.float().cpu().numpy(), mask)
+        writers[layer].append(model.backend.to_host(x), mask)
         cal.active_counts[layer] += mask.sum(axis=0)
 
     try:

@@ -89,7 +89,7 @@ def test_tied_embeddings_are_stored_once(tiny_models):
     assert fmt.read_manifest(tiny.model_dir).spec.tied_embeddings
     stored = SafetensorsFile(tiny.model_dir / fmt.RESIDENT_FILE)
     assert "embed.weight" in stored.entries and "lm_head.weight" not in stored.entries
-    np.testing.assert_array_equal(stored.read("embed.weight").numpy(), tiny.hf.lm_head.weight.detach().numpy())
+    np.testing.assert_array_equal(stored.read("embed.weight"), tiny.hf.lm_head.weight.detach().numpy())
 
 
 def test_inspect_json(tiny_models, capsys):

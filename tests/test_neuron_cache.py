@@ -27,17 +27,16 @@ def ffn_file(tmp_path_factory):
 def make_cache(ffn_file, capacity, dtype=None):
     layout, _, _ = ffn_file
     spec = ArchSpec("test", 16, D, 1, 1, 1, D, D_FFN, 8)
-    backend = TorchBackend(spec, "cpu", dtype, torch.float32, 8)
+    backend = TorchBackend(spec, "cpu", dtype, "float32", 8)
     up_bias = torch.arange(D_FFN, dtype=backend.dtype)
-    return NeuronCache(capacity, D_FFN, backend.row_store(capacity, layout, torch.float32, {"up": up_bias}))
+    return NeuronCache(capacity, D_FFN, backend.row_store(capacity, layout, {"up": up_bias}))
 
 
 def step(cache, reader, active, window):
     missing, k, dropped = cache.evict(np.asarray(sorted(active), dtype=np.int64), window)
     layout = cache.store.layout
     read = lambda ids, dest, rows: reader.read_rows(0, layout.stride, layout.stride, ids, dest, rows)  # noqa: E731
-    cache.store.fill(read, missing, cache.free_rows(len(missing)))
-    cache.append(missing)
+    cache.insert(missing, read)
     return k, dropped
 
 

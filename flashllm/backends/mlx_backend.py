@@ -1,7 +1,8 @@
 """The decoder math on MLX (Metal on Apple silicon, MLX's CPU build elsewhere); same contract as torch.
 
-Weights arrive from the shared runtime as torch CPU tensors or numpy arrays of the storage dtype
-(`put`, `tensor`); they are converted once into MLX arrays of the compute dtype. MLX is lazy: the
+Weights arrive from the shared runtime as raw bytes or numpy arrays of the storage dtype (bfloat16,
+which numpy lacks, as its 16-bit patterns reinterpreted in MLX); they are converted once into MLX
+arrays of the compute dtype. MLX is lazy: the
 graph of a token is built layer by layer and evaluated when the host needs a value (the predictor's
 mask in `greater`, the logits). The neuron-cache row stores evaluate their updates at once, so that
 the stats' memory-management time is the real cost and not just graph building; attention and FFN
@@ -12,47 +13,19 @@ asynchronous kernels in the torch backend), while `total_ms` is exact.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-import torch
 
 from ..errors import FlashLLMError
 from ..rope import Rope, layer_ropes
 from ..stats import untimed
 from ..spec import ArchSpec
-
-STAGING_BYTES = 8 << 20  # bound of the staging buffer flash reads land in (one per backend; <= one layer)
-
-
-@dataclass(frozen=True)
-class MLXDtype:
-    """An MLX dtype with the `itemsize` the shared runtime reads (mx.Dtype calls it `size`)."""
-
-    mx: mx.Dtype
-
-    @property
-    def itemsize(self) -> int:
-        return self.mx.size
-
+from .base import Backend, default_compute_dtype
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-def to_mx(a) -> mx.array:
-    """An MLX array with the values of a torch CPU tensor, a numpy array or an MLX array (any dtype).
-
-    bfloat16 (which numpy lacks) crosses as its 16-bit pattern and is reinterpreted, not rounded.
-    """
-    if isinstance(a, mx.array):
-        return a
-    if isinstance(a, torch.Tensor):
-        t = a.detach().cpu()
-        if t.dtype == torch.bfloat16:
-            return mx.array(np.ascontiguousarray(t.view(torch.int16).numpy())).view(mx.bfloat16)
-        a = t.numpy()
-    return mx.array(np.ascontiguousarray(a))
+# how raw bytes of a dtype cross into MLX: (numpy view, MLX view of it or None)
+BYTE_VIEWS = {"float32": (np.float32, None), "float16": (np.float16, None), "bfloat16": (np.uint16, mx.bfloat16)}
 
 
 def _act(name: str, threshold: float):
@@ -84,7 +57,7 @@ def _device(device: str | None) -> mx.Device:
     raise FlashLLMError(f"device {device!r}: the MLX backend supports cpu and gpu")
 
 
-class MLXBackend:
+class MLXBackend(Backend):
     """Holds resident weights and the KV cache as MLX arrays and computes one decoder.
 
     MLX's default device is process-wide: loading an MLX model makes its device the default, so
@@ -92,17 +65,19 @@ class MLXBackend:
     """
 
     name = "mlx"
+    STAGING_BYTES = 8 << 20  # the one staging buffer flash reads land in (<= one layer)
 
-    def __init__(self, spec: ArchSpec, device: str | None, dtype: str | None, storage_dtype, context: int,
+    def __init__(self, spec: ArchSpec, device: str | None, dtype: str | None, storage_dtype: str, context: int,
                  quantized_ffn: bool = False):
         if dtype is not None and dtype not in DTYPES:
             raise FlashLLMError(f"dtype {dtype!r}: the MLX backend computes in {', '.join(DTYPES)}")
         self.spec = spec
         self.device = _device(device)
         mx.set_default_device(self.device)
-        self.dtype = MLXDtype(DTYPES[dtype or "float32"])
-        self._mx = self.dtype.mx
-        self._storage_dtype = storage_dtype
+        self.dtype_name = default_compute_dtype(dtype, storage_dtype, self.device == mx.cpu)
+        self.storage_dtype_name = storage_dtype
+        self.dtype = self._mx = DTYPES[self.dtype_name]
+        self.itemsize = self.dtype.size
         self.context = context
         self.w: dict[str, mx.array] = {}
         # one preallocated [1, kv_heads, context, head_dim] buffer per layer, updated by slice
@@ -118,19 +93,16 @@ class MLXBackend:
         self._rope_rows: dict[Rope, tuple] = {}  # rope -> (pos, count, cos, sin) of the current call
 
     # -- weights -------------------------------------------------------------------------------
-    def put(self, name: str, t) -> None:
-        """Make a resident tensor (torch CPU tensor or numpy array, any float dtype) live in the compute dtype."""
-        self.w[name] = self.tensor(t)
-
     def tensor(self, array) -> mx.array:
-        """A weight block (e.g. FFN bundle rows; torch, numpy or MLX) as a contiguous MLX array in the compute dtype."""
-        out = to_mx(array).astype(self._mx)
+        """A weight block (numpy or MLX) as a contiguous MLX array in the compute dtype."""
+        out = (array if isinstance(array, mx.array) else mx.array(np.ascontiguousarray(array))).astype(self._mx)
         mx.eval(out)
         return out
 
-    def nbytes(self) -> int:
-        """Bytes held: resident weights plus the KV cache."""
-        return sum(map(self.nbytes_of, self.w.values())) + sum(map(self.nbytes_of, self.k_cache + self.v_cache))
+    def storage_view(self, raw: np.ndarray, dtype: str | None = None) -> mx.array:
+        np_view, mx_view = BYTE_VIEWS[dtype or self.storage_dtype_name]
+        out = mx.array(np.ascontiguousarray(raw).view(np_view))
+        return out.view(mx_view) if mx_view is not None else out
 
     def kv_bytes(self) -> int:
         return sum(map(self.nbytes_of, self.k_cache + self.v_cache))
@@ -139,25 +111,22 @@ class MLXBackend:
     def nbytes_of(t: mx.array) -> int:
         return int(t.nbytes)
 
-    def row_store(self, capacity: int, layout, storage_dtype, biases: dict):
-        return MLXRowStore(self, capacity, layout, storage_dtype, biases)
+    def row_store(self, capacity: int, layout, biases: dict):
+        return MLXRowStore(self, capacity, layout, biases)
 
-    def reads_in_place(self, storage_dtype) -> bool:
+    def reads_in_place(self) -> bool:
         """Flash reads never land in MLX arrays directly: they go through the staging buffer."""
         return False
 
     def staging_bytes(self, stride: int) -> int:
-        return self._staging_rows(stride) * stride
-
-    def _staging_rows(self, stride: int) -> int:
-        return max(1, min(STAGING_BYTES // stride, self.spec.d_ffn))
+        return self.staging_rows(stride) * stride
 
     def staging(self, stride: int) -> np.ndarray:
         """One page-aligned staging buffer shared by every cache of this backend (reads are sequential)."""
         from ..flashio import aligned_empty
 
         if self._staging is None or self._staging.shape[1] != stride:
-            self._staging = aligned_empty((self._staging_rows(stride), stride), np.uint8)
+            self._staging = aligned_empty((self.staging_rows(stride), stride), np.uint8)
         return self._staging
 
     def host_buffer(self, shape) -> np.ndarray:
@@ -175,15 +144,9 @@ class MLXBackend:
         return x @ w.T if b is None else mx.addmm(b, x, w.T)
 
     def to_host(self, x: mx.array) -> np.ndarray:
-        """x as a float32 numpy array (evaluates the graph so far: the predictor's scores)."""
+        """x as a float32 numpy array (evaluates the graph so far: a predictor's scores, the logits)."""
         return np.array(x.astype(mx.float32))
 
-    def greater(self, x: mx.array, threshold: float) -> np.ndarray:
-        """Boolean numpy mask x > threshold (evaluates the graph so far: the predictor's decision)."""
-        return np.array(x > threshold)
-
-    def add(self, a: mx.array, b: mx.array) -> mx.array:
-        return a + b
 
     def zeros_like(self, x: mx.array) -> mx.array:
         return mx.zeros_like(x)
@@ -304,16 +267,14 @@ class MLXRowStore:
     pending graph still references the array.
     """
 
-    def __init__(self, backend: MLXBackend, capacity: int, layout, storage_dtype, biases: dict):
+    def __init__(self, backend: MLXBackend, capacity: int, layout, biases: dict):
         self.layout, self.backend = layout, backend
-        dt = backend.dtype.mx
+        dt = backend.dtype
         self.parts = {p: mx.zeros((capacity, layout.d_model), dtype=dt) for p in layout.parts}
         self.full_bias = {k: v for k, v in biases.items() if v is not None}
         self.bias = {k: mx.zeros((capacity,), dtype=dt) for k in self.full_bias}
         # numpy view of the staging bytes, and the MLX dtype they are reinterpreted as
-        self._np_view, self._mx_view = {
-            torch.float32: (np.float32, None), torch.float16: (np.float16, None),
-            torch.bfloat16: (np.int16, mx.bfloat16)}[storage_dtype]
+        self._np_view, self._mx_view = BYTE_VIEWS[backend.storage_dtype_name]
         self.staging = backend.staging(layout.stride)
         mx.eval(self._arrays())
 
@@ -339,7 +300,7 @@ class MLXRowStore:
         """Bundles of neurons `ids` into rows `rows` via `read(ids, dest, dest_rows)`; IOStats (None if no
         ids). Reading is timed as `io_ms`; placing (copy out of staging, cast, scatter) as `mem_ms`."""
         timed = cost.timed if cost is not None else untimed
-        io, step, dt = None, self.staging.shape[0], self.backend.dtype.mx
+        io, step, dt = None, self.staging.shape[0], self.backend.dtype
         for k in range(0, len(ids), step):
             chunk = ids[k:k + step]
             with timed("io_ms"):

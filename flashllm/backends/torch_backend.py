@@ -10,10 +10,10 @@ from ..errors import FlashLLMError
 from ..rope import Rope, layer_ropes
 from ..stats import untimed
 from ..spec import ArchSpec
+from .base import Backend, default_compute_dtype
 from .staging import StagingRing, bundle_values, host_array
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-STAGING_BYTES = 1 << 20  # per staging buffer (two per backend); the I/O engine's largest read
 
 
 def _act(name: str, threshold: float):
@@ -27,21 +27,21 @@ def _act(name: str, threshold: float):
     }[name]
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     """Holds resident weights and the KV cache on one torch device and computes one decoder."""
 
     name = "torch"
+    STAGING_BYTES = 1 << 20  # per staging buffer (two per backend); the I/O engine's largest read
 
-    def __init__(self, spec: ArchSpec, device: str, dtype: str | None, storage_dtype: torch.dtype, context: int,
+    def __init__(self, spec: ArchSpec, device: str, dtype: str | None, storage_dtype: str, context: int,
                  quantized_ffn: bool = False):
         self.spec = spec
         self.device = torch.device(_device(device))
-        if dtype is None:  # fp16 matmul on CPU is ~4x slower than fp32; keep fp32 there
-            cdt = torch.float32 if self.device.type == "cpu" and storage_dtype == torch.float16 else storage_dtype
-        else:
-            cdt = DTYPES[dtype]
-        self.dtype = cdt
-        self._storage_dtype = storage_dtype
+        self.dtype_name = default_compute_dtype(dtype, storage_dtype, self.device.type == "cpu")
+        self.storage_dtype_name = storage_dtype
+        self.dtype = cdt = DTYPES[self.dtype_name]
+        self.storage_dtype = DTYPES[storage_dtype]
+        self.itemsize = cdt.itemsize
         self.quantized_ffn = quantized_ffn  # FFN rows are dequantized on insert, never read in place
         self.context = context
         self.w: dict[str, torch.Tensor] = {}
@@ -53,18 +53,13 @@ class TorchBackend:
         self._rope_rows: dict[Rope, tuple] = {}  # rope -> (pos, count, cos, sin) of the current call
 
     # -- weights -------------------------------------------------------------------------------
-    def put(self, name: str, t: torch.Tensor) -> None:
-        """Make a resident tensor (any dtype, CPU) live on the device in the compute dtype."""
-        self.w[name] = t.to(device=self.device, dtype=self.dtype)
-
     def tensor(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """A weight block (e.g. FFN bundle rows) as a device tensor in the compute dtype."""
+        """A weight block (numpy or torch, any float dtype) as a device tensor in the compute dtype."""
         t = torch.from_numpy(array) if isinstance(array, np.ndarray) else array
         return t.to(device=self.device, dtype=self.dtype)
 
-    def nbytes(self) -> int:
-        """Bytes held: resident weights plus the KV cache."""
-        return sum(map(self.nbytes_of, self.w.values())) + 2 * self.nbytes_of(self.k_cache)
+    def storage_view(self, raw: np.ndarray, dtype: str | None = None) -> torch.Tensor:
+        return torch.from_numpy(raw).view(DTYPES[dtype] if dtype else self.storage_dtype)
 
     def kv_bytes(self) -> int:
         return 2 * self.nbytes_of(self.k_cache)
@@ -73,23 +68,19 @@ class TorchBackend:
     def nbytes_of(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
-    def row_store(self, capacity: int, layout, storage_dtype, biases: dict):
-        return TorchRowStore(self, capacity, layout, storage_dtype, biases)
+    def row_store(self, capacity: int, layout, biases: dict):
+        return TorchRowStore(self, capacity, layout, biases)
 
-    def reads_in_place(self, storage_dtype: torch.dtype) -> bool:
-        """Whether flash reads can land in cache rows directly (same dtype, host memory, not quantized)."""
-        return self.device.type == "cpu" and self.dtype == storage_dtype and not self.quantized_ffn
+    def reads_in_place(self) -> bool:
+        return self.device.type == "cpu" and self.dtype == self.storage_dtype and not self.quantized_ffn
 
     def staging_bytes(self, stride: int) -> int:
-        return 0 if self.reads_in_place(self._storage_dtype) else 2 * self._staging_rows(stride) * stride
-
-    def _staging_rows(self, stride: int) -> int:
-        return max(1, min(STAGING_BYTES // stride, self.spec.d_ffn))
+        return 0 if self.reads_in_place() else 2 * self.staging_rows(stride) * stride
 
     def staging(self, stride: int) -> StagingRing:
         """One staging ring shared by every cache of this backend (caches fill one after another)."""
         if getattr(self, "_staging", None) is None or self._staging.buffers[0].shape[1] != stride:
-            self._staging = StagingRing(self._staging_rows(stride), stride, self.device)
+            self._staging = StagingRing(self.staging_rows(stride), stride, self.device)
         return self._staging
 
     def host_buffer(self, shape) -> np.ndarray:
@@ -104,15 +95,8 @@ class TorchBackend:
         return F.linear(x, w, b)
 
     def to_host(self, x: torch.Tensor) -> np.ndarray:
-        """x as a float32 numpy array (brings a predictor's scores to the host)."""
         return x.float().cpu().numpy()
 
-    def greater(self, x: torch.Tensor, threshold: float) -> np.ndarray:
-        """Boolean numpy mask x > threshold (brings a predictor's decision to the host)."""
-        return (x > threshold).cpu().numpy()
-
-    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return a + b
 
     def zeros_like(self, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)
@@ -238,13 +222,13 @@ class TorchRowStore:
     matrix itself; otherwise they land in the backend's staging ring (pinned on CUDA) and are copied.
     """
 
-    def __init__(self, backend: TorchBackend, capacity: int, layout, storage_dtype: torch.dtype,
-                 biases: dict[str, torch.Tensor | None]):
+    def __init__(self, backend: TorchBackend, capacity: int, layout, biases: dict[str, torch.Tensor | None]):
         from ..flashio import aligned_empty
 
+        storage_dtype = backend.storage_dtype
         self.layout, self.storage_dtype, self.backend = layout, storage_dtype, backend
         self.elems = len(layout.parts) * layout.d_model
-        if backend.reads_in_place(storage_dtype):
+        if backend.reads_in_place():
             self.raw = aligned_empty((capacity, layout.stride), np.uint8)
             self.matrix = torch.from_numpy(self.raw).view(storage_dtype)
             self.staging = None

@@ -1,0 +1,131 @@
+"""The backend contract: what the runtime asks of an array library, and the code backends share.
+
+A backend holds the resident weights (`w`, canonical names) and the KV cache on one device and
+computes one decoder. Everything else (which neurons, when to read, budgets, sampling) is the
+runtime's. Dtypes cross this boundary as neutral names ("float32", "float16", "bfloat16"); raw
+flash bytes cross as uint8 numpy arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+def default_compute_dtype(requested: str | None, storage: str, on_cpu: bool) -> str:
+    """The compute dtype, alike in every backend: the requested one, else the storage dtype, except
+    float16 files on a CPU, which compute in float32 (MLX and torch CPU matmuls are slower in float16)."""
+    if requested is not None:
+        return requested
+    return "float32" if on_cpu and storage == "float16" else storage
+
+
+class Backend:
+    """Base class of TorchBackend and MLXBackend. Subclasses provide the members marked 'backend'."""
+
+    name: str  # "torch" / "mlx"
+    STAGING_BYTES: int  # bound of one staging buffer for reads that cannot land in cache rows
+    spec = None  # the ArchSpec
+    dtype_name: str  # compute dtype (neutral name)
+    storage_dtype_name: str  # the model file's dtype
+    itemsize: int  # bytes per value in the compute dtype
+    on_gpu: bool  # weights, KV and caches count against the GPU budget (host staging against DRAM)
+    w: dict
+
+    # -- backend: arrays ---------------------------------------------------------------------
+    def tensor(self, array):
+        """A numpy array or backend array as a backend array in the compute dtype, on the device."""
+        raise NotImplementedError
+
+    def storage_view(self, raw: np.ndarray, dtype: str | None = None):
+        """uint8 bytes [..., n * itemsize] reinterpreted as values of `dtype` (default: the storage dtype)."""
+        raise NotImplementedError
+
+    def nbytes_of(self, t) -> int:
+        raise NotImplementedError
+
+    def kv_bytes(self) -> int:
+        raise NotImplementedError
+
+    def to_host(self, x) -> np.ndarray:
+        """float32 numpy values of x (brings predictor scores and logits to the host)."""
+        raise NotImplementedError
+
+    def host_buffer(self, shape) -> np.ndarray:
+        """A page-aligned uint8 host buffer for flash reads (pinned where the device needs it)."""
+        raise NotImplementedError
+
+    def reads_in_place(self) -> bool:
+        """Whether flash reads can land in cache rows directly (host memory, compute dtype = storage)."""
+        raise NotImplementedError
+
+    def row_store(self, capacity: int, layout, biases: dict):
+        """A neuron cache's rows: move(dst, src), fill(read, ids, rows, cost), views(n), nbytes()."""
+        raise NotImplementedError
+
+    def staging_bytes(self, stride: int) -> int:
+        """Host bytes of the staging buffers the row stores share (0 when reads land in place)."""
+        raise NotImplementedError
+
+    # -- backend: math -----------------------------------------------------------------------
+    def linear(self, x, w, b):
+        raise NotImplementedError
+
+    def norm(self, name: str, x):
+        raise NotImplementedError
+
+    def attention(self, layer: int, x, pos: int):
+        """(output, normed input) of block `layer` for tokens at positions pos.. (updates the KV cache)."""
+        raise NotImplementedError
+
+    def ffn(self, x, rows: dict, up_bias, gate_bias, down_bias):
+        """FFN over the neurons whose bundle parts are rows[part] ([n, d] each; down rows = columns)."""
+        raise NotImplementedError
+
+    def embed(self, ids: list[int], pos: int):
+        """Embeddings of tokens `ids` at positions pos.."""
+        raise NotImplementedError
+
+    def logits(self, x) -> np.ndarray:
+        """[tokens, vocab] float32 logits of the final hidden states."""
+        raise NotImplementedError
+
+    # -- shared --------------------------------------------------------------------------------
+    def put(self, name: str, array) -> None:
+        """Make a resident tensor live in the compute dtype."""
+        self.w[name] = self.tensor(array)
+
+    def put_bytes(self, name: str, raw: np.ndarray, dtype: str, shape) -> None:
+        """A resident tensor from its raw bytes (of dtype `dtype`)."""
+        self.put(name, self.storage_view(raw, dtype).reshape(tuple(shape)))
+
+    def read_tensor(self, st, name: str):
+        """Tensor `name` of a SafetensorsFile in the compute dtype (not made resident)."""
+        return self.tensor(self.storage_view(st.read_bytes(name), st.dtype(name)).reshape(st.shape(name)))
+
+    def nbytes(self) -> int:
+        """Bytes held: resident weights plus the KV cache."""
+        return sum(map(self.nbytes_of, self.w.values())) + self.kv_bytes()
+
+    def staging_rows(self, stride: int) -> int:
+        """Bundle rows one staging buffer holds: STAGING_BYTES worth, at most one layer."""
+        return max(1, min(self.STAGING_BYTES // stride, self.spec.d_ffn))
+
+    def bundle_rows(self, block: np.ndarray, layout, parts: tuple[str, ...] | None = None) -> dict:
+        """uint8 bundle rows [n, >= bundle_bytes] of the storage dtype as part -> [n, d_model] arrays
+        (quantized bundles are dequantized here)."""
+        values = layout.dequantize(block) if layout.quant else self.storage_view(block)
+        return {part: self.tensor(values[:, layout.part_slice(part)]) for part in parts or layout.parts}
+
+    def ffn_biases(self, layer: int) -> dict:
+        """The FFN biases of `layer` (None where the model has none): the one place they come from."""
+        p = f"layers.{layer}."
+        return {k: self.w.get(p + k + "_bias") for k in ("up", "gate", "down")}
+
+    def greater(self, x, threshold: float) -> np.ndarray:
+        """Boolean numpy mask x > threshold."""
+        return self.to_host(x) > threshold
+
+    def add(self, a, b):
+        return a + b

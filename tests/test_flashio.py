@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -312,9 +313,18 @@ def test_no_reference_to_dest_is_kept_after_a_call(data_file):
 def test_submitted_calls_overlap_and_wait_returns_their_stats(data_file, monkeypatch):
     path, data = data_file
     a, b = aligned_empty((64, 8192), np.uint8), aligned_empty(1 << 20, np.uint8)
+    real, gate = flashio._preadv, threading.Event()
+
+    def held_read(fd, bufs, off):  # reads wait at the gate: the calls stay in flight until it opens
+        assert gate.wait(timeout=30)
+        return real(fd, bufs, off)
+
     with FlashReader(path, threads=4, aio_depth=0) as r:
+        monkeypatch.setattr(flashio, "_preadv", held_read)
         pa = r.submit_rows(0, 8192, 8192, np.arange(64) * 2, a, np.arange(64))
         pb = r.submit_range(4096, 1 << 20, b)
+        assert not pa.done() and not pb.done()  # both submitted and pending at once: the caller goes on
+        gate.set()
         stats_b, stats_a = pb.wait(), pa.wait()
         assert pa.done() and pa.wait() is stats_a and stats_a.bytes_requested == 64 * 8192
         assert stats_b.bytes_requested == 1 << 20

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashllm.backends.torch_backend import TorchBackend
-from flashllm.flashio import FlashReader
+from flashllm.flashio import FlashIOError, FlashReader
 from flashllm.format import FFNLayout
 from flashllm.neuron_cache import NeuronCache
 from flashllm.spec import ArchSpec
@@ -109,7 +109,7 @@ def test_failed_read_marks_nothing_loaded(ffn_file, tmp_path):
     cache = make_cache(ffn_file, D_FFN)
     with FlashReader(short, threads=2) as reader:
         step(cache, reader, {1, 2}, 2)
-        with pytest.raises(Exception):
+        with pytest.raises(FlashIOError, match="outside the file"):
             step(cache, reader, {30, 31}, 2)
     assert set(cache.pointer[:cache.num_used].tolist()) == {1, 2}
     assert cache.row_of[30] == -1 and cache.row_of[31] == -1

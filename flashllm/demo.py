@@ -74,6 +74,13 @@ def report(result: dict) -> str:
              "", result["prompt"] + result["text"], "",
              f"{'per decode token':<26}{'sparse':>12}{'naive':>12}"]
     lines += [f"{name:<26}{a:>12.2f}{b:>12.2f}" for name, a, b in rows]
-    lines.append(f"flash bytes: {n['bytes_read'] / max(s['bytes_read'], 1):.1f}x fewer; "
-                 f"latency: {n['total_ms'] / max(s['total_ms'], 1e-9):.2f}x faster than naive")
+    lines.append(f"sparse vs naive: flash bytes {compare(s['bytes_read'], n['bytes_read'], 'fewer', 'more')}; "
+                 f"latency {compare(s['total_ms'], n['total_ms'], 'faster', 'slower')}")
     return "\n".join(lines)
+
+
+def compare(ours: float, base: float, better: str, worse: str) -> str:
+    """'2.1x fewer' or '1.2x more' (lower is better): a ratio of at least 1, in plain words."""
+    if ours <= base:
+        return f"{base / max(ours, 1e-12):.2f}x {better}"
+    return f"{ours / max(base, 1e-12):.2f}x {worse}"

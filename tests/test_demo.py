@@ -14,3 +14,18 @@ def test_demo_json(tmp_path, monkeypatch, capsys):
     assert sparse["predictor"] == "lowrank" and sparse["mode"] == "sparse" and naive["mode"] == "naive"
     assert sparse["dram_bytes"] <= sparse["dram_budget"] <= 0.5 * sparse["model_bytes"]
     assert 0 < sparse["bytes_read"] < naive["bytes_read"]
+
+
+def test_report_says_slower_when_sparse_is_slower():
+    from flashllm.demo import report
+
+    def stats(total_ms, bytes_read):
+        return {"bytes_read": bytes_read, "reads": 1, "io_ms": 1.0, "total_ms": total_ms, "dram_bytes": 1 << 20,
+                "model_bytes": 2 << 20, "dram_budget": 1 << 20}
+
+    result = {"model_dir": "m", "prompt": "p", "text": "t", "stats": {"sparse": stats(60.0, 1000),
+                                                                       "naive": stats(50.0, 12000)}}
+    last = report(result).splitlines()[-1]
+    assert last == "sparse vs naive: flash bytes 12.00x fewer; latency 1.20x slower"
+    result["stats"]["sparse"] = stats(25.0, 24000)
+    assert report(result).splitlines()[-1] == "sparse vs naive: flash bytes 2.00x more; latency 2.00x faster"

@@ -1,0 +1,92 @@
+"""Quality and flash bytes of quantized FFN bundles on the embedded model, against float32 in one run.
+
+    python bench/stdlib_corpus.py --split heldout --out /tmp/heldout.txt
+    python bench/quant_quality.py --data /tmp/heldout.txt [--max-tokens 4096] [--groups 64 32] [--out FILE.md]
+
+Converts flashllm/data/tiny-opt (or --model) to float32, float16, and int8/int4 bundles for each
+group size (resident tensors float32) into a temporary directory, removed at the end. Per model:
+- perplexity over the held-out tokens (dense mode, teacher-forced; sparse mode with the oracle
+  predictor computes exactly the same), ratio to float32;
+- greedy top-1 agreement: float32 generates `--gen-tokens` tokens greedily from a held-out prompt;
+  the quantized model reads the same tokens and predicts each next one (fraction equal);
+- flash bytes per decode token in sparse mode (oracle predictor, window 4, unlimited cache) over
+  that same sequence, and its ratio to float16 bundles.
+"""
+import argparse
+import json
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import flashllm  # noqa: E402
+from flashllm.converters import convert  # noqa: E402
+from flashllm.predictors import collect  # noqa: E402
+from flashllm.predictors.evaluate import _greedy as greedy, _nll as nll  # noqa: E402  (the same measures)
+
+
+def measure(model_dir: Path, chunks, prompt, gen, window: int) -> dict:
+    dense = flashllm.load(model_dir)
+    losses = np.concatenate([nll(dense.logits(c)[:-1], c[1:]) for c in chunks])
+    seq = prompt + gen
+    follow = np.argmax(dense.logits(seq[:-1])[len(prompt) - 1:], axis=1) == np.array(gen)
+    sparse = flashllm.load(model_dir, mode="sparse", predictor="oracle", window=window)
+    sparse.logits(seq, prefill=len(prompt))
+    st = sparse.stats
+    return {"ppl": float(math.exp(losses.mean())), "top1_agreement": float(follow.mean()),
+            "bytes_per_token": st["bytes_read"], "ffn_file_bytes": (model_dir / "ffn.bin").stat().st_size,
+            "scored_tokens": int(len(losses)), "decode_tokens": st["decode_tokens"]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ROOT / "flashllm/data/tiny-opt", help="HF checkpoint")
+    ap.add_argument("--data", type=Path, required=True, help="held-out text file")
+    ap.add_argument("--max-tokens", type=int, default=4096, help="held-out tokens scored (default: %(default)s)")
+    ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: %(default)s)")
+    ap.add_argument("--gen-tokens", type=int, default=256, help="greedy tokens compared (default: %(default)s)")
+    ap.add_argument("--prompt-tokens", type=int, default=32, help="(default: %(default)s)")
+    ap.add_argument("--groups", type=int, nargs="+", default=[64, 32], help="group sizes (default: %(default)s)")
+    ap.add_argument("--window", type=int, default=4, help="sparse window (default: %(default)s)")
+    ap.add_argument("--out", type=Path, help="write the markdown table here (and JSON beside it)")
+    args = ap.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="quant-quality-"))
+    try:
+        variants = [("float32", "float32", "none", 64), ("float16", "float16", "none", 64)]
+        variants += [(f"{q} g{g}", "float32", q, g) for q in ("int8", "int4") for g in args.groups]
+        dirs = {name: convert(args.model, work / name.replace(" ", "-"), dtype=dt, quantize=q, group_size=g,
+                              progress=False) for name, dt, q, g in variants}
+        ref = flashllm.load(dirs["float32"])
+        chunks = collect.chunk_text(ref, collect.read_data(args.data, args.max_tokens), args.seq_len,
+                                    args.max_tokens, str(args.data))
+        prompt = chunks[0][:args.prompt_tokens]
+        gen = greedy(ref, prompt, min(args.gen_tokens, ref.context - len(prompt)))
+        del ref
+        results = {name: measure(d, chunks, prompt, gen, args.window) for name, d in dirs.items()}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    base, f16 = results["float32"], results["float16"]
+    lines = [f"{args.model.name}: {base['scored_tokens']} held-out tokens ({args.data.name}), greedy agreement over "
+             f"{len(gen)} tokens, sparse oracle window {args.window} over {base['decode_tokens']} decode tokens", "",
+             "| FFN bundles | ffn.bin MiB | perplexity | ppl vs float32 | top-1 agreement | flash bytes/token | vs float16 |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        r["ppl_ratio"] = r["ppl"] / base["ppl"]
+        r["bytes_vs_float16"] = r["bytes_per_token"] / f16["bytes_per_token"]
+        lines.append(f"| {name} | {r['ffn_file_bytes'] / 2**20:.2f} | {r['ppl']:.4f} | {(r['ppl_ratio'] - 1) * 100:+.2f}% | "
+                     f"{r['top1_agreement']:.3f} | {r['bytes_per_token'] / 1024:.1f} KiB | {r['bytes_vs_float16']:.3f} |")
+    print("\n".join(lines))
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+        args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

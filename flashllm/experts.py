@@ -163,6 +163,10 @@ class MoEPlan:
             gate = B.w.get(p + "shared_expert_gate.weight")
         return B.moe_ffn(x, groups, rows, gate)
 
+    def describe(self) -> dict:
+        """What this plan adds to `Model.stats`."""
+        return {}
+
 
 class MoEDensePlan(MoEPlan):
     """Every expert resident: the reference for the streamed plan."""
@@ -230,7 +234,10 @@ class MoESparsePlan(MoEPlan):
             self.slots = [[expert_views(model, r[i]) for i in range(capacity)] for r in self.raw]
         else:
             self.slots = [[None] * capacity for _ in range(s.n_layers)]
-        self.reader = FFNReader(model.manifest.path("ffn"), lay, options.threads, options.aio_depth)
+        self.reader = FFNReader(model.manifest.path("ffn"), lay, options.threads, options.aio_depth, hooks=model.hooks)
+
+    def describe(self) -> dict:
+        return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind}
 
     def reset(self) -> None:
         for _, read in self.pending.values():

@@ -164,10 +164,7 @@ class Model:
         extra = {"mode": self.mode, "backend": self.backend.name, "device": str(self.backend.device),
                  "dram_budget": self.dram_budget, "gpu_budget": self.gpu_budget, "model_bytes": self.model_bytes,
                  "gpu_bytes": self.memory()[1] if self.backend.on_gpu else 0}
-        if self.mode == "sparse":
-            extra.update(window=self.plan.window, cache_capacity=self.plan.capacities, predictor=self.predictor.kind)
-        if self.mode == "hybrid":
-            extra.update(resident_neurons=self.plan.h)
+        extra.update(self.plan.describe())
         return summarize(self._costs, self.dram_bytes(), extra)
 
     @property

@@ -56,6 +56,10 @@ class DensePlan:
     def host_bytes(self) -> int:
         return 0
 
+    def describe(self) -> dict:
+        """What this plan adds to `Model.stats`."""
+        return {}
+
     def device_bytes(self) -> int:
         return sum(self.model.backend.nbytes_of(t) for rows in self.rows for t in rows.values())
 
@@ -86,6 +90,10 @@ class StreamingPlan:
 
     def reset(self) -> None:
         pass
+
+    def describe(self) -> dict:
+        """What this plan adds to `Model.stats`."""
+        return {}
 
 
 class NaivePlan(StreamingPlan):
@@ -182,6 +190,9 @@ class HybridPlan(StreamingPlan):
     def host_bytes(self) -> int:
         return self.buf.nbytes if self.buf is not None else 0
 
+    def describe(self) -> dict:
+        return {"resident_neurons": self.h}
+
     def device_bytes(self) -> int:
         """Resident rows plus the streamed rows of the layer being computed."""
         B = self.model.backend
@@ -238,6 +249,9 @@ class SparsePlan(StreamingPlan):
                       f"{sum(w - c for _, c, w in short)} predicted neurons per token will be dropped, at a quality "
                       f"cost that `flashllm predictors eval MODEL --data TEXT {option} ...` measures; {option} "
                       f"{enough} avoids it", RuntimeWarning, stacklevel=4)
+
+    def describe(self) -> dict:
+        return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind}
 
     @property
     def capacity(self) -> int:

@@ -30,6 +30,11 @@ class APIError(Exception):
         self.kind = kind or ("authentication_error" if status == 401 else "not_found_error" if status == 404
                              else "server_error" if status >= 500 else "invalid_request_error")
 
+    @classmethod
+    def internal(cls, exc: Exception) -> "APIError":
+        """A bug on our side: the client learns only its kind; the traceback goes to the server log."""
+        return cls(500, f"internal error ({type(exc).__name__}); see the server log")
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 

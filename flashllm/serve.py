@@ -49,8 +49,7 @@ class Server:
             if self.template is None:
                 raise APIError(400, self.no_template, param="messages", code="no_chat_template")
             try:
-                req.prompt_ids = self.model.tokenizer.encode(self.template.render(req.messages),
-                                                             special=self.template.add_special_tokens)
+                req.prompt_ids = self.model.chat_ids(req.messages)
             except FlashLLMError as exc:
                 raise APIError(400, str(exc), param="messages") from None
             req.stop = req.stop + list(self.template.stop)
@@ -134,7 +133,7 @@ class Server:
 
 def create_app(server: Server):
     """The Starlette application for `server` (routes, JSON errors, the API-key check)."""
-    anyio, starlette = _require()
+    anyio = _require()
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.responses import JSONResponse, StreamingResponse
@@ -176,7 +175,7 @@ def create_app(server: Server):
         if req.stream:
             return SSEResponse(job, sse_events(job, req, kind), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
-        text, done = [], None
+        text, done, error = [], None, None
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(cancel_on_disconnect, request, job)
             try:
@@ -185,8 +184,12 @@ def create_app(server: Server):
                         text.append(value)
                     elif kind_ == "done":
                         done = value
+            except APIError as exc:  # raised after the task group, which would wrap it in an ExceptionGroup
+                error = exc
             finally:
                 tasks.cancel_scope.cancel()
+        if error is not None:
+            raise error
         return JSONResponse(server.complete(kind, "".join(text), done))
 
     async def sse_events(job: Job, req: Params, kind: str):
@@ -237,8 +240,7 @@ def create_app(server: Server):
                             status_code=exc.status_code, headers=exc.headers)
 
     async def internal_error(request, exc: Exception):
-        return JSONResponse(APIError(500, f"internal error ({type(exc).__name__}); see the server log",
-                                     kind="server_error").body(), status_code=500)
+        return JSONResponse(APIError.internal(exc).body(), status_code=500)
 
     app = Starlette(routes=[
         Route("/health", health), Route("/v1/models", models), Route("/v1/models/{name:path}", model),
@@ -253,8 +255,7 @@ async def events(job: Job):
         while (event := await job.events.get())[0] != "end":
             if event[0] == "error":
                 exc = event[1]
-                raise exc if isinstance(exc, APIError) else APIError(
-                    500, f"internal error ({type(exc).__name__}); see the server log", kind="server_error")
+                raise exc if isinstance(exc, APIError) else APIError.internal(exc)
             yield event
     finally:
         job.cancel()  # a no-op after the end; otherwise (client gone, error) the slot is freed now
@@ -287,15 +288,16 @@ class APIKeyCheck:
 
 
 def _require():
-    """anyio and starlette, or a clear error saying how to install the server's dependencies."""
+    """anyio (after checking that starlette and uvicorn are installed), or a clear error saying how
+    to install the server's dependencies."""
     try:
         import anyio
-        import starlette
+        import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
         raise FlashLLMError(f"flashllm serve needs the 'serve' extra ({exc.name} is missing): "
                             f"pip install 'flashllm[serve]'") from None
-    return anyio, starlette
+    return anyio
 
 
 def run(server: Server, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") -> None:

@@ -329,3 +329,21 @@ def test_a_client_that_leaves_frees_the_slot_at_once(model_dir):
             assert resp.choices[0].finish_reason == "length"  # the only slot is free again
     finally:
         running.stop()
+
+
+def test_a_bug_answers_a_json_500_and_the_server_goes_on(model_dir, capfd):
+    model = flashllm.load(model_dir)
+    running = Running(Server(model, name="tiny"))
+    try:
+        stream_tokens = model.stream_tokens
+        model.stream_tokens = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError if not stream else openai.APIError) as err:
+                out = running.client().completions.create(model="tiny", prompt="the", max_tokens=2, stream=stream)
+                list(out)
+            assert "internal error (RuntimeError)" in err.value.message
+        assert "RuntimeError: boom" in capfd.readouterr().err  # the traceback is in the server's log
+        model.stream_tokens = stream_tokens
+        assert running.client().completions.create(model="tiny", prompt="the", max_tokens=2).choices[0].text
+    finally:
+        running.stop()

@@ -6,6 +6,7 @@ import fcntl
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import termios
@@ -20,7 +21,9 @@ PROMPT = b">>> "
 
 
 def _own_terminal() -> None:
-    """In the child: a new session whose controlling terminal is the pty, so Ctrl-C sends SIGINT."""
+    """In the child: a new session whose controlling terminal is the pty, so Ctrl-C sends SIGINT (with
+    SIGINT's default action: a disposition of ignore, set in the test process, would pass to the child)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.setsid()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 

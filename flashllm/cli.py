@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from . import __version__
@@ -308,8 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> str:
+    """Runtime warnings (dropped neurons, buffered I/O) as one `flashllm: warning:` line, no source line."""
+    return f"flashllm: warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.formatwarning = _one_line_warning
     try:
         args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit

@@ -91,3 +91,21 @@ def test_a_corrupt_ffn_layer_is_caught_on_its_first_full_read(tiny_models, tmp_p
     model = flashllm.load(tiny.model_dir, mode=mode, verify=False, hybrid_fraction=0.5)
     model.logits(IDS, prefill=3)
     assert model.checksums.verified == {0, 1}
+
+
+def test_cli_prints_the_load_time_drop_warning_as_one_line(tmp_path):
+    """The budget warning raised at load reaches a CLI user as one `flashllm: warning:` line, no source."""
+    import subprocess
+    import sys
+
+    from flashllm import demo
+
+    model_dir = demo.prepare(tmp_path / "tiny-opt")
+    run = subprocess.run([sys.executable, "-m", "flashllm.cli", "generate", str(model_dir), "--prompt", "def f():",
+                          "--max-new-tokens", "2", "--mode", "sparse", "--dram-budget", "50%", "--dtype", "bfloat16"],
+                         capture_output=True, text=True, timeout=300)
+    err = run.stderr.splitlines()
+    assert run.returncode == 0, run.stderr
+    load_warning = [line for line in err if "layer caches hold fewer neurons" in line]
+    assert len(load_warning) == 1 and load_warning[0].startswith("flashllm: warning: --dram-budget")
+    assert all(line.startswith("flashllm: warning:") for line in err), err

@@ -172,7 +172,7 @@ def measure(run: dict) -> dict:
     else:
         out["dram_in_use"] = out["dram_bytes"]
     if run["mode"] == "hybrid":
-        out["resident_neurons"] = plan.h
+        out["resident_neurons"] = plan.resident_rows
     if run.get("per_token"):
         out["per_token"] = [{key: c[key] for key in ("bytes_read", "reads", "io_ms", "read_ms", "mem_ms", "total_ms",
                                                      "neurons_dropped")} for c in decode]

@@ -114,10 +114,10 @@ def record(model_dir: str | Path, data: str | Path, out: str | Path, tokens: int
                              "this model's): train them again, or use --predictor oracle")
         holder = {}
 
-        def build(model):
-            inner = make_predictor(kind, model)
-            oracle = OraclePredictor(model) if kind != "oracle" else None
-            holder["rec"] = _Recorder(inner, oracle, model.spec.n_layers)
+        def build(ctx):
+            inner = make_predictor(kind, ctx)
+            oracle = OraclePredictor(ctx) if kind != "oracle" else None
+            holder["rec"] = _Recorder(inner, oracle, ctx.spec.n_layers)
             return holder["rec"]
 
         model = flashllm.load(root, mode="sparse", predictor=build, window=1, dram_budget=None, threads=threads,
@@ -301,7 +301,7 @@ class TracePredictor:
 def trace_predictor_factory(path, seed: int = 0, cost_rank: int = 128):
     """`predictor=` argument for flashllm.load: a TracePredictor on the loaded model's spec and backend."""
     trace = Trace.load(path)
-    return lambda model: TracePredictor(trace, model.spec, model.backend, seed, cost_rank)
+    return lambda ctx: TracePredictor(trace, ctx.spec, ctx.backend, seed, cost_rank)
 
 
 # -- CLI ---------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import FlashLLMError
-from .ffn_reader import FFNReader
-from .modes import _too_small
+from .modes import Plan
+from .plan_context import PlanContext
 
 NEVER = -(1 << 62)
 POLICIES = ("lru", "lfu", "window")
@@ -53,8 +53,8 @@ class Router:
 
     kind = "router"
 
-    def __init__(self, model):
-        self.backend, self.spec = model.backend, model.spec
+    def __init__(self, ctx: PlanContext):
+        self.backend, self.spec = ctx.backend, ctx.spec
 
     def predict(self, layer: int, x) -> tuple[np.ndarray, np.ndarray]:
         B = self.backend
@@ -125,29 +125,21 @@ class ExpertCache:
         self.slot_of[experts] = slots
 
 
-def expert_views(model, raw: np.ndarray) -> dict:
+def expert_views(ctx: PlanContext, raw: np.ndarray) -> dict:
     """One expert bundle (uint8, >= bundle_bytes) as part -> [d_ffn, d_model] backend tensors
     (views of `raw`, no copy, when the backend computes on the CPU in the storage dtype)."""
-    lay = model.layout
-    values = model.backend.storage_view(raw[:lay.bundle_bytes])
-    return {p: model.backend.tensor(values[lay.part_slice(p)].reshape(lay.d_ffn, lay.d_model)) for p in lay.parts}
+    lay = ctx.layout
+    values = ctx.backend.storage_view(raw[:lay.bundle_bytes])
+    return {p: ctx.backend.tensor(values[lay.part_slice(p)].reshape(lay.d_ffn, lay.d_model)) for p in lay.parts}
 
 
-class MoEPlan:
+class MoEPlan(Plan):
     """Shared by the MoE plans: routing, the shared expert and the weighted sum of expert outputs."""
 
-    def __init__(self, model):
-        self.model, self.spec, self.lay = model, model.spec, model.layout
-        self.predictor = Router(model)
-
-    def before_layer(self, layer: int, cost) -> None:
-        pass
-
-    def after_layer(self, layer: int) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
+    def __init__(self, ctx: PlanContext):
+        super().__init__(ctx)
+        self.spec = ctx.spec
+        self.predictor = Router(ctx)
 
     def route(self, layer: int, x, cost) -> tuple[np.ndarray, np.ndarray]:
         with cost.timed("predictor_ms"):
@@ -155,7 +147,7 @@ class MoEPlan:
 
     def combine(self, layer: int, x, groups: list, shared: bool = True):
         """Sum of weight * expert(x[tokens]) over (rows, tokens, weights) groups, plus the shared expert."""
-        B, p = self.model.backend, f"layers.{layer}."
+        B, p = self.backend, f"layers.{layer}."
         rows = gate = None
         if shared and self.spec.d_shared_expert:
             rows = {"gate": B.w[p + "shared_gate.weight"], "up": B.w[p + "shared_up.weight"],
@@ -163,53 +155,40 @@ class MoEPlan:
             gate = B.w.get(p + "shared_expert_gate.weight")
         return B.moe_ffn(x, groups, rows, gate)
 
-    def describe(self) -> dict:
-        """What this plan adds to `Model.stats`."""
-        return {}
-
 
 class MoEDensePlan(MoEPlan):
     """Every expert resident: the reference for the streamed plan."""
 
-    name = "dense"
-
-    def __init__(self, model, budget: int | None, options):
-        super().__init__(model)
+    def __init__(self, ctx: PlanContext):
+        super().__init__(ctx)
         lay, E = self.lay, self.spec.n_experts
-        reader = FFNReader(model.manifest.path("ffn"), lay, threads=4)
+        reader = ctx.ffn_reader(threads=4, verify=False)
         self.experts = []
         try:
             for layer in range(self.spec.n_layers):
-                buf = model.backend.host_buffer((E, lay.stride))
+                buf = self.backend.host_buffer((E, lay.stride))
                 reader.read(layer, np.arange(E), buf, np.arange(E))
-                self.experts.append([expert_views(model, buf[e]) for e in range(E)])
+                self.experts.append([expert_views(ctx, buf[e]) for e in range(E)])
         finally:
             reader.close()
-        needed = model.counted(0, model.backend.nbytes() + self.device_bytes())
-        if budget is not None and needed > budget:
-            raise _too_small(model, budget, needed, "all weights and the KV cache")
+        ctx.check_fits(ctx.counted(0, self.backend.nbytes() + self.device_bytes()), "all weights and the KV cache")
 
     def ffn(self, layer: int, x, cost):
         ids, weights = self.route(layer, x, cost)
         groups = [(self.experts[layer][e], t, w) for e, (t, w) in by_expert(ids, weights).items()]
         return self.combine(layer, x, groups)
 
-    def host_bytes(self) -> int:
-        return 0
-
     def device_bytes(self) -> int:
-        B = self.model.backend
+        B = self.backend
         return sum(B.nbytes_of(t) for layer in self.experts for ex in layer for t in ex.values())
 
 
 class MoESparsePlan(MoEPlan):
     """Experts streamed from flash into per-layer cache slots; prefill streams each layer's union once."""
 
-    name = "sparse"
-
-    def __init__(self, model, budget: int | None, options):
-        super().__init__(model)
-        B, lay, s = model.backend, self.lay, self.spec
+    def __init__(self, ctx: PlanContext):
+        super().__init__(ctx)
+        B, lay, s, options, budget = self.backend, self.lay, self.spec, ctx.options, ctx.budget
         window, policy = options.window, options.expert_policy
         self.window, self.policy = window, policy
         self.in_place = B.reads_in_place()
@@ -222,19 +201,19 @@ class MoESparsePlan(MoEPlan):
         if budget is None:
             capacity = s.n_experts
         else:
-            base = model.counted(self.host_bytes(), B.nbytes())
+            base = ctx.counted(self.host_bytes(), B.nbytes())
             capacity = min(s.n_experts, max(0, budget - base) // (s.n_layers * self.slot_bytes))
             if capacity < s.top_k:
                 need = base + s.n_layers * s.top_k * self.slot_bytes
-                raise _too_small(model, budget, need, f"resident weights, KV cache and {s.top_k} experts per layer")
+                raise ctx.too_small(need, f"resident weights, KV cache and {s.top_k} experts per layer")
         self.capacities = [capacity] * s.n_layers
         self.caches = [ExpertCache(capacity, s.n_experts, window, policy) for _ in range(s.n_layers)]
         if self.in_place:
             self.raw = [B.host_buffer((capacity, lay.stride)) for _ in range(s.n_layers)]
-            self.slots = [[expert_views(model, r[i]) for i in range(capacity)] for r in self.raw]
+            self.slots = [[expert_views(ctx, r[i]) for i in range(capacity)] for r in self.raw]
         else:
             self.slots = [[None] * capacity for _ in range(s.n_layers)]
-        self.reader = FFNReader(model.manifest.path("ffn"), lay, options.threads, options.aio_depth, hooks=model.hooks)
+        self.reader = ctx.ffn_reader(verify=False)
 
     def describe(self) -> dict:
         return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind}
@@ -281,7 +260,7 @@ class MoESparsePlan(MoEPlan):
                 cost.add_io(self.reader.read(layer, chunk, self.staging, np.arange(len(chunk))))
             with cost.timed("mem_ms"):
                 for j, slot in enumerate(slots[k:k + step]):
-                    self.slots[layer][slot] = expert_views(self.model, self.staging[j])
+                    self.slots[layer][slot] = expert_views(self.ctx, self.staging[j])
 
     def ffn(self, layer: int, x, cost):
         ids, weights = self.route(layer, x, cost)

@@ -2,6 +2,7 @@
 
 Events (arguments):
 - "ffn_input" (layer, x): the FFN input of a layer, before the plan computes the FFN (every mode);
+- "ffn_output" (layer, y): the FFN output of a layer, once the plan computed it (every mode);
 - "predict" (layer, mask): a sparse predictor's decision, bool [tokens, d_ffn];
 - "read" (io): one call of the flash I/O engine (an IOStats, with its wall time in `wall_s`).
 Observers must not change what they are given.
@@ -12,7 +13,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable
 
-EVENTS = ("ffn_input", "predict", "read")
+EVENTS = ("ffn_input", "ffn_output", "predict", "read")
 
 
 class Hooks:

@@ -12,14 +12,15 @@ import numpy as np
 
 from . import format as fmt
 from . import modes
-from .budget import budget_bytes, counted, row_bytes, too_small
+from .budget import budget_bytes, too_small
 from .chat_template import ChatTemplate
 from .errors import FlashLLMError
 from .experts import MOE_PLANS
-from .ffn_reader import FFNReader, LayerChecksums
+from .ffn_reader import LayerChecksums
 from .hooks import Hooks
 from .generate import Generation, TextStream, eos_token_ids, generate_tokens
 from .options import LoadOptions
+from .plan_context import PlanContext
 from .st_io import SafetensorsFile
 from .stats import TokenCost, summarize
 from .tokenizer import Tokenizer
@@ -52,7 +53,6 @@ class Model:
                                     self.manifest.data.get("quantization", "none") != "none")
         self._tokenizer = None
         self._chat_template = None
-        self._loader = None
         self._warned_overflow = False
         self.hooks = Hooks()  # observers of the per-token path (see hooks.py)
         self.checksums = LayerChecksums(self.manifest.path("ffn"), self.layout, self.manifest.data["ffn"].get("layer_sha256"))
@@ -66,11 +66,13 @@ class Model:
         if opts.mode not in plans:
             raise FlashLLMError(f"mode {opts.mode!r} is not supported for this {self.spec.family} model "
                                 f"(expected one of {', '.join(plans)})")
-        self.plan = plans[opts.mode](self, self.gpu_budget if self.backend.on_gpu else self.dram_budget, opts)
-        self.predictor = getattr(self.plan, "predictor", None)
-        if self._loader is not None:
-            self._loader.close()
-            self._loader = None
+        self.plan_context = PlanContext(self.manifest, self.backend, opts,
+                                        self.gpu_budget if self.backend.on_gpu else self.dram_budget,
+                                        self.model_bytes, self.hooks, self.checksums)
+        try:
+            self.plan = plans[opts.mode](self.plan_context)
+        finally:
+            self.plan_context.close()
         host, _ = self.memory()
         if self.backend.on_gpu and self.dram_budget is not None and host > self.dram_budget:
             raise too_small(self.dram_budget, host, "the host staging buffers", self.model_bytes, [])
@@ -88,27 +90,9 @@ class Model:
             if not (skip_layers and name.startswith("layers.")):
                 self.backend.put_bytes(name, st.read_bytes(name), st.dtype(name), shape)
 
-    def read_layer_block(self, layer: int) -> np.ndarray:
-        """All neurons of one layer as uint8 bundle rows [d_ffn, stride] (for loading resident FFNs)."""
-        if self._loader is None:
-            self._loader = FFNReader(self.manifest.path("ffn"), self.layout, threads=4, checksums=self.checksums)
-        block = self.backend.host_buffer((self.layout.d_ffn, self.layout.stride))
-        self._loader.read_block(layer, 0, self.layout.d_ffn, block)
-        return block
-
-    def bundle_rows(self, block: np.ndarray, parts: tuple[str, ...] | None = None) -> dict:
-        """Split uint8 bundle rows [n, >=bundle_bytes] into per-part [n, d] backend tensors."""
-        return self.backend.bundle_rows(block, self.layout, parts)
-
     def compute_row_bytes(self) -> int:
-        """DRAM one cached neuron costs: its bundle in the compute dtype plus per-row biases."""
-        B = self.backend
-        return row_bytes(self.layout, B.reads_in_place(), B.itemsize)
-
-    def max_layer_bytes(self) -> int:
-        """DRAM one layer's weights (resident tensors and FFN) take in the compute dtype."""
-        per_layer = sum(int(np.prod(s)) for n, s in fmt.resident_shapes(self.spec).items() if n.startswith("layers.0."))
-        return per_layer * self.backend.itemsize + self.layout.d_ffn * self.compute_row_bytes()
+        """DRAM one cached neuron costs (for sizing a budget): its bundle in the compute dtype plus biases."""
+        return self.plan_context.row_bytes()
 
     # -- the per-token path --------------------------------------------------------------------
     def forward(self, ids: list[int], pos: int) -> np.ndarray:
@@ -150,7 +134,9 @@ class Model:
     def _ffn(self, layer: int, x, cost):
         """The FFN of `layer`, computed by the plan (the only part that differs between modes)."""
         self.hooks.emit("ffn_input", layer, x)
-        return self.plan.ffn(layer, x, cost)
+        y = self.plan.ffn(layer, x, cost)
+        self.hooks.emit("ffn_output", layer, y)
+        return y
 
     # -- public API ----------------------------------------------------------------------------
     @property
@@ -178,7 +164,12 @@ class Model:
 
     def counted(self, host: int, device: int) -> int:
         """What of (host, device) bytes counts against the budget that sizes the caches."""
-        return counted(host, device, self.backend.on_gpu)
+        return self.plan_context.counted(host, device)
+
+    @property
+    def predictor(self):
+        """The sparse plans' predictor (None in the other modes)."""
+        return self.plan.predictor
 
     def dram_bytes(self) -> int:
         """DRAM held by the runtime (on a GPU: only the host buffers; the rest is `gpu_bytes`)."""

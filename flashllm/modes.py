@@ -1,7 +1,9 @@
 """How layer weights are obtained per token: dense, naive, hybrid or sparse (the only difference).
 
-Each plan answers `ffn(layer, x, cost)` and may load weights around a layer (`before_layer`, `after_layer`);
-the model's per-token path is the same for all of them.
+Each plan is built from a `PlanContext` (layout, backend, FFN reader, budget, options), answers
+`ffn(layer, x, cost)`, may load weights around a layer (`before_layer`, `after_layer`) and reports
+its own memory (`host_bytes`, `device_bytes`) and stats (`describe`); the model's per-token path is
+the same for all of them.
 """
 
 from __future__ import annotations
@@ -13,87 +15,79 @@ import numpy as np
 
 from . import budget as budget_mod
 from .budget import split_rows  # noqa: F401  (re-exported: cache sizing lives in budget)
-from .ffn_reader import FFNReader
 from .flashio import FlashReader
 from .neuron_cache import NeuronCache
 from .errors import FlashLLMError
+from .plan_context import PlanContext
 from .predictor import make_predictor, predict_scored
 from .st_io import SafetensorsFile
 
 
+class Plan:
+    """The plan protocol, with the defaults of a plan that loads nothing around a layer."""
 
-def _too_small(model, budget: int, needed: int, what: str):
-    """The "budget too small" error of a plan, with the smallest budget and what would lower it."""
-    B = model.backend
-    option = "--gpu-budget" if B.on_gpu else "--dram-budget"
-    hints = budget_mod.lowering_hints(model.mode, B.itemsize, B.kv_bytes(), needed)
-    return budget_mod.too_small(budget, needed, what, model.model_bytes, hints, option)
+    summary = ""  # one line for --help
+    predictor = None  # the sparse plans' predictor
 
-
-class DensePlan:
-    """Every FFN weight resident: the correctness reference."""
-
-    summary = "all weights resident (the reference)"
-
-
-    def __init__(self, model, budget: int | None, options):
-        self.model = model
-        self.rows = [model.bundle_rows(model.read_layer_block(i)) for i in range(model.spec.n_layers)]
-        needed = model.counted(0, model.backend.nbytes() + self.device_bytes())
-        if budget is not None and needed > budget:
-            raise _too_small(model, budget, needed, "all weights and the KV cache")
+    def __init__(self, ctx: PlanContext):
+        self.ctx, self.lay, self.backend = ctx, ctx.layout, ctx.backend
 
     def before_layer(self, layer: int, cost) -> None:
-        pass
+        """Called before the layer's attention."""
 
     def after_layer(self, layer: int) -> None:
         """Called once the layer's output is complete (its post-FFN norm applied)."""
 
     def ffn(self, layer: int, x, cost):
-        b = self.model.backend.ffn_biases(layer)
-        return self.model.backend.ffn(x, self.rows[layer], b["up"], b["gate"], b["down"])
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """A new sequence starts (position 0)."""
 
     def host_bytes(self) -> int:
+        """Host memory held: read buffers (counted against the DRAM budget on a GPU)."""
+        return 0
+
+    def device_bytes(self) -> int:
+        """Memory held beside the backend's resident weights and KV cache: FFN rows, caches, predictors."""
         return 0
 
     def describe(self) -> dict:
         """What this plan adds to `Model.stats`."""
         return {}
 
+
+class DensePlan(Plan):
+    """Every FFN weight resident: the correctness reference."""
+
+    summary = "all weights resident (the reference)"
+
+    def __init__(self, ctx: PlanContext):
+        super().__init__(ctx)
+        self.rows = [ctx.bundle_rows(ctx.read_layer_block(i)) for i in range(ctx.spec.n_layers)]
+        ctx.check_fits(ctx.counted(0, self.backend.nbytes() + self.device_bytes()), "all weights and the KV cache")
+
+    def ffn(self, layer: int, x, cost):
+        b = self.ctx.biases(layer)
+        return self.backend.ffn(x, self.rows[layer], b["up"], b["gate"], b["down"])
+
     def device_bytes(self) -> int:
-        return sum(self.model.backend.nbytes_of(t) for rows in self.rows for t in rows.values())
-
-    def reset(self) -> None:
-        pass
+        return sum(self.backend.nbytes_of(t) for rows in self.rows for t in rows.values())
 
 
-class StreamingPlan:
+class StreamingPlan(Plan):
     """Shared by the flash-reading plans: the FFN reader and a dense read of neuron ranges."""
 
-    def __init__(self, model, options):
-        self.model, self.lay = model, model.layout
-        self.reader = FFNReader(model.manifest.path("ffn"), model.layout, options.threads, options.aio_depth,
-                                model.checksums, model.hooks)
-
-    def before_layer(self, layer: int, cost) -> None:
-        pass
-
-    def after_layer(self, layer: int) -> None:
-        """Called once the layer's output is complete (its post-FFN norm applied)."""
+    def __init__(self, ctx: PlanContext):
+        super().__init__(ctx)
+        self.reader = ctx.ffn_reader()
 
     def read_rows(self, layer: int, lo: int, hi: int, buf: np.ndarray, cost) -> dict:
         """Neurons lo..hi-1 of `layer` read in one sequential range into `buf`, as backend rows."""
         with cost.timed("io_ms"):
             cost.add_io(self.reader.read_block(layer, lo, hi, buf))
         with cost.timed("mem_ms"):
-            return self.model.bundle_rows(buf[:hi - lo])
-
-    def reset(self) -> None:
-        pass
-
-    def describe(self) -> dict:
-        """What this plan adds to `Model.stats`."""
-        return {}
+            return self.ctx.bundle_rows(buf[:hi - lo])
 
 
 class NaivePlan(StreamingPlan):
@@ -101,23 +95,21 @@ class NaivePlan(StreamingPlan):
 
     summary = "every layer read from flash per token"
 
-
-    def __init__(self, model, budget: int | None, options):
-        super().__init__(model, options)
-        st = SafetensorsFile(model.manifest.path("resident"))
+    def __init__(self, ctx: PlanContext):
+        super().__init__(ctx)
+        st = SafetensorsFile(ctx.manifest.path("resident"))
         self.spans = []
-        for i in range(model.spec.n_layers):
+        for i in range(ctx.spec.n_layers):
             names = [n for n in st.entries if n.startswith(f"layers.{i}.")]
             begin = min(st.entries[n]["data_offsets"][0] for n in names)
             end = max(st.entries[n]["data_offsets"][1] for n in names)
             self.spans.append((st.data_start + begin, end - begin, names))
         self.st = st
-        self.attn_reader = FlashReader(st.path, threads=options.threads, aio_depth=options.aio_depth)
-        self.attn_buf = model.backend.host_buffer((max(n for _, n, _ in self.spans),))
-        self.ffn_buf = model.backend.host_buffer((self.lay.d_ffn, self.lay.stride))
-        needed = model.counted(self.host_bytes(), model.backend.nbytes() + self.device_bytes())
-        if budget is not None and needed > budget:
-            raise _too_small(model, budget, needed, "embeddings, KV cache and one layer's weights")
+        self.attn_reader = FlashReader(st.path, threads=ctx.options.threads, aio_depth=ctx.options.aio_depth)
+        self.attn_buf = self.backend.host_buffer((max(n for _, n, _ in self.spans),))
+        self.ffn_buf = self.backend.host_buffer((self.lay.d_ffn, self.lay.stride))
+        ctx.check_fits(ctx.counted(self.host_bytes(), self.backend.nbytes() + self.device_bytes()),
+                       "embeddings, KV cache and one layer's weights")
 
     def before_layer(self, layer: int, cost) -> None:
         """Read this layer's resident tensors (attention, norms, biases) and make them live."""
@@ -125,30 +117,29 @@ class NaivePlan(StreamingPlan):
         with cost.timed("io_ms"):
             io = self.attn_reader.read_range(offset, nbytes, self.attn_buf)
             cost.add_io(io)
-            self.model.hooks.emit("read", io)
+            self.ctx.hooks.emit("read", io)
         with cost.timed("mem_ms"):
             base = offset - self.st.data_start
             for name in names:
                 e = self.st.entries[name]
                 b, en = e["data_offsets"]
-                self.model.backend.put_bytes(name, self.attn_buf[b - base:en - base], self.st.dtype(name), e["shape"])
+                self.backend.put_bytes(name, self.attn_buf[b - base:en - base], self.st.dtype(name), e["shape"])
 
     def ffn(self, layer: int, x, cost):
         rows = self.read_rows(layer, 0, self.lay.d_ffn, self.ffn_buf, cost)
-        B = self.model.backend
-        b = B.ffn_biases(layer)
-        return B.ffn(x, rows, b["up"], b["gate"], b["down"])
+        b = self.ctx.biases(layer)
+        return self.backend.ffn(x, rows, b["up"], b["gate"], b["down"])
 
     def after_layer(self, layer: int) -> None:
         for name in self.spans[layer][2]:  # the layer's weights do not stay resident
-            self.model.backend.w.pop(name, None)
+            self.backend.w.pop(name, None)
 
     def host_bytes(self) -> int:
         return self.attn_buf.nbytes + self.ffn_buf.nbytes
 
     def device_bytes(self) -> int:
         """The one layer whose weights are live at a time."""
-        return self.model.max_layer_bytes()
+        return self.ctx.max_layer_bytes()
 
 
 class HybridPlan(StreamingPlan):
@@ -156,26 +147,25 @@ class HybridPlan(StreamingPlan):
 
     summary = "part of each FFN resident, the rest read densely per token"
 
-
-    def __init__(self, model, budget: int | None, options):
-        super().__init__(model, options)
-        lay, L = self.lay, model.spec.n_layers
-        row = model.compute_row_bytes()
-        base = model.counted(lay.d_ffn * lay.stride, model.backend.nbytes())  # + one layer's read buffer
-        # L*h resident rows + the (d_ffn - h) streamed rows of one layer, live while it computes
+    def __init__(self, ctx: PlanContext):
+        super().__init__(ctx)
+        lay, L, budget = self.lay, ctx.spec.n_layers, ctx.budget
+        row = ctx.row_bytes()
+        base = ctx.counted(lay.d_ffn * lay.stride, self.backend.nbytes())  # + one layer's read buffer
+        # L*resident_rows resident rows + the streamed rows of one layer, live while it computes
         avail = None if budget is None else budget - base - lay.d_ffn * row
-        if avail is not None and avail < 0 and options.hybrid_fraction is None:
-            raise _too_small(model, budget, base + lay.d_ffn * row,
-                             "resident weights, KV cache and one layer's streamed FFN")
-        self.h = budget_mod.hybrid_resident_rows(avail, row, L, lay.d_ffn, options.hybrid_fraction)
-        self.resident = [model.bundle_rows(model.read_layer_block(i)[:self.h]) for i in range(L)] if self.h else []
-        self.buf = model.backend.host_buffer((lay.d_ffn - self.h, lay.stride)) if self.h < lay.d_ffn else None
+        if avail is not None and avail < 0 and ctx.options.hybrid_fraction is None:
+            raise ctx.too_small(base + lay.d_ffn * row, "resident weights, KV cache and one layer's streamed FFN")
+        self.resident_rows = budget_mod.hybrid_resident_rows(avail, row, L, lay.d_ffn, ctx.options.hybrid_fraction)
+        h = self.resident_rows
+        self.resident = [ctx.bundle_rows(ctx.read_layer_block(i)[:h]) for i in range(L)] if h else []
+        self.buf = self.backend.host_buffer((lay.d_ffn - h, lay.stride)) if h < lay.d_ffn else None
 
     def ffn(self, layer: int, x, cost):
-        B = self.model.backend
-        b = B.ffn_biases(layer)
+        B = self.backend
+        b = self.ctx.biases(layer)
         up_b, gate_b, down_b = b["up"], b["gate"], b["down"]
-        h, n = self.h, self.lay.d_ffn
+        h, n = self.resident_rows, self.lay.d_ffn
 
         def part(b, lo, hi):
             return None if b is None else b[lo:hi]
@@ -191,13 +181,13 @@ class HybridPlan(StreamingPlan):
         return self.buf.nbytes if self.buf is not None else 0
 
     def describe(self) -> dict:
-        return {"resident_neurons": self.h}
+        return {"resident_neurons": self.resident_rows}
 
     def device_bytes(self) -> int:
         """Resident rows plus the streamed rows of the layer being computed."""
-        B = self.model.backend
+        B = self.backend
         return sum(B.nbytes_of(t) for rows in self.resident for t in rows.values()) + \
-            (self.lay.d_ffn - self.h) * self.model.compute_row_bytes()
+            (self.lay.d_ffn - self.resident_rows) * self.ctx.row_bytes()
 
 
 class SparsePlan(StreamingPlan):
@@ -207,34 +197,35 @@ class SparsePlan(StreamingPlan):
 
     RANDOM_READ_PENALTY = 1.5  # a bundle read costs about this much more per byte than a sequential one
 
-    def __init__(self, model, budget: int | None, options):
-        super().__init__(model, options)
+    def __init__(self, ctx: PlanContext):
+        super().__init__(ctx)
+        options, budget = ctx.options, ctx.budget
         self.window, self.on_overflow = options.window, options.on_overflow
-        self.predictor = make_predictor(options.predictor, model)
-        lay, L, B = self.lay, model.spec.n_layers, model.backend
-        base = model.counted(B.staging_bytes(lay.stride), B.nbytes() + self.predictor.nbytes())
-        row = model.compute_row_bytes()
+        self.predictor = make_predictor(options.predictor, ctx)
+        lay, L, B = self.lay, ctx.spec.n_layers, self.backend
+        base = ctx.counted(B.staging_bytes(lay.stride), B.nbytes() + self.predictor.nbytes())
+        row = ctx.row_bytes()
         avail = None if budget is None else budget - base
         if avail is not None and avail < L * row:
-            raise _too_small(model, budget, base + L * row,
-                             "resident weights, KV cache, staging, predictors and one cached neuron per layer")
+            raise ctx.too_small(base + L * row,
+                                "resident weights, KV cache, staging, predictors and one cached neuron per layer")
         need = getattr(self.predictor, "expected_fraction", lambda: None)()
         self.capacities = budget_mod.sparse_capacities(avail, row, L, lay.d_ffn, need)
         if not getattr(self.predictor, "selective", True) and min(self.capacities) < lay.d_ffn:
             raise FlashLLMError(
-                f"predictor {self.predictor.kind!r} marks every neuron of this {model.spec.activation} FFN active "
+                f"predictor {self.predictor.kind!r} marks every neuron of this {ctx.spec.activation} FFN active "
                 f"(a dense activation), but at this budget a layer's cache holds {min(self.capacities)} of "
                 f"{lay.d_ffn} neurons: sparse mode would silently drop most of the FFN. Use --mode hybrid or "
                 f"naive, an unlimited --dram-budget, or trained predictors (--predictor lowrank)")
         if avail is not None and need:
-            self._warn_if_short(model, budget, base, row, need)
+            self._warn_if_short(base, row, need)
         self.caches = []
         for i, capacity in enumerate(self.capacities):
-            b = B.ffn_biases(i)
+            b = ctx.biases(i)
             store = B.row_store(capacity, lay, {"up": b["up"], "gate": b["gate"]})
             self.caches.append(NeuronCache(capacity, lay.d_ffn, store))
 
-    def _warn_if_short(self, model, budget: int, base: int, row: int, need: list[float]) -> None:
+    def _warn_if_short(self, base: int, row: int, need: list[float]) -> None:
         """At load: caches smaller than their layer's mean predicted set per token drop predicted
         neurons on most tokens, which costs quality; say so with the numbers and the budget that avoids it."""
         want = [math.ceil(f * self.lay.d_ffn) for f in need]
@@ -242,7 +233,7 @@ class SparsePlan(StreamingPlan):
         if not short:
             return
         i, c, w = max(short, key=lambda s: s[2] - s[1])
-        option = "--gpu-budget" if model.backend.on_gpu else "--dram-budget"
+        option, budget = self.ctx.budget_option, self.ctx.budget
         enough = budget_mod.format_size(base + sum(want) * row)
         warnings.warn(f"{option} {budget_mod.format_size(budget)}: {len(short)} of {len(want)} layer caches hold fewer "
                       f"neurons than their predictors select per token on average (layer {i}: {c} for {w}), so about "
@@ -292,13 +283,13 @@ class SparsePlan(StreamingPlan):
 
     def _compute(self, layer: int, x, n: int, with_down_bias: bool):
         rows, bias = self.caches[layer].store.views(n)
-        down_b = self.model.backend.ffn_biases(layer)["down"] if with_down_bias else None
-        return self.model.backend.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b)
+        down_b = self.ctx.biases(layer)["down"] if with_down_bias else None
+        return self.backend.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b)
 
     def ffn(self, layer: int, x, cost):
         with cost.timed("predictor_ms"):
             mask, scores = predict_scored(self.predictor, layer, x)
-        self.model.hooks.emit("predict", layer, mask)
+        self.ctx.hooks.emit("predict", layer, mask)
         if mask.shape[0] == 1:
             active = self._fit(layer, np.flatnonzero(mask[0]), None if scores is None else scores[0], cost)
             cost.neurons_loaded.append(self._load(layer, active, self.window, cost))
@@ -309,7 +300,7 @@ class SparsePlan(StreamingPlan):
     def _prefill(self, layer: int, x, mask: np.ndarray, scores: np.ndarray | None, cost):
         """Several tokens at once: stream the predicted union (or the whole layer, if cheaper) through
         the cache rows in chunks, then leave the cache as if the last `window` tokens were decoded."""
-        cache, B = self.caches[layer], self.model.backend
+        cache, B = self.caches[layer], self.backend
         union = np.flatnonzero(mask.any(axis=0))
         sparse_cost = len(union) * self.RANDOM_READ_PENALTY
         ids, strategy = (union, "sparse-union") if sparse_cost < self.lay.d_ffn else \
@@ -332,14 +323,14 @@ class SparsePlan(StreamingPlan):
         cost.neurons_loaded.append(len(ids))
         cost.neurons_cached.append(cache.num_used)
         if y is None:  # nothing predicted active: only the bias remains
-            y = self.model.backend.zeros_like(x)
-            down_b = self.model.backend.ffn_biases(layer)["down"]
+            y = B.zeros_like(x)
+            down_b = self.ctx.biases(layer)["down"]
             if down_b is not None:
                 y = y + down_b
         return y
 
     def host_bytes(self) -> int:
-        return self.model.backend.staging_bytes(self.lay.stride)
+        return self.backend.staging_bytes(self.lay.stride)
 
     def device_bytes(self) -> int:
         return sum(c.store.nbytes() for c in self.caches) + self.predictor.nbytes()

@@ -34,15 +34,15 @@ class OraclePredictor:
 
     kind = "oracle"
 
-    def __init__(self, model):
-        self.spec, self.backend = model.spec, model.backend
+    def __init__(self, ctx):
+        self.spec, self.backend = ctx.spec, ctx.backend
         self.threshold = activation_threshold(self.spec)
         part = "gate" if self.spec.gated_ffn else "up"
         self.rows, self.bias = [], []
         for layer in range(self.spec.n_layers):
-            block = model.read_layer_block(layer)
-            self.rows.append(model.bundle_rows(block, parts=(part,))[part])
-            self.bias.append(model.backend.ffn_biases(layer)[part])
+            block = ctx.read_layer_block(layer)
+            self.rows.append(ctx.bundle_rows(block, parts=(part,))[part])
+            self.bias.append(ctx.biases(layer)[part])
 
     @property
     def selective(self) -> bool:
@@ -78,12 +78,12 @@ class GatePredictor(OraclePredictor):
 
     kind = "gate"
 
-    def __init__(self, model):
-        if not model.spec.gated_ffn or activation_threshold(model.spec) is None:
+    def __init__(self, ctx):
+        if not ctx.spec.gated_ffn or activation_threshold(ctx.spec) is None:
             raise FlashLLMError(f"predictor 'gate' needs a gated FFN with a sparse activation (relu, fatrelu); "
-                                f"this model has {'a gated' if model.spec.gated_ffn else 'an ungated'} "
-                                f"{model.spec.activation} FFN")
-        super().__init__(model)
+                                f"this model has {'a gated' if ctx.spec.gated_ffn else 'an ungated'} "
+                                f"{ctx.spec.activation} FFN")
+        super().__init__(ctx)
 
     def nbytes(self) -> int:
         return sum(self.backend.nbytes_of(t) for t in self.rows)
@@ -94,8 +94,8 @@ class LowRankPredictor:
 
     kind = "lowrank"
 
-    def __init__(self, model):
-        root, spec, self.backend = model.manifest.root, model.spec, model.backend
+    def __init__(self, ctx):
+        root, spec, self.backend = ctx.manifest.root, ctx.spec, ctx.backend
         meta_path, st_path = root / PREDICTOR_META, root / PREDICTOR_FILE
         if not meta_path.is_file() or not st_path.is_file():
             missing = meta_path if not meta_path.is_file() else st_path
@@ -110,7 +110,7 @@ class LowRankPredictor:
         if not ok or len(layers) != spec.n_layers:
             raise FlashLLMError(f"{meta_path}: not predictors for this model (format/version or layer count)")
         trained_for = (meta.get("model") or {}).get("sha256", {}).get("ffn")
-        if trained_for and trained_for != model.manifest.data["files"]["ffn"]["sha256"]:
+        if trained_for and trained_for != ctx.manifest.data["files"]["ffn"]["sha256"]:
             raise FlashLLMError(f"{meta_path}: these predictors were trained for different weights "
                                 f"(ffn.bin sha256 {trained_for[:12]}...); train them again for this model")
         if meta.get("sha256") and fmt.sha256_file(st_path) != meta["sha256"]:
@@ -161,10 +161,11 @@ def predict_scored(predictor, layer: int, x) -> tuple[np.ndarray, np.ndarray | N
 PREDICTORS = {"lowrank": LowRankPredictor, "oracle": OraclePredictor, "gate": GatePredictor}
 
 
-def make_predictor(kind, model):
-    """A predictor by name, or built by `kind(model)` when kind is a callable (benchmarks' traces)."""
+def make_predictor(kind, ctx):
+    """A predictor by name, or built by `kind(ctx)` when kind is a callable (benchmarks' traces); `ctx`
+    is the plan's PlanContext (spec, backend, manifest, read_layer_block, bundle_rows, biases)."""
     if callable(kind):
-        return kind(model)
+        return kind(ctx)
     if kind not in PREDICTORS:
         raise FlashLLMError(f"predictor {kind!r}: expected one of {', '.join(PREDICTORS)}")
-    return PREDICTORS[kind](model)
+    return PREDICTORS[kind](ctx)

@@ -238,7 +238,8 @@ def _rule_rows(model, layer: int, part: str):
     rows = getattr(model.plan, "rows", None)
     if rows is not None:
         return rows[layer][part]
-    return model.bundle_rows(model.read_layer_block(layer), parts=(part,))[part]
+    ctx = model.plan_context
+    return ctx.bundle_rows(ctx.read_layer_block(layer), parts=(part,))[part]
 
 
 def recording(model, rule: ActivationRule, sink):

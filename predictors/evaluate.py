@@ -112,7 +112,7 @@ def dense_reference(model_dir, data, options, max_tokens: int | None, gen_tokens
         raise FlashLLMError("--gen-tokens and the prompt length must be at least 1")
     text = col.read_data(data, max_tokens)
     dense = flashllm.load(model_dir, _compute_options(options), mode="dense")
-    predictor = LowRankPredictor(dense)
+    predictor = LowRankPredictor(dense.plan_context)
     spec = dense.spec
     saved_rule = predictor.meta.get("activation_rule")
     rule = col.ActivationRule(saved_rule["kind"], float(saved_rule["threshold"]), saved_rule["part"]) \
@@ -153,12 +153,11 @@ def dense_reference(model_dir, data, options, max_tokens: int | None, gen_tokens
 
 
 def _computed_counts(model, ref: Reference, chunk_index: list, counts: Counts):
-    """A wrapper for model.plan.ffn: after each decode step, the cache's rows vs the true mask."""
-    plan, inner = model.plan, model.plan.ffn
+    """An "ffn_output" observer: after each decode step, the neurons the cache computed vs the true mask."""
+    plan = model.plan
     position = {}
 
-    def ffn(layer: int, x, cost):
-        y = inner(layer, x, cost)
+    def observe(layer: int, y):
         if layer not in position:  # a sequence's first call is its prefill (positions 0..start-1)
             position[layer] = ref.start - 1
         else:
@@ -168,12 +167,11 @@ def _computed_counts(model, ref: Reference, chunk_index: list, counts: Counts):
             computed = np.zeros(ref.d_ffn, bool)
             computed[cache.pointer[:cache.num_used]] = True
             counts.add(layer, computed, true)
-        return y
 
     def next_chunk():
         position.clear()
 
-    return ffn, next_chunk
+    return observe, next_chunk
 
 
 def evaluate_load(model_dir, ref: Reference, options, progress: bool = True) -> dict:
@@ -186,10 +184,9 @@ def evaluate_load(model_dir, ref: Reference, options, progress: bool = True) -> 
     except FlashLLMError as exc:
         return {"dram_budget": options.dram_budget, "refused": str(exc)}
     counts, chunk_index = Counts(sparse.spec.n_layers), [0]
-    ffn, next_chunk = _computed_counts(sparse, ref, chunk_index, counts)
-    sparse.plan.ffn = ffn
+    observe, next_chunk = _computed_counts(sparse, ref, chunk_index, counts)
     nll, agree, tokens, sums = [], [], 0, {"bytes_read": 0.0, "neurons_dropped": 0.0, "total_ms": 0.0, "io_ms": 0.0}
-    with tqdm(total=sum(map(len, ref.chunks)), desc=f"sparse {options.dram_budget}", unit="tok",
+    with sparse.hooks.observing("ffn_output", observe), tqdm(total=sum(map(len, ref.chunks)), desc=f"sparse {options.dram_budget}", unit="tok",
               disable=not progress, leave=False) as bar:
         for i, (chunk, d_argmax) in enumerate(zip(ref.chunks, ref.argmax)):
             chunk_index[0] = i
@@ -202,7 +199,6 @@ def evaluate_load(model_dir, ref: Reference, options, progress: bool = True) -> 
             nll.append(_nll(rows, chunk[ref.start + 1:]))
             agree.append(np.argmax(rows, axis=1) == d_argmax)
             bar.update(len(chunk))
-    del sparse.plan.ffn  # the generation checks below run the plain path
     layers = counts.rows()
     dram = sparse.stats["dram_bytes"]
     tf = sparse.logits(ref.prompt + ref.gen[:-1], prefill=len(ref.prompt))

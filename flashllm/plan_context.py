@@ -1,0 +1,101 @@
+"""What a plan (and a predictor) is built from: the model directory's layout, the backend, the FFN
+reader, the budget and the load options. Plans see this object, never the `Model` that runs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import budget as budget_mod
+from . import format as fmt
+from .ffn_reader import FFNReader, LayerChecksums
+from .hooks import Hooks
+from .options import LoadOptions
+
+
+@dataclass
+class PlanContext:
+    """The inputs of a plan. `budget` is the byte budget that sizes caches (the GPU budget on a GPU,
+    else the DRAM budget; None: unlimited)."""
+
+    manifest: fmt.Manifest
+    backend: object
+    options: LoadOptions
+    budget: int | None
+    model_bytes: int
+    hooks: Hooks
+    checksums: LayerChecksums
+    _loader: FFNReader | None = field(default=None, repr=False)
+
+    @property
+    def spec(self):
+        return self.manifest.spec
+
+    @property
+    def layout(self):
+        return self.manifest.layout
+
+    @property
+    def mode(self) -> str:
+        return self.options.mode
+
+    # -- reading -------------------------------------------------------------------------------
+    def ffn_reader(self, threads: int | None = None, verify: bool = True) -> FFNReader:
+        """A reader of `ffn.bin` reporting to the hooks (and, with `verify`, checking layer checksums)."""
+        o = self.options
+        return FFNReader(self.manifest.path("ffn"), self.layout, threads or o.threads, o.aio_depth,
+                         self.checksums if verify else None, self.hooks)
+
+    def read_layer_block(self, layer: int) -> np.ndarray:
+        """All neurons of one layer as uint8 bundle rows [d_ffn, stride] (for loading resident FFNs)."""
+        if self._loader is None:
+            self._loader = FFNReader(self.manifest.path("ffn"), self.layout, threads=4, checksums=self.checksums)
+        block = self.backend.host_buffer((self.layout.d_ffn, self.layout.stride))
+        self._loader.read_block(layer, 0, self.layout.d_ffn, block)
+        return block
+
+    def close(self) -> None:
+        """Close the loader `read_layer_block` opened (it opens again when needed)."""
+        if self._loader is not None:
+            self._loader.close()
+            self._loader = None
+
+    def bundle_rows(self, block: np.ndarray, parts: tuple[str, ...] | None = None) -> dict:
+        """Split uint8 bundle rows [n, >=bundle_bytes] into per-part [n, d] backend tensors."""
+        return self.backend.bundle_rows(block, self.layout, parts)
+
+    def biases(self, layer: int) -> dict:
+        """The FFN biases of `layer` by part (None where the family has none)."""
+        return self.backend.ffn_biases(layer)
+
+    # -- budget arithmetic (budget.py) ---------------------------------------------------------
+    def row_bytes(self) -> int:
+        """DRAM one cached neuron costs: its bundle in the compute dtype plus per-row biases."""
+        B = self.backend
+        return budget_mod.row_bytes(self.layout, B.reads_in_place(), B.itemsize)
+
+    def max_layer_bytes(self) -> int:
+        """DRAM one layer's weights (resident tensors and FFN) take in the compute dtype."""
+        per_layer = sum(int(np.prod(s)) for n, s in fmt.resident_shapes(self.spec).items() if n.startswith("layers.0."))
+        return per_layer * self.backend.itemsize + self.layout.d_ffn * self.row_bytes()
+
+    def counted(self, host: int, device: int) -> int:
+        """What of (host, device) bytes counts against `budget`."""
+        return budget_mod.counted(host, device, self.backend.on_gpu)
+
+    @property
+    def budget_option(self) -> str:
+        return "--gpu-budget" if self.backend.on_gpu else "--dram-budget"
+
+    def too_small(self, needed: int, what: str):
+        """The "budget too small" error, with the smallest budget and what would lower it."""
+        B = self.backend
+        hints = budget_mod.lowering_hints(self.mode, B.itemsize, B.kv_bytes(), needed)
+        return budget_mod.too_small(self.budget, needed, what, self.model_bytes, hints, self.budget_option)
+
+    def check_fits(self, needed: int, what: str) -> None:
+        """Refuse (BudgetTooSmall) when `needed` bytes exceed the budget."""
+        if self.budget is not None and needed > self.budget:
+            raise self.too_small(needed, what)

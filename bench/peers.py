@@ -1,0 +1,420 @@
+"""flashllm beside what users run instead, on one model at one memory limit: llama.cpp and HF accelerate.
+
+Each run is a child process in its own cgroup v1 memory group, made for the run and removed after
+it, all with the same memory.limit_in_bytes; page cache is charged to the group, so neither
+llama.cpp's mmap nor accelerate's safetensors reads can keep more of the model in memory than the
+limit. Before every run the files of every model here are evicted from the page cache
+(posix_fadvise DONTNEED, then checked with mincore). Runs are interleaved (round r: flashllm, each
+llama.cpp configuration, accelerate; --rounds), each capped by --timeout. Outcome per run: ran,
+OOM-killed (the group's oom_kill counter went up), timeout, error, or skipped (peer not installed
+or no model file given).
+
+- flashllm: its best configuration, sparse mode (window --window, bundled rows, 32 reader threads),
+  DRAM budget --dram-budget of its model, via bench/paper_tables.py's measurement (--warmup tokens
+  fill the neuron caches, then --tokens are timed). On random-weight models the active neurons are
+  replayed from --trace (bench/trace.py): see the caveat printed with every table.
+- llama.cpp: llama-bench (-p 0 -n TOKENS -r 1, one untimed warm-up token), per --llama-config:
+  `default` (mmap, repacking on) and `no-repack` (--repack 0: weights stay in the mmap'd file).
+- accelerate: bench/accelerate_decode.py, device_map="auto" with max_memory = the same DRAM budget.
+
+    python bench/peers.py --flashllm DIR --gguf FILE --hf DIR --trace trace.npz --dram-budget 0.5 \\
+        --tokens 4 [--rounds 1] [--timeout 900] [--markdown peers.md] [--json-out peers.json]
+
+The memory limit is the DRAM budget + the measured RSS of an interpreter that imported torch +
+--cgroup-slack MiB (as bench/paper_tables.py --cgroup), the same for every peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))  # run from a checkout
+from flashllm import format as fmt  # noqa: E402
+from flashllm.budget import budget_bytes, parse_budget  # noqa: E402
+
+GB, MiB = 1e9, 1 << 20
+DEFAULT_LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "/work/big/llama.cpp-build"))
+LLAMA_CONFIGS = {"default": [], "no-repack": ["--repack", "0"]}
+
+
+def paper_tables():
+    from importlib.util import module_from_spec, spec_from_file_location
+
+    if "flashllm_bench_paper_tables" not in sys.modules:
+        spec = spec_from_file_location("flashllm_bench_paper_tables", BENCH / "paper_tables.py")
+        sys.modules[spec.name] = module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules["flashllm_bench_paper_tables"]
+
+
+# -- pure parts: parsing, outcome, ratios, table -------------------------------------------------
+def parse_llama_bench(stdout: str) -> dict:
+    """llama-bench -o json: the token-generation test's mean ms per token, and what llama-bench says it ran."""
+    tests = [t for t in json.loads(stdout) if t.get("n_gen", 0) > 0 and t.get("n_prompt", 0) == 0]
+    if not tests:
+        raise ValueError("llama-bench printed no token-generation test")
+    t = tests[0]
+    n = t["n_gen"]
+    return {"ms_per_token": t["avg_ns"] / n / 1e6, "tokens": n * len(t.get("samples_ns") or [1]),
+            "token_ms": [ns / n / 1e6 for ns in t.get("samples_ns") or [t["avg_ns"]]],
+            "build": f"{t.get('build_commit')} (build {t.get('build_number')})", "threads": t.get("n_threads"),
+            "model_type": t.get("model_type"), "model_size": t.get("model_size")}
+
+
+def parse_progress(text: str) -> dict:
+    """bench/accelerate_decode.py's JSON lines: load facts, each decode token's ms, whether it finished."""
+    out = {"token_ms": [], "done": False}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        event = json.loads(line)
+        kind = event.pop("event")
+        if kind == "token":
+            out["token_ms"].append(event["ms"])
+        elif kind == "load":
+            out.update(event)
+        elif kind == "done":
+            out.update(event, done=True)
+    if out["token_ms"]:
+        out["ms_per_token"] = sum(out["token_ms"]) / len(out["token_ms"])
+        out["tokens"] = len(out["token_ms"])
+    return out
+
+
+def outcome(returncode: int | None, timed_out: bool, oom_kills: int | None) -> str:
+    """ran / OOM-killed / timeout / error, from how the child ended and the group's oom_kill counter."""
+    if timed_out:
+        return "timeout"
+    if returncode == 0:
+        return "ran"
+    if oom_kills or returncode in (-9, 137):  # SIGKILL with no OOM counter: the kernel's OOM killer all the same
+        return "OOM-killed"
+    return "error"
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per configuration: mean ms/token over its rounds that measured tokens, range, outcomes."""
+    rows: dict[str, dict] = {}
+    for r in runs:
+        row = rows.setdefault(r["label"], {"label": r["label"], "peer": r["peer"], "values": [], "outcomes": [],
+                                           "peaks": []})
+        row["outcomes"].append(r["outcome"] + (f" ({r['tokens']} tokens)" if r["outcome"] == "timeout"
+                                                and r.get("tokens") else ""))
+        if r.get("ms_per_token") is not None:
+            row["values"].append(r["ms_per_token"])
+        if r.get("cgroup_peak") is not None:
+            row["peaks"].append(r["cgroup_peak"])
+    for row in rows.values():
+        v = row["values"]
+        row["ms_per_token"] = sum(v) / len(v) if v else None
+        row["range"] = (min(v), max(v)) if v else None
+        row["peak_bytes"] = max(row["peaks"]) if row["peaks"] else None
+    return list(rows.values())
+
+
+def ratios(rows: list[dict]) -> dict:
+    """flashllm's ms/token over each peer's (below 1: flashllm is faster); None where one has no figure."""
+    ours = next((r["ms_per_token"] for r in rows if r["peer"] == "flashllm"), None)
+    return {r["label"]: (ours / r["ms_per_token"] if ours and r["ms_per_token"] else None)
+            for r in rows if r["peer"] != "flashllm"}
+
+
+def table(rows: list[dict], ratio: dict) -> str:
+    def ms(row):
+        if row["ms_per_token"] is None:
+            return "—"
+        lo, hi = row["range"]
+        return f"{row['ms_per_token']:,.0f}" + (f" ({lo:,.0f}–{hi:,.0f})" if hi > lo else "")
+
+    lines = ["| run | outcome | decode ms/token | peak memory (GB, cgroup) | flashllm/peer latency |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        r = ratio.get(row["label"])
+        cell = "—" if row["peer"] == "flashllm" else "n/a" if not r else \
+            f"{r:.3f} (flashllm {1 / r:.1f}× faster)" if r < 1 else f"{r:.3f} (flashllm {r:.1f}× slower)"
+        peak = f"{row['peak_bytes'] / GB:.2f}" if row["peak_bytes"] else "—"
+        lines.append(f"| {row['label']} | {', '.join(row['outcomes'])} | {ms(row)} | {peak} | {cell} |")
+    return "\n".join(lines)
+
+
+CAVEAT = (
+    "**Caveat: this is not a like-for-like computation.** The model has random weights, which have no "
+    "activation sparsity of their own. flashllm's sparse mode reads and computes only the FFN neurons that an "
+    "activation trace marks active: the real activations of the embedded small model (bench/trace.py), "
+    "replayed onto this shape ({active}). llama.cpp and accelerate compute every neuron (dense), as they "
+    "would on any model. So flashllm's figures hold for a model whose FFN is as sparse as that trace (a ReLU "
+    "model, like the paper's ReLU-fied models); on a model without activation sparsity (e.g. SiLU Llama as "
+    "released) flashllm would have to read all neurons and its advantage here does not apply. The trace's "
+    "sparsity is not that of a real 7B model either (the paper reports ~97% of OPT-6.7B's FFN neurons "
+    "inactive per token; the trace is denser). flashllm's tokens are therefore not the model's own output; "
+    "the peers' are.")
+
+
+def markdown(report: dict) -> str:
+    fl = next((r for r in report["runs"] if r["peer"] == "flashllm" and r.get("ms_per_token")), {})
+    acc = next((r for r in report["runs"] if r["peer"] == "accelerate" and "modules_disk" in r), {})
+    limit, sizes = report["memory_limit"], report["model_bytes"]
+    files = ", ".join(f"{k} {v / GB:.2f} GB" + (f" (limit = {limit / v:.0%} of it)" if limit else "")
+                      for k, v in sizes.items())
+    active = (f"{fl['active_fraction']:.1%} of FFN neurons active per token; {fl.get('predictor_method')}"
+              if fl.get("active_fraction") is not None else "no flashllm run measured it")
+    lines = [f"## {report['name'] or 'peers'}", "",
+             f"- date: {report['date']}", f"- command: `{report['command']}`", f"- machine: {report['machine']}",
+             "- versions: " + "; ".join(f"{k} {v}" for k, v in report["versions"].items()),
+             f"- model: {report['model']}", f"- model files: {files}"]
+    if limit:
+        lines.append(f"- memory limit: {limit / GB:.2f} GB for every run (cgroup v1 memory.limit_in_bytes, page cache "
+                     f"charged; a new group per run, removed after it) = flashllm's DRAM budget "
+                     f"{report['dram_budget'] / GB:.2f} GB + interpreter/torch baseline RSS "
+                     f"{report['baseline_rss'] / GB:.2f} GB + {report['cgroup_slack_mib']} MiB slack")
+    else:
+        lines.append(f"- memory limit: none ({report['no_limit_because']})")
+    cached = [r.get("page_cache_at_start") for r in report["runs"] if r.get("page_cache_at_start") is not None]
+    lines += [f"- page cache: every model file evicted before each run (posix_fadvise DONTNEED); largest fraction "
+              f"still cached at a run's start: {max(cached):.1%}" if cached else "- page cache: no run",
+              f"- tokens: flashllm {report['warmup']} warm-up + {report['tokens']} timed decode tokens (sparse, "
+              f"compute {fl.get('compute_dtype', '?')}); llama.cpp llama-bench 1 warm-up + {report['tokens']} timed; "
+              f"accelerate a 1-token prompt + {report['tokens']} timed; random token ids"]
+    if fl:
+        lines.append(f"- flashllm per token: {fl['bytes_read'] / GB:.3f} GB read from flash, I/O {fl['io_ms']:,.0f} ms; "
+                     f"DRAM held {fl['dram_bytes'] / GB:.2f} GB")
+    if acc:
+        lines.append(f"- accelerate: {acc['modules_cpu']} modules in DRAM, {acc['modules_disk']} offloaded to disk "
+                     f"(read from the checkpoint's safetensors; {acc['offload_folder_bytes'] / GB:.2f} GB written "
+                     "to the offload folder)")
+    lines += ["", table(report["rows"], report["ratios"]), "",
+              "Peak memory is the group's memory.max_usage_in_bytes (process memory + page cache). Latency ratio "
+              "flashllm/peer below 1: flashllm is faster. Failed runs:"]
+    for r in report["runs"]:
+        if r["outcome"] not in ("ran", "skipped"):
+            lines.append(f"- {r['label']} (round {r['round'] + 1}): {r['outcome']} after {r['wall_s']:.0f} s, exit "
+                         f"{r['returncode']}, oom_kill {r.get('oom_kills')}; stderr: "
+                         f"`{r['stderr_tail'].strip().splitlines()[-1][:200] if r['stderr_tail'].strip() else ''}`")
+        elif r["outcome"] == "skipped":
+            lines.append(f"- {r['label']}: skipped: {r['why']}")
+    lines += ["", CAVEAT.format(active=active) if report["trace"] else
+              f"flashllm's active neurons: {active} (predictor {fl.get('predictor_kind', '?')}); llama.cpp and "
+              "accelerate compute every neuron (dense).", "", ""]
+    return "\n".join(lines)
+
+
+# -- running one child in its own memory group ---------------------------------------------------
+def run_child(argv: list[str], limit: int | None, drop: list[Path], timeout: float, name: str, log) -> dict:
+    """Evict `drop` from the page cache, run argv in a fresh memory group (if `limit`), remove the group."""
+    pt = paper_tables()
+    pt.drop_page_cache(drop)
+    res = {"page_cache_at_start": pt.cached_fraction(drop), "argv": argv}
+    group = pt.MemoryGroup(limit, name=name) if limit else None
+    with tempfile.TemporaryDirectory(prefix="peers-run-") as tmp:
+        out, err = open(Path(tmp) / "out", "w+"), open(Path(tmp) / "err", "w+")
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(group.command(argv) if group else argv, stdout=out, stderr=err,
+                                start_new_session=True, cwd=BENCH.parent)
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        res["wall_s"] = time.perf_counter() - t0
+        usage = group.usage() if group else {}
+        if group:
+            res["cgroup"], res["cgroup_limit"] = str(group.path), group.limit
+            group.remove()
+        out.seek(0)
+        err.seek(0)
+        res["stdout"], res["stderr_tail"] = out.read(), err.read()[-1500:]
+    res.update(returncode=proc.returncode, timed_out=timed_out, cgroup_peak=usage.get("peak_bytes"),
+               failcnt=usage.get("failcnt"), oom_kills=usage.get("oom_kills"))
+    res["outcome"] = outcome(proc.returncode, timed_out, usage.get("oom_kills"))
+    log(f"  {res['outcome']} in {res['wall_s']:.0f} s, cgroup peak "
+        f"{(res['cgroup_peak'] or 0) / GB:.2f} GB, oom_kill {res['oom_kills']}")
+    return res
+
+
+# -- the peers -------------------------------------------------------------------------------
+def flashllm_argv(args, model_dir: Path, budget: int, tmp: Path) -> tuple[list[str], Path]:
+    pt = paper_tables()
+    run = dict(label="flashllm", mode="sparse", window=args.window, bundled=True, backend="torch", budget=budget,
+               threads=32, aio_depth=0, trace=args.trace, seed=args.seed,
+               predictor="trace" if args.trace else "auto", predictor_rank=128, torch_threads=args.threads,
+               tokens=args.tokens, warmup=args.warmup, model_dir=str(model_dir),
+               dtype=pt.compute_dtype("auto", model_dir, "torch"))
+    if run["predictor"] == "auto":
+        run["predictor"] = "lowrank" if (model_dir / "predictors.json").is_file() else "oracle"
+    spec, result = tmp / "flashllm-run.json", tmp / "flashllm-result.json"
+    spec.write_text(json.dumps(run))
+    return [sys.executable, str(BENCH / "paper_tables.py"), "--run-one", str(spec), "--result", str(result)], result
+
+
+def plan(args, budget: int, tmp: Path) -> list[dict]:
+    """One round's runs: label, peer, argv (None: skipped, with why) and how to read the result."""
+    runs = [dict(peer="flashllm", label="flashllm (sparse)")]
+    runs[0]["argv"], runs[0]["result"] = flashllm_argv(args, Path(args.flashllm), budget, tmp)
+    bench_bin = Path(args.llama_cpp) / "bin" / "llama-bench"
+    for name in args.llama_config:
+        run = dict(peer="llama.cpp", label=f"llama.cpp ({name})")
+        if not args.gguf:
+            run["skipped"] = "no --gguf model"
+        elif not bench_bin.is_file():
+            run["skipped"] = f"not installed ({bench_bin}; bench/build_llama_cpp.sh builds it)"
+        else:
+            run["argv"] = [str(bench_bin), "-m", str(args.gguf), "-p", "0", "-n", str(args.tokens), "-r", "1",
+                           "-t", str(args.threads or os.cpu_count()), "-o", "json", *LLAMA_CONFIGS[name]]
+        runs.append(run)
+    run = dict(peer="accelerate", label="HF accelerate (disk offload)")
+    try:
+        import accelerate  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        run["skipped"] = "not installed (pip install -e '.[bench]')"
+    if not args.hf:
+        run["skipped"] = "no --hf checkpoint"
+    if "skipped" not in run:
+        run["progress"] = tmp / "accelerate.jsonl"
+        run["argv"] = [sys.executable, str(BENCH / "accelerate_decode.py"), str(args.hf), "--max-memory",
+                       str(budget), "--tokens", str(args.tokens), "--progress", str(run["progress"])]
+        if args.threads:
+            run["argv"] += ["--threads", str(args.threads)]
+    runs.append(run)
+    return [r for r in runs if r["peer"] in args.peers]
+
+
+def read_result(run: dict, res: dict) -> dict:
+    """The run's figures from what its child left (even a killed accelerate run's tokens so far)."""
+    try:
+        if run["peer"] == "flashllm" and res["outcome"] == "ran":
+            r = json.loads(run["result"].read_text())
+            return {"ms_per_token": r["total_ms"], "tokens": r["decode_tokens"], "load_s": r["load_s"],
+                    "io_ms": r["io_ms"], "bytes_read": r["bytes_read"], "dram_bytes": r["dram_bytes"],
+                    "active_fraction": r["predicted"] / (r["n_layers"] * r["d_ffn"]),
+                    "predictor_method": r.get("predictor_method"), "predictor_kind": r.get("predictor_kind"),
+                    "compute_dtype": r["compute_dtype"]}
+        if run["peer"] == "llama.cpp" and res["outcome"] == "ran":
+            return parse_llama_bench(res["stdout"])
+        if run["peer"] == "accelerate" and run["progress"].is_file():
+            return parse_progress(run["progress"].read_text())
+    except (ValueError, KeyError, OSError) as exc:
+        return {"parse_error": f"{type(exc).__name__}: {exc}"}
+    return {}
+
+
+def model_files(args) -> dict[str, list[Path]]:
+    files = {"flashllm": paper_tables().model_files(args.flashllm)}
+    if args.gguf:
+        files["llama.cpp"] = [Path(args.gguf)]
+    if args.hf:
+        files["accelerate"] = sorted(Path(args.hf).glob("*.safetensors"))
+    return files
+
+
+def versions(args) -> dict:
+    out = {"flashllm": paper_tables().code_version()}
+    version_file = Path(args.llama_cpp) / "VERSION"
+    if version_file.is_file():
+        out["llama.cpp"] = " / ".join(version_file.read_text().split("\n")[:2])
+    for pkg in ("torch", "transformers", "accelerate"):
+        try:
+            out[pkg] = __import__(pkg).__version__
+        except ImportError:
+            out[pkg] = "not installed"
+    return out
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flashllm", required=True, help="flashllm model directory")
+    p.add_argument("--gguf", default=None, help="the same model as GGUF (bench/gguf_convert.py) for llama.cpp")
+    p.add_argument("--hf", default=None, help="the same model as an HF checkpoint, for accelerate")
+    p.add_argument("--dram-budget", type=parse_budget, default=0.5,
+                   help="flashllm's DRAM budget (of its model: 0.5, 50%%, 6GiB); accelerate's max_memory "
+                   "(default: %(default)s)")
+    p.add_argument("--cgroup-slack", type=int, default=1024, help="MiB in the limit above budget + interpreter "
+                   "baseline (default: %(default)s)")
+    p.add_argument("--no-cgroup", action="store_true", help="run without a memory limit (the table says so)")
+    p.add_argument("--trace", default=None, help="activation trace for flashllm on random weights (bench/trace.py)")
+    p.add_argument("--tokens", type=int, default=4, help="timed decode tokens per run (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=8, help="flashllm decode tokens before the timed ones "
+                   "(default: %(default)s)")
+    p.add_argument("--window", type=int, default=4, help="flashllm's window (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads for every peer (default: all cores)")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of all runs (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run (default: %(default)s)")
+    p.add_argument("--peers", type=lambda s: s.split(","), default=["flashllm", "llama.cpp", "accelerate"],
+                   help="which to run (default: flashllm,llama.cpp,accelerate)")
+    p.add_argument("--llama-config", type=lambda s: s.split(","), default=list(LLAMA_CONFIGS),
+                   help=f"llama.cpp configurations: {', '.join(LLAMA_CONFIGS)} (default: all)")
+    p.add_argument("--llama-cpp", default=str(DEFAULT_LLAMA_CPP), help="bench/build_llama_cpp.sh's prefix "
+                   "(default: %(default)s, or $LLAMA_CPP_DIR)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="", help="what the table is of (e.g. 'Llama-7B shape, float16, 50%%')")
+    p.add_argument("--json-out", default=None, help="write the JSON report here")
+    p.add_argument("--markdown", default=None, help="append the markdown section here")
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def main(argv=None) -> dict:
+    args = setup_arg_parser().parse_args(argv)
+    unknown = [c for c in args.llama_config if c not in LLAMA_CONFIGS]
+    if unknown:
+        raise SystemExit(f"peers: error: --llama-config {','.join(unknown)}: choose from {', '.join(LLAMA_CONFIGS)}")
+    log = (lambda m: None) if args.quiet else (lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr,
+                                                               flush=True))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: kill the child, remove its group
+    pt = paper_tables()
+    manifest = fmt.read_manifest(args.flashllm, verify=False)
+    model_bytes = sum(e["size"] for k, e in manifest.data["files"].items() if k in ("resident", "ffn"))
+    budget = budget_bytes(args.dram_budget, model_bytes)
+    why_not = "--no-cgroup" if args.no_cgroup else pt.MemoryGroup.available()
+    base = pt.baseline_rss()
+    limit = None if why_not else (budget + base + args.cgroup_slack * MiB) // 4096 * 4096  # as the kernel stores it
+    files = model_files(args)
+    drop = [f for fs in files.values() for f in fs]
+    report = {"name": args.name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "command": " ".join(shlex.quote(a) for a in ["python", "bench/peers.py", *(argv or sys.argv[1:])]),
+              "machine": pt.machine(), "versions": versions(args), "model": pt.model_desc(manifest, model_bytes),
+              "model_bytes": {k: sum(f.stat().st_size for f in fs) for k, fs in files.items()},
+              "dram_budget": budget, "memory_limit": limit, "baseline_rss": base, "cgroup_slack_mib": args.cgroup_slack,
+              "no_limit_because": why_not, "trace": args.trace, "tokens": args.tokens, "warmup": args.warmup, "runs": []}
+    log(f"memory limit: {limit / GB:.2f} GB" if limit else f"no memory limit: {why_not}")
+    with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
+        for rnd in range(args.rounds):
+            for k, run in enumerate(plan(args, budget, Path(tmp))):
+                row = {"peer": run["peer"], "label": run["label"], "round": rnd}
+                if "skipped" in run:
+                    row.update(outcome="skipped", why=run["skipped"])
+                    log(f"{run['label']}: skipped: {run['skipped']}")
+                else:
+                    log(f"round {rnd + 1}/{args.rounds}: {run['label']}")
+                    res = run_child(run["argv"], limit, drop, args.timeout, f"flashllm-peers-{os.getpid()}-{rnd}-{k}",
+                                    log)
+                    row.update({k2: v for k2, v in res.items() if k2 != "stdout"}, **read_result(run, res))
+                report["runs"].append(row)
+    rows = summarize(report["runs"])
+    report["rows"], report["ratios"] = rows, ratios(rows)
+    print(table(rows, report["ratios"]))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1, default=str))
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

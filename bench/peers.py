@@ -48,165 +48,23 @@ DEFAULT_LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "/work/big/llama.cpp-bu
 LLAMA_CONFIGS = {"default": [], "no-repack": ["--repack", "0"]}
 
 
-def paper_tables():
+def bench_module(name: str):
+    """A sibling bench script as a module, by path (bench/ is not a package)."""
     from importlib.util import module_from_spec, spec_from_file_location
 
-    if "flashllm_bench_paper_tables" not in sys.modules:
-        spec = spec_from_file_location("flashllm_bench_paper_tables", BENCH / "paper_tables.py")
-        sys.modules[spec.name] = module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[spec.name])
-    return sys.modules["flashllm_bench_paper_tables"]
+    key = f"flashllm_bench_{name}"
+    if key not in sys.modules:
+        spec = spec_from_file_location(key, BENCH / f"{name}.py")
+        sys.modules[key] = module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
 
 
-# -- pure parts: parsing, outcome, ratios, table -------------------------------------------------
-def parse_llama_bench(stdout: str) -> dict:
-    """llama-bench -o json: the token-generation test's mean ms per token, and what llama-bench says it ran."""
-    tests = [t for t in json.loads(stdout) if t.get("n_gen", 0) > 0 and t.get("n_prompt", 0) == 0]
-    if not tests:
-        raise ValueError("llama-bench printed no token-generation test")
-    t = tests[0]
-    n = t["n_gen"]
-    return {"ms_per_token": t["avg_ns"] / n / 1e6, "tokens": n * len(t.get("samples_ns") or [1]),
-            "token_ms": [ns / n / 1e6 for ns in t.get("samples_ns") or [t["avg_ns"]]],
-            "build": f"{t.get('build_commit')} (build {t.get('build_number')})", "threads": t.get("n_threads"),
-            "model_type": t.get("model_type"), "model_size": t.get("model_size")}
+def paper_tables():
+    return bench_module("paper_tables")
 
 
-def parse_progress(text: str) -> dict:
-    """bench/accelerate_decode.py's JSON lines: load facts, each decode token's ms, whether it finished."""
-    out = {"token_ms": [], "done": False}
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        event = json.loads(line)
-        kind = event.pop("event")
-        if kind == "token":
-            out["token_ms"].append(event["ms"])
-        elif kind == "load":
-            out.update(event)
-        elif kind == "done":
-            out.update(event, done=True)
-    if out["token_ms"]:
-        out["ms_per_token"] = sum(out["token_ms"]) / len(out["token_ms"])
-        out["tokens"] = len(out["token_ms"])
-    return out
-
-
-def outcome(returncode: int | None, timed_out: bool, oom_kills: int | None) -> str:
-    """ran / OOM-killed / timeout / error, from how the child ended and the group's oom_kill counter."""
-    if timed_out:
-        return "timeout"
-    if returncode == 0:
-        return "ran"
-    if oom_kills or returncode in (-9, 137):  # SIGKILL with no OOM counter: the kernel's OOM killer all the same
-        return "OOM-killed"
-    return "error"
-
-
-def summarize(runs: list[dict]) -> list[dict]:
-    """One row per configuration: mean ms/token over its rounds that measured tokens, range, outcomes."""
-    rows: dict[str, dict] = {}
-    for r in runs:
-        row = rows.setdefault(r["label"], {"label": r["label"], "peer": r["peer"], "values": [], "outcomes": [],
-                                           "peaks": []})
-        row["outcomes"].append(r["outcome"] + (f" ({r['tokens']} tokens)" if r["outcome"] == "timeout"
-                                                and r.get("tokens") else ""))
-        if r.get("ms_per_token") is not None:
-            row["values"].append(r["ms_per_token"])
-        if r.get("cgroup_peak") is not None:
-            row["peaks"].append(r["cgroup_peak"])
-    for row in rows.values():
-        v = row["values"]
-        row["ms_per_token"] = sum(v) / len(v) if v else None
-        row["range"] = (min(v), max(v)) if v else None
-        row["peak_bytes"] = max(row["peaks"]) if row["peaks"] else None
-    return list(rows.values())
-
-
-def ratios(rows: list[dict]) -> dict:
-    """flashllm's ms/token over each peer's (below 1: flashllm is faster); None where one has no figure."""
-    ours = next((r["ms_per_token"] for r in rows if r["peer"] == "flashllm"), None)
-    return {r["label"]: (ours / r["ms_per_token"] if ours and r["ms_per_token"] else None)
-            for r in rows if r["peer"] != "flashllm"}
-
-
-def table(rows: list[dict], ratio: dict) -> str:
-    def ms(row):
-        if row["ms_per_token"] is None:
-            return "—"
-        lo, hi = row["range"]
-        return f"{row['ms_per_token']:,.0f}" + (f" ({lo:,.0f}–{hi:,.0f})" if hi > lo else "")
-
-    lines = ["| run | outcome | decode ms/token | peak memory (GB, cgroup) | flashllm/peer latency |",
-             "|---|---|---|---|---|"]
-    for row in rows:
-        r = ratio.get(row["label"])
-        cell = "—" if row["peer"] == "flashllm" else "n/a" if not r else \
-            f"{r:.3f} (flashllm {1 / r:.1f}× faster)" if r < 1 else f"{r:.3f} (flashllm {r:.1f}× slower)"
-        peak = f"{row['peak_bytes'] / GB:.2f}" if row["peak_bytes"] else "—"
-        lines.append(f"| {row['label']} | {', '.join(row['outcomes'])} | {ms(row)} | {peak} | {cell} |")
-    return "\n".join(lines)
-
-
-CAVEAT = (
-    "**Caveat: this is not a like-for-like computation.** The model has random weights, which have no "
-    "activation sparsity of their own. flashllm's sparse mode reads and computes only the FFN neurons that an "
-    "activation trace marks active: the real activations of the embedded small model (bench/trace.py), "
-    "replayed onto this shape ({active}). llama.cpp and accelerate compute every neuron (dense), as they "
-    "would on any model. So flashllm's figures hold for a model whose FFN is as sparse as that trace (a ReLU "
-    "model, like the paper's ReLU-fied models); on a model without activation sparsity (e.g. SiLU Llama as "
-    "released) flashllm would have to read all neurons and its advantage here does not apply. The trace's "
-    "sparsity is not that of a real 7B model either (the paper reports ~97% of OPT-6.7B's FFN neurons "
-    "inactive per token; the trace is denser). flashllm's tokens are therefore not the model's own output; "
-    "the peers' are.")
-
-
-def markdown(report: dict) -> str:
-    fl = next((r for r in report["runs"] if r["peer"] == "flashllm" and r.get("ms_per_token")), {})
-    acc = next((r for r in report["runs"] if r["peer"] == "accelerate" and "modules_disk" in r), {})
-    limit, sizes = report["memory_limit"], report["model_bytes"]
-    files = ", ".join(f"{k} {v / GB:.2f} GB" + (f" (limit = {limit / v:.0%} of it)" if limit else "")
-                      for k, v in sizes.items())
-    active = (f"{fl['active_fraction']:.1%} of FFN neurons active per token; {fl.get('predictor_method')}"
-              if fl.get("active_fraction") is not None else "no flashllm run measured it")
-    lines = [f"## {report['name'] or 'peers'}", "",
-             f"- date: {report['date']}", f"- command: `{report['command']}`", f"- machine: {report['machine']}",
-             "- versions: " + "; ".join(f"{k} {v}" for k, v in report["versions"].items()),
-             f"- model: {report['model']}", f"- model files: {files}"]
-    if limit:
-        lines.append(f"- memory limit: {limit / GB:.2f} GB for every run (cgroup v1 memory.limit_in_bytes, page cache "
-                     f"charged; a new group per run, removed after it) = flashllm's DRAM budget "
-                     f"{report['dram_budget'] / GB:.2f} GB + interpreter/torch baseline RSS "
-                     f"{report['baseline_rss'] / GB:.2f} GB + {report['cgroup_slack_mib']} MiB slack")
-    else:
-        lines.append(f"- memory limit: none ({report['no_limit_because']})")
-    cached = [r.get("page_cache_at_start") for r in report["runs"] if r.get("page_cache_at_start") is not None]
-    lines += [f"- page cache: every model file evicted before each run (posix_fadvise DONTNEED); largest fraction "
-              f"still cached at a run's start: {max(cached):.1%}" if cached else "- page cache: no run",
-              f"- tokens: flashllm {report['warmup']} warm-up + {report['tokens']} timed decode tokens (sparse, "
-              f"compute {fl.get('compute_dtype', '?')}); llama.cpp llama-bench 1 warm-up + {report['tokens']} timed; "
-              f"accelerate a 1-token prompt + {report['tokens']} timed; random token ids"]
-    if fl:
-        lines.append(f"- flashllm per token: {fl['bytes_read'] / GB:.3f} GB read from flash, I/O {fl['io_ms']:,.0f} ms; "
-                     f"DRAM held {fl['dram_bytes'] / GB:.2f} GB")
-    if acc:
-        lines.append(f"- accelerate: {acc['modules_cpu']} modules in DRAM, {acc['modules_disk']} offloaded to disk "
-                     f"(read from the checkpoint's safetensors; {acc['offload_folder_bytes'] / GB:.2f} GB written "
-                     "to the offload folder)")
-    lines += ["", table(report["rows"], report["ratios"]), "",
-              "Peak memory is the group's memory.max_usage_in_bytes (process memory + page cache). Latency ratio "
-              "flashllm/peer below 1: flashllm is faster. Failed runs:"]
-    for r in report["runs"]:
-        if r["outcome"] not in ("ran", "skipped"):
-            lines.append(f"- {r['label']} (round {r['round'] + 1}): {r['outcome']} after {r['wall_s']:.0f} s, exit "
-                         f"{r['returncode']}, oom_kill {r.get('oom_kills')}; stderr: "
-                         f"`{r['stderr_tail'].strip().splitlines()[-1][:200] if r['stderr_tail'].strip() else ''}`")
-        elif r["outcome"] == "skipped":
-            lines.append(f"- {r['label']}: skipped: {r['why']}")
-    lines += ["", CAVEAT.format(active=active) if report["trace"] else
-              f"flashllm's active neurons: {active} (predictor {fl.get('predictor_kind', '?')}); llama.cpp and "
-              "accelerate compute every neuron (dense).", "", ""]
-    return "\n".join(lines)
+peers_report = bench_module("peers_report")
 
 
 # -- running one child in its own memory group ---------------------------------------------------
@@ -240,7 +98,7 @@ def run_child(argv: list[str], limit: int | None, drop: list[Path], timeout: flo
         res["stdout"], res["stderr_tail"] = out.read(), err.read()[-1500:]
     res.update(returncode=proc.returncode, timed_out=timed_out, cgroup_peak=usage.get("peak_bytes"),
                failcnt=usage.get("failcnt"), oom_kills=usage.get("oom_kills"))
-    res["outcome"] = outcome(proc.returncode, timed_out, usage.get("oom_kills"))
+    res["outcome"] = peers_report.outcome(proc.returncode, timed_out, usage.get("oom_kills"))
     log(f"  {res['outcome']} in {res['wall_s']:.0f} s, cgroup peak "
         f"{(res['cgroup_peak'] or 0) / GB:.2f} GB, oom_kill {res['oom_kills']}")
     return res
@@ -302,12 +160,13 @@ def read_result(run: dict, res: dict) -> dict:
             return {"ms_per_token": r["total_ms"], "tokens": r["decode_tokens"], "load_s": r["load_s"],
                     "io_ms": r["io_ms"], "bytes_read": r["bytes_read"], "dram_bytes": r["dram_bytes"],
                     "active_fraction": r["predicted"] / (r["n_layers"] * r["d_ffn"]),
+                    "dropped_fraction": r["neurons_dropped"] / (r["n_layers"] * r["d_ffn"]),
                     "predictor_method": r.get("predictor_method"), "predictor_kind": r.get("predictor_kind"),
                     "compute_dtype": r["compute_dtype"]}
         if run["peer"] == "llama.cpp" and res["outcome"] == "ran":
-            return parse_llama_bench(res["stdout"])
+            return peers_report.parse_llama_bench(res["stdout"])
         if run["peer"] == "accelerate" and run["progress"].is_file():
-            return parse_progress(run["progress"].read_text())
+            return peers_report.parse_progress(run["progress"].read_text())
     except (ValueError, KeyError, OSError) as exc:
         return {"parse_error": f"{type(exc).__name__}: {exc}"}
     return {}
@@ -376,6 +235,8 @@ def main(argv=None) -> dict:
     log = (lambda m: None) if args.quiet else (lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr,
                                                                flush=True))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: kill the child, remove its group
+    # Idle OpenMP threads sleep instead of spinning (2 busy cores); every child, llama.cpp's OpenMP included.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     pt = paper_tables()
     manifest = fmt.read_manifest(args.flashllm, verify=False)
     model_bytes = sum(e["size"] for k, e in manifest.data["files"].items() if k in ("resident", "ffn"))
@@ -390,11 +251,13 @@ def main(argv=None) -> dict:
               "machine": pt.machine(), "versions": versions(args), "model": pt.model_desc(manifest, model_bytes),
               "model_bytes": {k: sum(f.stat().st_size for f in fs) for k, fs in files.items()},
               "dram_budget": budget, "memory_limit": limit, "baseline_rss": base, "cgroup_slack_mib": args.cgroup_slack,
-              "no_limit_because": why_not, "trace": args.trace, "tokens": args.tokens, "warmup": args.warmup, "runs": []}
+              "no_limit_because": why_not, "trace": args.trace, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+              "tokens": args.tokens, "warmup": args.warmup, "runs": []}
     log(f"memory limit: {limit / GB:.2f} GB" if limit else f"no memory limit: {why_not}")
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         for rnd in range(args.rounds):
-            for k, run in enumerate(plan(args, budget, Path(tmp))):
+            (Path(tmp) / str(rnd)).mkdir()
+            for k, run in enumerate(plan(args, budget, Path(tmp) / str(rnd))):
                 row = {"peer": run["peer"], "label": run["label"], "round": rnd}
                 if "skipped" in run:
                     row.update(outcome="skipped", why=run["skipped"])
@@ -405,14 +268,14 @@ def main(argv=None) -> dict:
                                     log)
                     row.update({k2: v for k2, v in res.items() if k2 != "stdout"}, **read_result(run, res))
                 report["runs"].append(row)
-    rows = summarize(report["runs"])
-    report["rows"], report["ratios"] = rows, ratios(rows)
-    print(table(rows, report["ratios"]))
+    rows = peers_report.summarize(report["runs"])
+    report["rows"], report["ratios"] = rows, peers_report.ratios(rows)
+    print(peers_report.table(rows, report["ratios"]))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1, default=str))
     if args.markdown:
         with open(args.markdown, "a") as f:
-            f.write(markdown(report))
+            f.write(peers_report.markdown(report))
     return report
 
 

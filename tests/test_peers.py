@@ -29,20 +29,20 @@ LLAMA_BENCH_JSON = json.dumps([
 
 
 def test_parse_llama_bench_gives_ms_per_generated_token():
-    r = bench("peers").parse_llama_bench(LLAMA_BENCH_JSON)
+    r = bench("peers_report").parse_llama_bench(LLAMA_BENCH_JSON)
     assert r["ms_per_token"] == pytest.approx(10_000.0) and r["tokens"] == 4
     assert r["build"].startswith("0c1e57098") and r["threads"] == 2
     with pytest.raises(ValueError, match="no token-generation test"):
-        bench("peers").parse_llama_bench(json.dumps([{"n_prompt": 512, "n_gen": 0, "avg_ns": 1}]))
+        bench("peers_report").parse_llama_bench(json.dumps([{"n_prompt": 512, "n_gen": 0, "avg_ns": 1}]))
 
 
 def test_parse_progress_keeps_the_tokens_of_an_unfinished_run():
     lines = [{"event": "load", "load_s": 3.0, "modules_disk": 20}, {"event": "token", "ms": 100.0},
              {"event": "token", "ms": 300.0}]
-    r = bench("peers").parse_progress("\n".join(json.dumps(e) for e in lines) + "\n")
+    r = bench("peers_report").parse_progress("\n".join(json.dumps(e) for e in lines) + "\n")
     assert r["token_ms"] == [100.0, 300.0] and r["ms_per_token"] == 200.0 and r["tokens"] == 2
     assert r["modules_disk"] == 20 and not r["done"]
-    done = bench("peers").parse_progress(json.dumps({"event": "done", "rss_peak": 5}))
+    done = bench("peers_report").parse_progress(json.dumps({"event": "done", "rss_peak": 5}))
     assert done["done"] and "ms_per_token" not in done
 
 
@@ -50,11 +50,11 @@ def test_parse_progress_keeps_the_tokens_of_an_unfinished_run():
     (0, False, 0, "ran"), (-9, False, 1, "OOM-killed"), (137, False, None, "OOM-killed"),
     (-9, True, 0, "timeout"), (1, False, 0, "error"), (1, False, 2, "OOM-killed")])
 def test_outcome(rc, timed_out, oom, expected):
-    assert bench("peers").outcome(rc, timed_out, oom) == expected
+    assert bench("peers_report").outcome(rc, timed_out, oom) == expected
 
 
 def test_summary_ratios_and_table():
-    peers = bench("peers")
+    peers = bench("peers_report")
     runs = [dict(peer="flashllm", label="flashllm", outcome="ran", ms_per_token=1000.0, cgroup_peak=7e9),
             dict(peer="llama.cpp", label="llama.cpp", outcome="ran", ms_per_token=4000.0, cgroup_peak=8e9),
             dict(peer="flashllm", label="flashllm", outcome="ran", ms_per_token=3000.0, cgroup_peak=6e9),

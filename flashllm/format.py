@@ -224,6 +224,9 @@ def read_manifest(model_dir: str | Path, verify: bool | None = None) -> Manifest
         raise FlashLLMError(f"{mpath}: unreadable manifest ({exc})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         raise FlashLLMError(f"{mpath}: not a flashllm manifest")
+    if data.get("rewrite_pending"):
+        raise FlashLLMError(f"{mpath}: an interrupted rewrite left this directory inconsistent "
+                            f"({data['rewrite_pending']}); convert the model again")
     if data.get("format_version") != FORMAT_VERSION:
         raise FlashLLMError(f"{mpath}: format version {data.get('format_version')} is not supported "
                             f"(this flashllm reads version {FORMAT_VERSION})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 TRAIN_DESCRIPTION = """\
 Run the model densely over the calibration text, record per layer the FFN input and the true
@@ -14,6 +15,17 @@ sequences are held out: each layer's threshold is the largest reaching the recal
 and its rank the one of the ladder with the lowest DRAM cost at that recall (predictor weights +
 the cache rows a window of predicted sets needs; --rank N forces one). Writes predictors.safetensors (with per-neuron activation frequencies) and predictors.json
 into MODEL_DIR."""
+
+
+ORDER_DESCRIPTION = """\
+Reorder each layer's FFN neurons so that neurons the predictors select together are adjacent in
+ffn.bin: the flash engine reads adjacent bundles in one request, so a decode token needs fewer
+reads. The order maximises, per layer, how often neighbouring neurons are loaded by the same token
+on the calibration text (a greedy maximum-weight path; exact objective for reads without gap
+filling). Permuting neurons leaves the model's function unchanged: ffn.bin, the FFN biases and
+every per-neuron predictor tensor are rewritten in the new order (temporary files, then renamed),
+so the runtime needs no id mapping; the permutation is kept in neuron_order.safetensors and the
+manifest's "neuron_order" entry. Without trained predictors the true activations are used."""
 
 
 def _train_epilog() -> str:
@@ -74,9 +86,36 @@ def add_parsers(sub) -> None:
     t.add_argument("--device", default="cpu", help="cpu or cuda (calibration pass and training)")
     t.add_argument("--workdir", default=None, help="directory for the temporary shards (default $FLASHLLM_TMPDIR "
                    "or the system temp dir)")
+    t.add_argument("--order", choices=["none", "coactivation"], default="none",
+                   help="coactivation: afterwards rewrite the model with each layer's neurons ordered so that those "
+                   "the new predictors select together are adjacent on flash (see `predictors order --help`)")
     t.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     t.add_argument("--json", action="store_true", help="print predictors.json's content as one JSON object")
     t.set_defaults(func=cmd_train)
+
+    from .coactivation import DEFAULT_NEIGHBOURS, STATISTICS
+    from .order import DEFAULT_MAX_TOKENS as ORDER_TOKENS, DEFAULT_WINDOW
+
+    o = sub.add_parser("order", help="rewrite the model with neurons that are read together stored adjacently",
+                       description=ORDER_DESCRIPTION)
+    o.add_argument("model_dir")
+    o.add_argument("--data", required=True, help="calibration text file (UTF-8)")
+    o.add_argument("--max-tokens", type=int, default=ORDER_TOKENS, help="calibration tokens at most")
+    o.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                   help="the runtime window whose loads are counted (--statistic loads)")
+    o.add_argument("--statistic", choices=STATISTICS, default="loads",
+                   help="count neurons loaded by the same decode token (loads) or active in it (active)")
+    o.add_argument("--neighbours", type=int, default=DEFAULT_NEIGHBOURS,
+                   help="candidate partners per neuron for the greedy path")
+    o.add_argument("--seq-len", type=int, default=None, help="tokens per calibration sequence (default 256)")
+    o.add_argument("--low-memory", action="store_true",
+                   help="collect in naive mode: only one layer's weights in DRAM at a time (large models)")
+    o.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="compute dtype of the calibration pass")
+    o.add_argument("--device", default="cpu", help="cpu or cuda")
+    o.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    o.add_argument("--json", action="store_true", help="print the manifest's new neuron_order entry as JSON")
+    o.set_defaults(func=cmd_order)
 
     e = sub.add_parser("eval", help="evaluate trained predictors on held-out text, at a DRAM budget or a sweep",
                        description="Quality of sparse mode with the trained predictors, loaded with the given options "
@@ -114,6 +153,17 @@ def cmd_train(args) -> None:
                             activation_threshold=args.activation_threshold, low_memory=args.low_memory,
                             dtype=args.dtype, workdir=args.workdir, progress=not quiet,
                             log=None if quiet else lambda m: print(m, file=sys.stderr, flush=True))
+    if args.order == "coactivation":
+        from .order import order_model
+
+        from flashllm.predictor import PREDICTOR_META
+
+        from .order import DEFAULT_MAX_TOKENS as ORDER_TOKENS, order_model
+
+        order_model(args.model_dir, args.data, max_tokens=min(args.max_tokens, ORDER_TOKENS), seq_len=args.seq_len,
+                    low_memory=args.low_memory, dtype=args.dtype, device=args.device, window=args.window,
+                    progress=not quiet, log=None if quiet else lambda m: print(m, file=sys.stderr, flush=True))
+        meta = json.loads((Path(args.model_dir) / PREDICTOR_META).read_text())
     if args.json:
         print(json.dumps(meta))
         return
@@ -121,6 +171,22 @@ def cmd_train(args) -> None:
     print(f"wrote predictors for {len(meta['layers'])} layers into {args.model_dir}: mean held-out recall "
           f"{s['recall']:.4f}, predicted/true {s['predicted_over_true']:.2f}, ranks {s['ranks']} "
           f"({meta['calibration']['tokens']} calibration tokens)")
+
+
+def cmd_order(args) -> None:
+    from .order import order_model
+
+    quiet = args.quiet or args.json
+    info = order_model(args.model_dir, args.data, max_tokens=args.max_tokens, window=args.window,
+                       statistic=args.statistic, neighbours=args.neighbours, seq_len=args.seq_len,
+                       low_memory=args.low_memory, dtype=args.dtype, device=args.device, progress=not quiet,
+                       log=None if quiet else lambda m: print(m, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(info))
+        return
+    print(f"reordered {len(info['layers'])} layers of {args.model_dir} by co-activation ({info['statistic']}, window "
+          f"{info['window']}, {info['tokens']} tokens): reads per decode token on that text, without gap filling, "
+          f"{info['runs_per_token_before']} -> {info['runs_per_token_after']} (all layers)")
 
 
 def cmd_eval(args) -> None:

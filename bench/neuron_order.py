@@ -1,0 +1,153 @@
+"""Reads and bytes per decode token before/after co-activation ordering, on held-out text.
+
+The embedded model (flashllm/data/tiny-opt with its shipped predictors) is converted into a temporary
+directory and copied per ordering: the converter's order, hot-first (by activation frequency) and
+co-activation (`flashllm predictors order` on the stdlib corpus' train split). Each copy decodes the same
+held-out sequences (stdlib corpus, heldout split) token by token in sparse mode, and the runtime's own
+stats give reads, bytes and I/O time per decode token. Beside the engine's measured reads, "reads
+with gap filling g" replays the same loads (predicted now, not in the window's earlier tokens; unlimited
+cache) and merges needed bundles at most g bundles apart into one read (the bytes then include the gaps).
+
+    python bench/neuron_order.py [--tokens 1024] [--budget 0.5] [--out bench/results/neuron_order]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import flashllm  # noqa: E402
+from flashllm import demo  # noqa: E402
+from flashllm.predictors import coactivation as co  # noqa: E402
+from flashllm.predictors.order import order_model  # noqa: E402
+from flashllm.predictors.reorder import apply_order  # noqa: E402
+from flashllm.st_io import SafetensorsFile  # noqa: E402
+
+import stdlib_corpus  # noqa: E402
+
+GAPS = (0, 1, 2, 4, 8)
+
+
+def gap_runs(ids: np.ndarray, gap: int) -> tuple[int, int]:
+    """(reads, bundles transferred) for sorted needed ids when holes of at most `gap` bundles are read through."""
+    if not len(ids):
+        return 0, 0
+    breaks = np.flatnonzero(np.diff(ids) > gap + 1)
+    starts = np.concatenate([[ids[0]], ids[breaks + 1]])
+    ends = np.concatenate([ids[breaks], [ids[-1]]])
+    return len(starts), int((ends - starts + 1).sum())
+
+
+def measure(model_dir: Path, sequences: list[list[int]], prefill: int, budget, window: int) -> dict:
+    model = flashllm.load(model_dir, mode="sparse", predictor="lowrank", dram_budget=budget, window=window,
+                          **demo.SETTINGS)
+    stride = model.layout.stride
+    keys = ("bytes_read", "reads", "io_ms", "total_ms")
+    total = {k: 0.0 for k in keys}
+    sim = {g: [0, 0] for g in GAPS}
+    tokens = 0
+    for seq in sequences:
+        masks: dict[int, list[np.ndarray]] = {}
+        model.plan.reset()
+        with model.hooks.observing("predict", lambda layer, m: masks.setdefault(layer, []).append(m.copy())):
+            model.logits(seq, prefill=prefill)
+        n = len(seq) - prefill
+        for k in keys:
+            total[k] += model.stats[k] * n
+        tokens += n
+        for layer, ms in masks.items():
+            pred = np.concatenate(ms)  # prompt rows, then one row per decode token
+            loads = co.loads(pred, window)[prefill:]
+            for row in loads:
+                ids = np.flatnonzero(row)
+                for g in GAPS:
+                    r, b = gap_runs(ids, g)
+                    sim[g][0] += r
+                    sim[g][1] += b
+    out = {k: total[k] / tokens for k in keys}
+    out["sim"] = {g: {"reads": r / tokens, "bytes": b * stride / tokens} for g, (r, b) in sim.items()}
+    out["tokens"] = tokens
+    return out
+
+
+def frequency_order(model_dir: Path) -> list[np.ndarray]:
+    st = SafetensorsFile(model_dir / "predictors.safetensors")
+    n_layers = len(json.loads((model_dir / "predictors.json").read_text())["layers"])
+    return [np.argsort(-st.read(f"layers.{i}.freq"), kind="stable") for i in range(n_layers)]
+
+
+def run(tokens: int, seq_len: int, prefill: int, budget, window: int, cal_tokens: int, workdir: Path) -> dict:
+    base = demo.prepare(workdir / "converter")
+    heldout = workdir / "heldout.txt"
+    train = workdir / "train.txt"
+    stdlib_corpus.write_text("heldout", heldout, max_bytes=16 * tokens)
+    stdlib_corpus.write_text("train", train, max_bytes=16 * cal_tokens)
+    probe = flashllm.load(base, mode="dense", **demo.SETTINGS)
+    ids = probe.tokenizer.encode(heldout.read_text())
+    del probe
+    sequences = [ids[k:k + seq_len] for k in range(0, min(len(ids), tokens + tokens // (seq_len - prefill) * prefill),
+                                                   seq_len)]
+    sequences = [s for s in sequences if len(s) > prefill + 1]
+    dirs = {"converter": base}
+    t0 = time.perf_counter()
+    dirs["hot-first"] = Path(shutil.copytree(base, workdir / "hot-first"))
+    apply_order(dirs["hot-first"], frequency_order(base), {"method": "frequency"}, progress=False)
+    dirs["coactivation"] = Path(shutil.copytree(base, workdir / "coactivation"))
+    info = order_model(dirs["coactivation"], train, max_tokens=cal_tokens, window=window, progress=False)
+    order_s = time.perf_counter() - t0
+    results = {name: measure(d, sequences, prefill, budget, window) for name, d in dirs.items()}
+    return {"budget": budget, "window": window, "settings": demo.SETTINGS, "tokens": results["converter"]["tokens"],
+            "calibration_tokens": info["tokens"], "order_seconds": round(order_s, 1),
+            "expected_on_calibration": {k: info[k] for k in ("runs_per_token_before", "runs_per_token_after")},
+            "results": results}
+
+
+def table(r: dict) -> str:
+    lines = [f"embedded model, sparse, lowrank predictors, budget {r['budget']}, window {r['window']}, "
+             f"{r['tokens']} held-out decode tokens; ordering from {r['calibration_tokens']} train-split tokens",
+             "", f"{'order':<14}{'reads/tok':>10}{'KiB/tok':>9}{'io ms':>8}{'total ms':>9}" +
+             "".join(f"{'g=' + str(g) + ' reads':>12}{'KiB':>7}" for g in GAPS)]
+    for name, m in r["results"].items():
+        lines.append(f"{name:<14}{m['reads']:>10.1f}{m['bytes_read'] / 1024:>9.1f}{m['io_ms']:>8.2f}{m['total_ms']:>9.2f}"
+                     + "".join(f"{m['sim'][g]['reads']:>12.1f}{m['sim'][g]['bytes'] / 1024:>7.1f}" for g in GAPS))
+    base, best = r["results"]["converter"], r["results"]["coactivation"]
+    lines.append("")
+    lines.append(f"coactivation vs converter order: engine reads/token {base['reads'] / best['reads']:.2f}x fewer, "
+                 f"bytes/token {best['bytes_read'] / base['bytes_read']:.3f}x; with gap filling g=2 (replayed): "
+                 f"reads {base['sim'][2]['reads'] / best['sim'][2]['reads']:.2f}x fewer")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=1024, help="held-out decode tokens (default 1024)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per held-out sequence (default 128)")
+    p.add_argument("--prefill", type=int, default=8, help="prompt tokens per sequence (default 8)")
+    p.add_argument("--budget", default="0.5", help="DRAM budget (default 0.5, the demo's); 'unlimited' for none")
+    p.add_argument("--window", type=int, default=4, help="sliding window (default 4)")
+    p.add_argument("--calibration-tokens", type=int, default=20000, help="tokens the order is computed on (default 20000)")
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    args = p.parse_args(argv)
+    budget = None if args.budget == "unlimited" else flashllm.budget.parse_budget(args.budget)
+    with tempfile.TemporaryDirectory(prefix="flashllm-order-") as tmp:
+        r = run(args.tokens, args.seq_len, args.prefill, budget, args.window, args.calibration_tokens, Path(tmp))
+    r["command"] = "python bench/neuron_order.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = table(r)
+    print(text)
+    if args.out:
+        Path(args.out + ".json").write_text(json.dumps(r, indent=1) + "\n")
+        Path(args.out + ".md").write_text(f"`{r['command']}`\n\n```\n{text}\n```\n")
+    return r
+
+
+if __name__ == "__main__":
+    main()

@@ -135,9 +135,13 @@ def main(argv=None) -> dict:
     p.add_argument("--budget", default="0.5", help="DRAM budget (default 0.5, the demo's); 'unlimited' for none")
     p.add_argument("--window", type=int, default=4, help="sliding window (default 4)")
     p.add_argument("--calibration-tokens", type=int, default=20000, help="tokens the order is computed on (default 20000)")
+    p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
     budget = None if args.budget == "unlimited" else flashllm.budget.parse_budget(args.budget)
+    import torch
+
+    torch.set_num_threads(args.torch_threads)  # a tiny model: more threads only spin on a loaded machine
     with tempfile.TemporaryDirectory(prefix="flashllm-order-") as tmp:
         r = run(args.tokens, args.seq_len, args.prefill, budget, args.window, args.calibration_tokens, Path(tmp))
     r["command"] = "python bench/neuron_order.py " + " ".join(argv if argv is not None else sys.argv[1:])

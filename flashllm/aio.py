@@ -21,7 +21,8 @@ IOCB = np.dtype([("data", "<u8"), ("key", "<u4"), ("rw_flags", "<i4"), ("opcode"
                  ("fildes", "<u4"), ("buf", "<u8"), ("nbytes", "<u8"), ("offset", "<i8"), ("reserved2", "<u8"),
                  ("flags", "<u4"), ("resfd", "<u4")])
 EVENT = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8")])
-_CMD_PREAD = 0
+IOVEC = np.dtype([("base", "<u8"), ("len", "<u8")])  # struct iovec
+_CMD_PREAD, _CMD_PREADV = 0, 7
 _SYSCALLS = {"x86_64": (206, 207, 209, 208), "aarch64": (0, 1, 2, 4)}  # setup, destroy, submit, getevents
 
 
@@ -50,6 +51,13 @@ def make_iocbs(fd: int, buf_addrs: np.ndarray, file_offs: np.ndarray, lens: np.n
     iocbs["nbytes"] = lens
     iocbs["offset"] = file_offs
     return iocbs
+
+
+def gathered_iocbs(iocbs: np.ndarray, which: np.ndarray, iovecs: np.ndarray, first: np.ndarray) -> None:
+    """Turn iocbs[which] into vectored reads: read k scatters into iovecs[first[k]:first[k + 1]]."""
+    iocbs["opcode"][which] = _CMD_PREADV
+    iocbs["buf"][which] = iovecs.ctypes.data + first[which].astype(np.uint64) * IOVEC.itemsize
+    iocbs["nbytes"][which] = first[which + 1] - first[which]
 
 
 class AioContext:

@@ -114,6 +114,10 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--aio-depth", type=int, default=d.aio_depth,
                    help="Linux, direct I/O: serve the reads with native AIO, this many in flight per thread "
                         "(less CPU per read; 0: one blocking read per thread) (default: %(default)s)")
+    g.add_argument("--gap-bytes", type=int, default=d.gap_bytes,
+                   help="read through gaps of up to this many bytes between needed bundles instead of issuing "
+                        "another read (default: from the disk's measured per-read cost and bandwidth, see "
+                        "flashllm.disk_profile; 0: off)")
     g.add_argument("--context", type=int, default=d.context,
                    help="KV cache length (default: min(model, 4096))")
 

@@ -58,9 +58,14 @@ class FFNReader:
     """One read per neuron (bundled layout) or per neuron and part (unbundled), coalesced by the engine."""
 
     def __init__(self, path, layout: FFNLayout, threads: int, aio_depth: int = 0,
-                 checksums: LayerChecksums | None = None, hooks=None):
+                 checksums: LayerChecksums | None = None, hooks=None, gap_bytes: int | None = 0):
+        """`gap_bytes`: read through file gaps up to this size (None: the disk profile's cost model)."""
         self.layout, self.checksums, self.hooks = layout, checksums, hooks
-        self.io = FlashReader(path, threads=threads, aio_depth=aio_depth)
+        if gap_bytes is None:
+            from . import disk_profile
+
+            gap_bytes = disk_profile.profile(path, quick=True).gap_bytes(threads)
+        self.io = FlashReader(path, threads=threads, aio_depth=aio_depth, gap_bytes=gap_bytes)
 
     def read(self, layer: int, ids: np.ndarray, dest: np.ndarray, dest_rows: np.ndarray) -> IOStats:
         """Neuron ids[k] of `layer` into row dest_rows[k] of `dest` (uint8, >= stride bytes per row)."""

@@ -1,8 +1,11 @@
 """Flash I/O engine: parallel direct (page-cache-free) reads of FFN bundles into preallocated buffers.
 
-N worker threads are started once. Each call coalesces adjacent requests into a list of reads that
-the threads work through in a loop of blocking ``os.preadv`` calls (which release the GIL), pulling
-from one shared iterator so that none idles while reads are left. With ``aio_depth > 0`` aligned
+N worker threads are started once. Each call coalesces requests into a list of reads that the
+threads work through in a loop of blocking ``os.preadv`` calls (which release the GIL), pulling
+from one shared iterator so that none idles while reads are left. Rows adjacent in the file become
+one read even when their destinations are not (a vectored read), and with ``gap_bytes`` so do rows
+separated by at most that many bytes: the gap is read into a junk buffer, because one read through
+it costs less than a second read (disk_profile.py measures where that holds). With ``aio_depth > 0`` aligned
 direct reads go through Linux native AIO instead (aio.py): ``threads`` reads kept in flight by
 ceil(threads / aio_depth) threads. That costs half the CPU or less, but on a loaded 2-core machine
 it measured 5-15% below the preadv threads at 16-32 KiB (bench/results/io_throughput.md), so it
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashllm.aio import AioContext, make_iocbs
+from flashllm.aio import IOVEC, AioContext, gathered_iocbs, make_iocbs
 from flashllm.errors import FlashLLMError
 
 _STATX_DIOALIGN = 0x2000
@@ -137,16 +140,20 @@ def _serve(fd: int, bounce: memoryview, align: int, aio: AioContext | None, job)
     if job is None:
         return False
     if isinstance(job[1], np.ndarray):
-        _serve_aio(aio, *job[:4])  # job[4]: the destination, held until this worker's reads are reaped
+        _serve_aio(aio, *job[:5])  # job[5]: the destination (and iovecs), held until the reads are reaped
         return True
-    call, dest, reads = job
+    call, dest, reads, junk = job
     nbytes = nreads = off = n = 0
     error = None
     preadv = _preadv
     try:
         for off, doff, n, direct in reads:
-            if direct:
+            if direct is True:
                 got = preadv(fd, (dest[doff:doff + n],), off)
+                if got != n:
+                    raise _short(call.path, off, n, got)
+            elif direct is not False:  # gathered: one file range into several rows (gaps into `junk`)
+                got = preadv(fd, [dest[d:d + k] if d >= 0 else junk[:k] for d, k in direct], off)
                 if got != n:
                     raise _short(call.path, off, n, got)
             else:  # read the covering aligned range into the bounce buffer and copy out
@@ -168,7 +175,8 @@ def _serve(fd: int, bounce: memoryview, align: int, aio: AioContext | None, job)
     return True
 
 
-def _serve_aio(aio: AioContext, call: "PendingRead", iocbs: np.ndarray, groups, group: int) -> None:
+def _serve_aio(aio: AioContext, call: "PendingRead", iocbs: np.ndarray, want_bytes: np.ndarray, groups,
+               group: int) -> None:
     """Keep up to ``aio.depth`` reads in flight, topping up from the shared ``groups`` as reads complete.
 
     Every submitted read is reaped before returning, even after an error, so that no read still
@@ -197,7 +205,7 @@ def _serve_aio(aio: AioContext, call: "PendingRead", iocbs: np.ndarray, groups, 
             inflight -= len(events)
             if error is not None:
                 continue
-            want = iocbs["nbytes"][events["data"]].astype(np.int64)
+            want = want_bytes[events["data"]]
             res = events["res"]
             bad = np.flatnonzero(res != want)
             if len(bad):
@@ -251,17 +259,21 @@ class FlashReader:
     ``threads`` is the number of reads in flight: by default one blocking preadv per read in each of
     ``threads`` threads. ``aio_depth > 0`` sends aligned reads through native AIO where it works
     (Linux, direct I/O), ``aio_depth`` in flight per AIO thread. ``engine`` says which one is in use.
+    ``gap_bytes``: rows at most this far apart in the file are read with the gap in one read.
     """
 
     def __init__(self, path, threads: int = 32, max_chunk_bytes: int = 1 << 20, direct: bool = True,
-                 aio_depth: int = 0):
-        if threads < 1 or max_chunk_bytes < 1 or aio_depth < 0:
-            raise FlashIOError(f"{path}: threads and max_chunk_bytes must be >= 1 and aio_depth >= 0, "
-                               f"got {threads}, {max_chunk_bytes} and {aio_depth}")
+                 aio_depth: int = 0, gap_bytes: int = 0):
+        if threads < 1 or max_chunk_bytes < 1 or aio_depth < 0 or gap_bytes < 0:
+            raise FlashIOError(f"{path}: threads and max_chunk_bytes must be >= 1, aio_depth and gap_bytes >= 0, "
+                               f"got {threads}, {max_chunk_bytes}, {aio_depth} and {gap_bytes}")
         self.path = os.fspath(path)
         self.threads, self.max_chunk_bytes = int(threads), int(max_chunk_bytes)
         self.direct, self.alignment, self.mem_alignment = False, 1, 1
         self._fd = self._open(direct)
+        self.gap_bytes = min(int(gap_bytes), self.max_chunk_bytes)
+        junk = aligned_empty(-(-max(self.gap_bytes, 1) // self.alignment) * self.alignment, np.uint8)
+        self._junk, self._junk_addr = memoryview(junk), junk.ctypes.data  # gaps read through land here
         self.size = os.fstat(self._fd).st_size
         bounce_bytes = self.max_chunk_bytes + 2 * self.alignment
         depth = min(int(aio_depth), self.threads)
@@ -398,22 +410,17 @@ class FlashReader:
                                f"[{dest_rows.min()}, {dest_rows.max()}]")
 
         order = np.argsort(indices, kind="stable")
-        idx, rows = indices[order], dest_rows[order]
-        if row_bytes == stride == pitch and self.max_chunk_bytes >= 2 * row_bytes:
-            brk = np.ones(len(idx), dtype=bool)  # True where a new read starts
-            brk[1:] = (np.diff(idx) != 1) | (np.diff(rows) != 1)
-            starts = np.flatnonzero(brk)
-            pos = np.arange(len(idx)) - starts[np.cumsum(brk) - 1]  # position within its run
-            brk |= pos % (self.max_chunk_bytes // row_bytes) == 0
-            starts = np.flatnonzero(brk)
-            lens = np.diff(np.append(starts, len(idx))) * row_bytes
-            idx, rows = idx[starts], rows[starts]
-        else:
-            lens = np.full(len(idx), row_bytes, dtype=np.int64)
-        pieces = _split(base_offset + idx * stride, rows * pitch, lens, self.max_chunk_bytes)
+        offs, doffs = base_offset + indices[order] * stride, dest_rows[order] * pitch
         span = (dest.shape[0] - 1) * pitch + dest.shape[1] * dest.itemsize
         flat = np.lib.stride_tricks.as_strided(dest.view(np.uint8), shape=(span,), strides=(1,))
-        return self._submit(flat, *pieces, len(indices) * row_bytes, t0)
+        if self.max_chunk_bytes < 2 * row_bytes:  # rows alone (cut into max_chunk pieces)
+            pieces = _split(offs, doffs, np.full(len(offs), row_bytes, dtype=np.int64), self.max_chunk_bytes)
+            return self._submit(flat, _Reads.simple(*pieces), len(indices) * row_bytes, t0)
+        reads = _Reads.plan(offs, doffs, row_bytes, self.gap_bytes, self.max_chunk_bytes, gather=True)
+        if self.direct and self.alignment > 1 and reads.gathered and not reads.aligned(
+                flat.ctypes.data, self.alignment, self.mem_alignment, gathered_only=True):
+            reads = _Reads.plan(offs, doffs, row_bytes, 0, self.max_chunk_bytes, gather=False)
+        return self._submit(flat, reads, len(indices) * row_bytes, t0)
 
     def submit_range(self, offset: int, nbytes: int, dest: np.ndarray) -> PendingRead:
         """Start a read_range call and return at once; ``wait()`` on the result."""
@@ -432,28 +439,30 @@ class FlashReader:
         flat = dest.reshape(-1).view(np.uint8)
         one = np.array([0], dtype=np.int64)
         pieces = _split(one + offset, one, one + nbytes, self.max_chunk_bytes)
-        return self._submit(flat, *pieces, nbytes, t0)
+        return self._submit(flat, _Reads.simple(*pieces), nbytes, t0)
 
-    def _submit(self, flat: np.ndarray, file_offs, dest_offs, lens, requested: int, t0: float) -> PendingRead:
+    def _submit(self, flat: np.ndarray, reads: "_Reads", requested: int, t0: float) -> PendingRead:
         """Queue the reads (sorted by file offset) for the workers; the returned handle waits for them."""
         if self.direct and self.alignment > 1:
-            inplace = ((file_offs | lens) % self.alignment == 0) & \
-                      ((flat.ctypes.data + dest_offs) % self.mem_alignment == 0)
+            inplace = reads.inplace(flat.ctypes.data, self.alignment, self.mem_alignment)
         else:
-            inplace = np.ones(len(lens), dtype=bool)
+            inplace = np.ones(len(reads), dtype=bool)
         if self.engine == "aio" and inplace.all():
-            return self._submit_aio(flat, file_offs, dest_offs, lens, requested, t0)
-        nw = min(self.threads, len(lens))
+            return self._submit_aio(flat, reads, requested, t0)
+        nw = min(self.threads, len(reads))
         # Issue the reads as nw interleaved sequential streams (like fio's parallel sequential jobs),
         # which measured up to 1.8x faster here than all threads walking one stream.
-        per = -(-len(lens) // nw)
+        per = -(-len(reads) // nw)
         order = np.arange(per * nw).reshape(nw, per).T.reshape(-1)
-        order = order[order < len(lens)]
-        cols = [a[order].tolist() for a in (file_offs, dest_offs, lens, inplace)]
+        order = order[order < len(reads)]
+        mode = inplace.tolist()  # True: straight into dest; False: through the bounce buffer
+        for r in np.flatnonzero(reads.piece_count() > 1).tolist():  # gathered: (dest offset or -1, bytes) pieces
+            mode[r] = reads.pieces_of(r)
+        cols = [a[order].tolist() for a in (reads.off, reads.doff, reads.len)] + [[mode[k] for k in order.tolist()]]
         fadvise = None
         if not self.direct and hasattr(os, "posix_fadvise"):
-            lo = int(file_offs.min())
-            fadvise = (self._fd, lo, int((file_offs + lens).max()) - lo)
+            lo = int(reads.off.min())
+            fadvise = (self._fd, lo, int((reads.off + reads.len).max()) - lo)
         call = PendingRead(self.path, nw, requested, t0, fadvise)
         mv = memoryview(flat)
         # Work-sharing: all workers pull from one iterator, so none idles while reads are left (no straggler
@@ -462,19 +471,118 @@ class FlashReader:
         shared = zip(*cols)
         for w in range(nw):
             share = shared if _GIL else zip(*(c[w::nw] for c in cols))  # free-threaded: fixed shares
-            self._queues[(self._next + w) % self.threads].put((call, mv, share))
+            self._queues[(self._next + w) % self.threads].put((call, mv, share, self._junk))
         self._next = (self._next + nw) % self.threads
         return call
 
-    def _submit_aio(self, flat: np.ndarray, file_offs, dest_offs, lens, requested: int, t0: float) -> PendingRead:
+    def _submit_aio(self, flat: np.ndarray, reads: "_Reads", requested: int, t0: float) -> PendingRead:
         """Queue the reads as groups that the AIO workers take in turn, each keeping ``aio_depth`` in flight."""
-        iocbs = make_iocbs(self._fd, flat.ctypes.data + dest_offs.astype(np.uint64), file_offs, lens)
+        base = flat.ctypes.data
+        iocbs = make_iocbs(self._fd, base + reads.doff.astype(np.uint64), reads.off, reads.len)
+        iovecs = None
+        multi = np.flatnonzero(reads.piece_count() > 1)
+        if len(multi):  # gathered reads: IOCB_CMD_PREADV over an iovec array
+            iovecs = np.zeros(len(reads.p_len), dtype=IOVEC)
+            iovecs["base"] = np.where(reads.p_doff >= 0, base + reads.p_doff, self._junk_addr).astype(np.uint64)
+            iovecs["len"] = reads.p_len
+            gathered_iocbs(iocbs, multi, iovecs, reads.p_start)
         group = max(1, self.aio_depth // 4)
-        starts = range(0, len(lens), group)
+        starts = range(0, len(reads), group)
         nw = min(len(self._aios), len(starts))
         call = PendingRead(self.path, nw, requested, t0)
         shared = iter(starts)  # next() on a range iterator is atomic under the GIL
         for w in range(nw):
             share = shared if _GIL else iter(starts[w::nw])
-            self._queues[w].put((call, iocbs, share, group, flat))
+            self._queues[w].put((call, iocbs, reads.len, share, group, (flat, iovecs)))
         return call
+
+
+class _Reads:
+    """The reads of one call: file range (off, len) each, landing at dest offset doff, or (gathered reads,
+    piece_count > 1) split into pieces p_start[r]:p_start[r+1] of (p_doff, p_len); p_doff -1 is a gap read
+    into the junk buffer. Sorted by file offset."""
+
+    MAX_PIECES = 1000  # below IOV_MAX (1024) iovecs per preadv
+
+    def __init__(self, off, doff, lens, p_start=None, p_doff=None, p_len=None):
+        self.off, self.doff, self.len = off, doff, lens
+        n = len(off)
+        self.p_start = np.arange(n + 1) if p_start is None else p_start
+        self.p_doff = doff if p_doff is None else p_doff
+        self.p_len = lens if p_len is None else p_len
+        self.p_off = off if p_start is None else None
+        self.gathered = p_start is not None and len(self.p_len) > n
+
+    def __len__(self) -> int:
+        return len(self.off)
+
+    @classmethod
+    def simple(cls, off, doff, lens) -> "_Reads":
+        return cls(off, doff, lens)
+
+    @classmethod
+    def plan(cls, offs, doffs, row_bytes: int, gap: int, max_chunk: int, gather: bool) -> "_Reads":
+        """Reads covering rows at sorted file offsets ``offs`` (``row_bytes`` each) bound for ``doffs``.
+
+        A row joins the previous one's read when the file gap between them is at most ``gap`` bytes
+        (read through into junk) and, without ``gather``, only when it follows it in the file and in
+        dest; a read spans at most ``max_chunk`` bytes and MAX_PIECES // 2 rows."""
+        n = len(offs)
+        ends = offs + row_bytes
+        g = offs[1:] - ends[:-1]
+        join = (g >= 0) & (g <= gap) if gather else (g == 0) & (np.diff(doffs) == row_bytes)
+        brk = np.ones(n, dtype=bool)
+        brk[1:] = ~join
+        run_start = np.flatnonzero(brk)
+        run = np.cumsum(brk) - 1
+        step = max_chunk - row_bytes + 1  # rows starting within one step of their read's start fit max_chunk
+        key = (offs - offs[run_start][run]) // step
+        pos = (np.arange(n) - run_start[run]) // (cls.MAX_PIECES // 2)
+        brk[1:] |= (key[1:] != key[:-1]) | (pos[1:] != pos[:-1])
+        starts = np.flatnonzero(brk)
+        last = np.append(starts[1:], n) - 1
+        read_of = np.cumsum(brk) - 1
+        off, lens = offs[starts], ends[last] - offs[starts]
+        if not gather:
+            return cls(off, doffs[starts], lens)
+        gap_before = np.zeros(n, dtype=np.int64)
+        gap_before[1:] = g
+        gap_before[brk] = 0
+        new_piece = brk.copy()
+        new_piece[1:] |= (gap_before[1:] > 0) | (np.diff(doffs) != row_bytes)
+        rp = np.flatnonzero(new_piece)
+        gp = np.flatnonzero(gap_before > 0)
+        p_off = np.concatenate([offs[rp], ends[gp - 1]])
+        p_len = np.concatenate([np.diff(np.append(rp, n)) * row_bytes, gap_before[gp]])
+        p_doff = np.concatenate([doffs[rp], np.full(len(gp), -1, dtype=np.int64)])
+        p_read = np.concatenate([read_of[rp], read_of[gp]])
+        order = np.lexsort((p_off, p_read))
+        p_off, p_len, p_doff, p_read = p_off[order], p_len[order], p_doff[order], p_read[order]
+        p_start = np.searchsorted(p_read, np.arange(len(starts) + 1))
+        reads = cls(off, doffs[starts], lens, p_start, p_doff, p_len)
+        reads.p_off = p_off
+        return reads
+
+    def piece_count(self) -> np.ndarray:
+        return np.diff(self.p_start)
+
+    def pieces_of(self, r: int) -> tuple:
+        a, b = self.p_start[r], self.p_start[r + 1]
+        return tuple(zip(self.p_doff[a:b].tolist(), self.p_len[a:b].tolist()))
+
+    def inplace(self, addr: int, align: int, mem_align: int) -> np.ndarray:
+        """Per read: can it go straight into dest with direct I/O (every piece aligned)?"""
+        ok = self._piece_ok(addr, align, mem_align)
+        return np.minimum.reduceat(ok, self.p_start[:-1]).astype(bool) if len(ok) else ok
+
+    def aligned(self, addr: int, align: int, mem_align: int, gathered_only: bool = False) -> bool:
+        """Whether every piece (of the gathered reads only, if asked) suits direct I/O."""
+        ok = self.inplace(addr, align, mem_align)
+        return bool(ok[self.piece_count() > 1].all() if gathered_only else ok.all())
+
+    def _piece_ok(self, addr: int, align: int, mem_align: int) -> np.ndarray:
+        p_off = self.p_off
+        if p_off is None:
+            p_off = self.off
+        dest_ok = (self.p_doff < 0) | ((addr + np.maximum(self.p_doff, 0)) % mem_align == 0)
+        return (((p_off | self.p_len) % align == 0) & dest_ok).astype(np.uint8)

@@ -242,7 +242,8 @@ class SparsePlan(StreamingPlan):
                       f"{enough} avoids it", RuntimeWarning, stacklevel=4)
 
     def describe(self) -> dict:
-        return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind}
+        return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind,
+                "gap_bytes": self.reader.io.gap_bytes}
 
     @property
     def capacity(self) -> int:

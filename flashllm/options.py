@@ -30,6 +30,7 @@ class LoadOptions:
     window: int = 4  # sparse: tokens whose neurons stay cached
     threads: int = 32  # flash reads in flight
     aio_depth: int = 0  # > 0: native AIO with this many reads in flight per thread
+    gap_bytes: int | None = None  # read through file gaps up to this size (None: the disk profile's cost model)
     dtype: str | None = None  # compute dtype; None: the storage dtype
     context: int | None = None  # KV cache length; None: min(model, 4096)
     verify: bool | None = None  # checksums at load: None small files (FFN layers verified on first full read)
@@ -58,6 +59,8 @@ class LoadOptions:
               f"window {self.window}: must be at least 1 (tokens whose neurons stay cached)")
         check(isinstance(self.threads, int) and self.threads >= 1, f"threads {self.threads}: must be at least 1")
         check(isinstance(self.aio_depth, int) and self.aio_depth >= 0, f"aio_depth {self.aio_depth}: must be >= 0")
+        check(self.gap_bytes is None or isinstance(self.gap_bytes, int) and self.gap_bytes >= 0,
+              f"gap_bytes {self.gap_bytes}: must be >= 0 (or None: from the disk profile)")
         check(self.context is None or self.context >= 1, f"context {self.context}: must be at least 1")
         check(self.hybrid_fraction is None or 0 <= self.hybrid_fraction <= 1,
               f"hybrid_fraction {self.hybrid_fraction}: expected a value in [0, 1]")

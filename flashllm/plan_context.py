@@ -46,7 +46,7 @@ class PlanContext:
         """A reader of `ffn.bin` reporting to the hooks (and, with `verify`, checking layer checksums)."""
         o = self.options
         return FFNReader(self.manifest.path("ffn"), self.layout, threads or o.threads, o.aio_depth,
-                         self.checksums if verify else None, self.hooks)
+                         self.checksums if verify else None, self.hooks, o.gap_bytes)
 
     def read_layer_block(self, layer: int) -> np.ndarray:
         """All neurons of one layer as uint8 bundle rows [d_ffn, stride] (for loading resident FFNs)."""

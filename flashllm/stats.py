@@ -21,7 +21,7 @@ class TokenCost:
 
     tokens: int = 0
     bytes_read: int = 0
-    bytes_wasted: int = 0  # read only because of alignment (bytes_read includes it)
+    bytes_wasted: int = 0  # read only because of alignment or gap filling (bytes_read includes it)
     reads: int = 0
     io_ms: float = 0.0
     mem_ms: float = 0.0

@@ -1,0 +1,284 @@
+"""What a random read costs on the disk a model lives on, measured once per machine and disk.
+
+The flash I/O engine itself (O_DIRECT, N threads) reads random, request-sized pieces of a scratch
+file on that disk, for each request size and number of reads in flight; the profile keeps the
+throughput of every cell and the mean latency of single reads. Fitting the amortised cost of one
+read, ``size / throughput(size)``, to ``per_read_s + size / bandwidth`` gives the cost model that
+gap-filling uses: reading through a gap of g bytes costs g / bandwidth, a separate read costs
+per_read_s, so a gap is read through when ``g < per_read_s * bandwidth`` (``gap_bytes``).
+
+Profiles are cached as JSON under ``$FLASHLLM_CACHE/disk`` (default ``~/.cache/flashllm/disk``),
+one file per host and block device; ``profile(path, refresh=True)`` measures again.
+
+    from flashllm import disk_profile
+    p = disk_profile.profile("/models/opt/ffn.bin")   # cached, or measured now (a few seconds)
+    p.gap_bytes(32), p.cost_model(32), p.throughput(16384, 32), p.latency_s(4096)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import FlashLLMError
+
+FORMAT = "flashllm-disk-profile"
+VERSION = 1
+SIZES = (4096, 16384, 65536, 262144, 1048576)  # request sizes measured by default
+INFLIGHT = (1, 8, 32)  # reads in flight measured by default
+SCRATCH_BYTES = 128 << 20  # the scratch file random reads go to (written once, deleted after)
+SECONDS = 0.25  # per cell
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FLASHLLM_CACHE", Path.home() / ".cache" / "flashllm")) / "disk"
+
+
+def disk_key(path) -> str:
+    """host + block device of ``path`` (a file or a directory): what a profile is cached under."""
+    st = os.stat(path)
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    return f"{socket.gethostname()}-dev{major}_{minor}"
+
+
+def _describe_device(path) -> str:
+    """The block device's model name (Linux sysfs), or its numbers."""
+    st = os.stat(path)
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    sys_dev = Path(f"/sys/dev/block/{major}:{minor}")
+    for p in (sys_dev / "device" / "model", sys_dev / ".." / "device" / "model"):
+        try:
+            return f"{p.read_text().strip()} ({major}:{minor})"
+        except OSError:
+            continue
+    return f"block device {major}:{minor}"
+
+
+@dataclass
+class DiskProfile:
+    """Throughput per (reads in flight, request size) and single-read latency, of one disk."""
+
+    key: str
+    device: str
+    date: str
+    direct: bool  # measured with O_DIRECT (False: the page cache may have served reads)
+    sizes: list[int]
+    inflight: list[int]
+    mibps: list[list[float]]  # [len(inflight)][len(sizes)]
+    latency_us: list[float]  # mean single-read latency per size (1 in flight)
+    scratch_bytes: int = 0
+    seconds_per_cell: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    # -- queries ---------------------------------------------------------------------------------
+    def _row(self, inflight: int) -> int:
+        """The measured in-flight count closest to ``inflight`` (ties: the smaller)."""
+        q = np.array(self.inflight)
+        return int(np.argmin(np.abs(np.log(q) - np.log(max(inflight, 1)))))
+
+    def throughput(self, size: int, inflight: int) -> float:
+        """Bytes/s of random ``size``-byte reads with ``inflight`` in flight (interpolated in log size)."""
+        mib = np.interp(np.log(size), np.log(self.sizes), self.mibps[self._row(inflight)])
+        return float(mib) * (1 << 20)
+
+    def latency_s(self, size: int) -> float:
+        """Seconds one read of ``size`` bytes takes alone."""
+        return float(np.interp(np.log(size), np.log(self.sizes), self.latency_us)) * 1e-6
+
+    def cost_model(self, inflight: int) -> tuple[float, float]:
+        """(per-read seconds, bytes/s): the line through the amortised cost of one read, ``size /
+        throughput``, at the measured in-flight count closest to ``inflight`` (least squares of the
+        relative error, so that the large sizes do not decide the per-read cost alone)."""
+        row = self._row(inflight)
+        s = np.array(self.sizes, dtype=np.float64)
+        cost = s / (np.array(self.mibps[row]) * (1 << 20))
+        slope, intercept = np.polyfit(s, cost, 1, w=1 / cost)
+        bandwidth = 1.0 / slope if slope > 0 else float(np.max(s / cost))
+        return max(float(intercept), 0.0), float(bandwidth)
+
+    def gap_bytes(self, inflight: int) -> int:
+        """The largest gap worth reading through rather than issuing a second read."""
+        per_read, bandwidth = self.cost_model(inflight)
+        return int(per_read * bandwidth)
+
+    def read_seconds(self, sizes, inflight: int) -> float:
+        """Predicted time of reads of ``sizes`` bytes with ``inflight`` in flight (cost model)."""
+        per_read, bandwidth = self.cost_model(inflight)
+        sizes = np.asarray(sizes, dtype=np.float64)
+        return float(len(sizes) * per_read + sizes.sum() / bandwidth)
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DiskProfile":
+        if d.get("format") != FORMAT or d.get("version") != VERSION:
+            raise ValueError("not a flashllm disk profile of this version")
+        fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        p = cls(**fields)
+        if len(p.mibps) != len(p.inflight) or any(len(r) != len(p.sizes) for r in p.mibps) or \
+                len(p.latency_us) != len(p.sizes) or min(min(r) for r in p.mibps) <= 0:
+            raise ValueError("inconsistent table")
+        return p
+
+    def table(self) -> str:
+        """A table a person can read: MiB/s per request size and reads in flight, latency, the cost model."""
+        head = f"{'request':>9} {'latency (us)':>13} " + " ".join(f"{f'{q} in flight':>13}" for q in self.inflight)
+        lines = [f"disk {self.device} ({self.key}), measured {self.date}"
+                 f"{'' if self.direct else ' WITHOUT direct I/O'}; MiB/s of random reads", head]
+        for j, s in enumerate(self.sizes):
+            lines.append(f"{_fmt(s):>9} {self.latency_us[j]:>13.0f} " +
+                         " ".join(f"{self.mibps[i][j]:>13.0f}" for i in range(len(self.inflight))))
+        for q in self.inflight:
+            a, b = self.cost_model(q)
+            lines.append(f"{q} in flight: a read costs {a * 1e6:.1f} us + size / {b / (1 << 20):.0f} MiB/s; "
+                         f"gaps under {_fmt(self.gap_bytes(q))} are read through")
+        return "\n".join(lines + self.notes)
+
+
+def _fmt(n: int) -> str:
+    for unit, m in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= m:
+            return f"{n / m:g}{unit}"
+    return str(n)
+
+
+# -- measuring ----------------------------------------------------------------------------------
+def _cell(reader, file_rows: int, size: int, inflight: int, seconds: float, rng, dest) -> tuple[float, float]:
+    """(bytes/s, mean seconds per call) reading random ``size``-byte rows, ``inflight`` per call."""
+    rows = np.arange(inflight)
+    total = calls = 0
+    t0 = time.perf_counter()
+    while True:
+        idx = rng.choice(file_rows, size=inflight, replace=False) if file_rows >= inflight else \
+            rng.integers(0, file_rows, inflight)
+        total += reader.read_rows(0, size, size, idx, dest, rows).bytes_read
+        calls += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return total / elapsed, elapsed / calls
+
+
+def _scratch(directory: Path, nbytes: int, notes: list) -> tuple[str, bool]:
+    """(path of a file to read, whether we wrote it): a scratch file of random bytes in ``directory``."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=".flashllm-disk-profile-", dir=directory)
+    except OSError:
+        return "", False
+    try:
+        chunk = np.random.default_rng(0).bytes(8 << 20)
+        with os.fdopen(fd, "wb") as f:
+            for done in range(0, nbytes, len(chunk)):
+                f.write(chunk[:min(len(chunk), nbytes - done)])
+            f.flush()
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError as e:
+        os.unlink(path)
+        notes.append(f"could not write a scratch file in {directory} ({e.strerror})")
+        return "", False
+    return path, True
+
+
+def measure(path, sizes=SIZES, inflight=INFLIGHT, seconds: float = SECONDS,
+            scratch_bytes: int = SCRATCH_BYTES, progress=None) -> DiskProfile:
+    """Measure the disk holding ``path`` (a file or directory) with the flash I/O engine.
+
+    Reads go to a scratch file of ``scratch_bytes`` written next to ``path`` and deleted afterwards;
+    where that cannot be written, to ``path`` itself if it is a file (read-only)."""
+    from .flashio import FlashReader, aligned_empty
+
+    target = Path(path)
+    if not target.exists():
+        raise FlashLLMError(f"{target}: no such file or directory (cannot profile its disk)")
+    directory = target if target.is_dir() else target.parent
+    notes: list[str] = []
+    file, ours = _scratch(directory, scratch_bytes, notes)
+    if not file:
+        if not target.is_file():
+            raise FlashLLMError(f"{directory}: not writable, and no file to read there to profile the disk")
+        file = str(target)
+        notes.append(f"measured on {target} (read-only)")
+    sizes, inflight = sorted(set(int(s) for s in sizes)), sorted(set(int(q) for q in inflight))
+    rng = np.random.default_rng()
+    mibps = [[0.0] * len(sizes) for _ in inflight]
+    latency = [0.0] * len(sizes)
+    direct = True
+    try:
+        fsize = os.path.getsize(file)
+        for i, q in enumerate(inflight):
+            with FlashReader(file, threads=q, max_chunk_bytes=max(sizes)) as reader:
+                direct = direct and reader.direct
+                for j, s in enumerate(sizes):
+                    if fsize < s:
+                        raise FlashLLMError(f"{file}: {fsize} bytes, too small to profile {s}-byte reads")
+                    dest = aligned_empty((q, s), np.uint8)
+                    dest.fill(0)
+                    bps, per_call = _cell(reader, fsize // s, s, q, seconds, rng, dest)
+                    mibps[i][j] = bps / (1 << 20)
+                    if q == 1:
+                        latency[j] = per_call * 1e6
+                    if progress:
+                        progress(f"{_fmt(s)} x{q}: {mibps[i][j]:.0f} MiB/s")
+        if 1 not in inflight:
+            with FlashReader(file, threads=1, max_chunk_bytes=max(sizes)) as reader:
+                for j, s in enumerate(sizes):
+                    dest = aligned_empty((1, s), np.uint8)
+                    latency[j] = _cell(reader, fsize // s, s, 1, seconds / 2, rng, dest)[1] * 1e6
+    finally:
+        if ours:
+            os.unlink(file)
+    return DiskProfile(key=disk_key(directory), device=_describe_device(directory),
+                       date=datetime.datetime.now().isoformat(timespec="seconds"), direct=direct, sizes=sizes,
+                       inflight=inflight, mibps=[[round(v, 1) for v in r] for r in mibps],
+                       latency_us=[round(v, 1) for v in latency], scratch_bytes=scratch_bytes if ours else 0,
+                       seconds_per_cell=seconds, notes=notes)
+
+
+def cache_path(path) -> Path:
+    """Where the profile of the disk holding ``path`` is cached."""
+    return cache_root() / f"{disk_key(path)}.json"
+
+
+def cached(path) -> DiskProfile | None:
+    """The cached profile of the disk holding ``path``, or None (none yet, or unreadable)."""
+    try:
+        return DiskProfile.from_dict(json.loads(cache_path(path).read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def save(p: DiskProfile) -> Path:
+    """Write a profile to the cache (to a temporary name, then renamed)."""
+    out = cache_root() / f"{p.key}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(p.to_dict(), indent=1))
+    os.replace(tmp, out)
+    return out
+
+
+QUICK = dict(inflight=(1, 32), seconds=0.1, scratch_bytes=64 << 20)  # ~1.5 s: what a first load measures
+
+
+def profile(path, refresh: bool = False, progress=None, quick: bool = False, **measure_args) -> DiskProfile:
+    """The profile of the disk holding ``path``: cached, else (or with ``refresh``) measured and cached.
+    ``quick``: if it must be measured, measure only what the runtime's cost model needs (QUICK)."""
+    if not refresh:
+        p = cached(path)
+        if p is not None:
+            return p
+    p = measure(path, progress=progress, **{**(QUICK if quick else {}), **measure_args})
+    try:
+        save(p)
+    except OSError:
+        pass  # a read-only cache directory: use the measurement without keeping it
+    return p

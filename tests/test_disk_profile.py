@@ -1,0 +1,70 @@
+"""The disk profile: measured with the flash engine, cached per disk, and a cost model that decides gaps."""
+
+import json
+
+import numpy as np
+import pytest
+
+from flashllm import disk_profile
+from flashllm.disk_profile import DiskProfile
+from flashllm.errors import FlashLLMError
+
+
+def synthetic(per_read_us: float, mib_s: float) -> DiskProfile:
+    """A profile whose cells follow per-read cost + size / bandwidth exactly."""
+    sizes = [4096, 16384, 65536, 262144]
+    rate = [[s / (per_read_us * 1e-6 + s / (mib_s * 2**20)) / 2**20 for s in sizes]]
+    return DiskProfile(key="k", device="d", date="now", direct=True, sizes=sizes, inflight=[32], mibps=rate,
+                       latency_us=[100.0] * 4)
+
+
+def test_cost_model_recovers_per_read_cost_and_bandwidth():
+    p = synthetic(50, 1000)
+    per_read, bandwidth = p.cost_model(32)
+    assert per_read == pytest.approx(50e-6, rel=1e-6) and bandwidth == pytest.approx(1000 * 2**20, rel=1e-6)
+    assert p.gap_bytes(32) == pytest.approx(50e-6 * 1000 * 2**20, rel=1e-3)
+    assert synthetic(10, 1000).gap_bytes(32) < p.gap_bytes(32) < synthetic(50, 3000).gap_bytes(32)
+    assert p.read_seconds([4096] * 10, 32) == pytest.approx(10 * 50e-6 + 40960 / (1000 * 2**20))
+
+
+def test_measure_caches_per_disk_and_refreshes(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path / "cache"))
+    target = tmp_path / "model"
+    target.mkdir()
+    small = dict(sizes=(4096, 65536), inflight=(1, 4), seconds=0.02, scratch_bytes=1 << 20)
+    p = disk_profile.profile(target, **small)
+    assert p.sizes == [4096, 65536] and p.inflight == [1, 4] and min(map(min, p.mibps)) > 0
+    assert all(v > 0 for v in p.latency_us) and p.key == disk_profile.disk_key(target)
+    assert list(target.iterdir()) == []  # the scratch file is gone
+    cached = json.loads(disk_profile.cache_path(target).read_text())
+    assert cached["format"] == "flashllm-disk-profile" and cached["mibps"] == p.mibps
+    assert disk_profile.profile(target).date == p.date  # from the cache, not measured again
+    assert disk_profile.profile(target, refresh=True, **dict(small, sizes=(4096, 8192))).sizes == [4096, 8192]
+    assert "MiB/s" in p.table() and "read through" in p.table()
+
+
+def test_unreadable_cache_is_measured_again_and_missing_path_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path / "cache"))
+    path = disk_profile.cache_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"format": "flashllm-disk-profile", "version": 1, "sizes": "garbage"}')
+    assert disk_profile.cached(tmp_path) is None
+    with pytest.raises(FlashLLMError, match="no such file"):
+        disk_profile.measure(tmp_path / "nope")
+
+
+def test_runtime_gap_comes_from_the_profile(tiny_models, tmp_path, monkeypatch):
+    import flashllm
+
+    monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path))
+    tm = tiny_models("opt")
+    p = synthetic(40, 2000)
+    p.key = disk_profile.disk_key(tm.model_dir / "ffn.bin")
+    disk_profile.save(p)
+    model = flashllm.load(tm.model_dir, mode="sparse", predictor="oracle", threads=32)
+    assert model.plan.reader.io.gap_bytes == min(p.gap_bytes(32), model.plan.reader.io.max_chunk_bytes)
+    assert flashllm.load(tm.model_dir, mode="sparse", predictor="oracle", gap_bytes=0).plan.reader.io.gap_bytes == 0
+    ids = np.arange(3, 12).tolist()
+    np.testing.assert_allclose(model.logits(ids, prefill=2), flashllm.load(tm.model_dir, mode="dense").logits(
+        ids, prefill=2), atol=1e-4, rtol=1e-4)
+    assert model.stats["gap_bytes"] > 0 and model.stats["bytes_wasted"] > 0  # gaps were read through

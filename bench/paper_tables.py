@@ -110,7 +110,8 @@ def measure(run: dict) -> dict:
     t0 = time.perf_counter()
     model = flashllm.load(run["model_dir"], backend=run["backend"], mode=run["mode"], predictor=predictor,
                           dram_budget=run["budget"], window=run.get("window") or 1, threads=run["threads"],
-                          aio_depth=run.get("aio_depth", 0), dtype=run.get("dtype"), context=n + 1)
+                          aio_depth=run.get("aio_depth", 0), gap_bytes=run.get("gap_bytes"), dtype=run.get("dtype"),
+                          context=n + 1)
     load_s = time.perf_counter() - t0
     read_acc, predicted_acc = [0.0], [0]
     plan = model.plan
@@ -153,7 +154,7 @@ def measure(run: dict) -> dict:
            "model_bytes": model.model_bytes, "dram_budget": model.dram_budget, "dram_bytes": model.dram_bytes(),
            "compute_dtype": model.backend.dtype_name,
            "storage_dtype": model.manifest.data["dtype"], "bundled": model.layout.bundled,
-           "context": model.context, "n_layers": model.spec.n_layers, "d_ffn": model.spec.d_ffn, "kv_bytes": _kv_bytes(model), "row_bytes": row_bytes,
+           "context": model.context, "gap_bytes": plan.describe().get("gap_bytes"), "n_layers": model.spec.n_layers, "d_ffn": model.spec.d_ffn, "kv_bytes": _kv_bytes(model), "row_bytes": row_bytes,
            "prompt": {k2: costs[0][k2] for k2 in ("bytes_read", "io_ms", "total_ms")}}
     for key in ("bytes_read", "bytes_wasted", "reads", "io_ms", "read_ms", "mem_ms", "compute_ms", "predictor_ms",
                 "total_ms", "neurons_dropped", "predicted"):
@@ -408,7 +409,8 @@ class Runner:
 
 def plan_runs(args, model_dir: Path, unbundled: Path | None, budget: float, predictor: str) -> dict:
     """Every measurement of the report, by name."""
-    base = dict(backend="torch", budget=budget, threads=args.threads, aio_depth=args.aio_depth, trace=args.trace,
+    base = dict(backend="torch", budget=budget, threads=args.threads, aio_depth=args.aio_depth,
+                gap_bytes=args.gap_bytes, trace=args.trace,
                 seed=args.seed, predictor=predictor, predictor_rank=args.predictor_rank,
                 torch_threads=args.torch_threads)
 
@@ -885,6 +887,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "bfloat16, float16")
     p.add_argument("--threads", type=int, default=32, help="flash reads in flight (reader threads)")
     p.add_argument("--aio-depth", type=int, default=0, help="native AIO reads in flight per thread (0: preadv threads)")
+    p.add_argument("--gap-bytes", type=lambda s: None if s == "auto" else int(s), default=None,
+                   help="read through gaps up to this many bytes (default auto: the disk profile's cost model)")
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--backends", type=lambda s: [b for b in s.split(",") if b], default=["torch"])
     p.add_argument("--mlx-max-gb", type=float, default=3.0, help="skip MLX (CPU build, 10-30x slower) above this size")

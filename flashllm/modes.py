@@ -78,9 +78,11 @@ class DensePlan(Plan):
 class StreamingPlan(Plan):
     """Shared by the flash-reading plans: the FFN reader and a dense read of neuron ranges."""
 
+    gap_filling = False  # scattered reads: read through small gaps (the disk profile's cost model)
+
     def __init__(self, ctx: PlanContext):
         super().__init__(ctx)
-        self.reader = ctx.ffn_reader()
+        self.reader = ctx.ffn_reader(gap_filling=self.gap_filling)
 
     def read_rows(self, layer: int, lo: int, hi: int, buf: np.ndarray, cost) -> dict:
         """Neurons lo..hi-1 of `layer` read in one sequential range into `buf`, as backend rows."""
@@ -194,6 +196,7 @@ class SparsePlan(StreamingPlan):
     """Predicted neurons streamed into per-layer sliding-window caches (paper §3.1-3.3)."""
 
     summary = "predicted neurons streamed into sliding-window caches"
+    gap_filling = True
 
     RANDOM_READ_PENALTY = 1.5  # a bundle read costs about this much more per byte than a sequential one
 

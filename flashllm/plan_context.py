@@ -42,11 +42,12 @@ class PlanContext:
         return self.options.mode
 
     # -- reading -------------------------------------------------------------------------------
-    def ffn_reader(self, threads: int | None = None, verify: bool = True) -> FFNReader:
-        """A reader of `ffn.bin` reporting to the hooks (and, with `verify`, checking layer checksums)."""
+    def ffn_reader(self, threads: int | None = None, verify: bool = True, gap_filling: bool = False) -> FFNReader:
+        """A reader of `ffn.bin` reporting to the hooks (and, with `verify`, checking layer checksums);
+        with `gap_filling`, gaps up to the `gap_bytes` option (None: the disk profile's) are read through."""
         o = self.options
         return FFNReader(self.manifest.path("ffn"), self.layout, threads or o.threads, o.aio_depth,
-                         self.checksums if verify else None, self.hooks, o.gap_bytes)
+                         self.checksums if verify else None, self.hooks, o.gap_bytes if gap_filling else 0)
 
     def read_layer_block(self, layer: int) -> np.ndarray:
         """All neurons of one layer as uint8 bundle rows [d_ffn, stride] (for loading resident FFNs)."""

@@ -28,11 +28,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 from flashllm import format as fmt  # noqa: E402
 from flashllm.errors import FlashLLMError  # noqa: E402
+from flashllm.quant import QuantScheme  # noqa: E402
 from flashllm.spec import ArchSpec  # noqa: E402
 from flashllm.converters.checkpoint import tensor_bytes  # noqa: E402
 from flashllm.st_io import write_safetensors  # noqa: E402
@@ -102,11 +104,33 @@ class RandomWeights:
         out.normal_(0.0, STD, generator=g)
         return out.to(self.dtype)
 
-    def expert_rows(self, layer: int) -> list[dict[str, torch.Tensor]]:
-        """Per expert of the layer: gate, up and down^T, each [d_ffn, d_model]."""
+    def expert_rows(self, layer: int):
+        """Per expert of the layer: gate, up and down^T, each [d_ffn, d_model] (one expert at a time)."""
         s, parts = self.spec, ("gate", "up", "down")
-        return [{p: self.get(f"layers.{layer}.experts.{e}.{p}", (s.d_ffn, s.d_model)) for p in parts}
-                for e in range(s.n_experts)]
+        return ({p: self.get(f"layers.{layer}.experts.{e}.{p}", (s.d_ffn, s.d_model)) for p in parts}
+                for e in range(s.n_experts))
+
+    def quantized_expert_bundles(self, layout, layer: int):
+        """Stored bundles of quantized experts drawn directly as codes: uniform random codes, and per group
+        the float16 scale and minimum that N(0, 0.02²) rows of d_model values get (their mean over 64
+        sample rows). Quantizing 30B random floats would take this machine most of an hour; the bytes
+        read and computed per expert are the same."""
+        q, rows = layout.quant, len(layout.parts) * layout.d_ffn
+        pieces = q.part_layout(layout.d_model)
+        sample = q.quantize(self.get("quant.sample", (64, layout.d_model)).float().numpy())
+        typical = {k: np.frombuffer(sample[:, o:o + n].tobytes(), np.float16).reshape(64, -1).astype(np.float32)
+                   .mean().astype(np.float16) for k, (o, n) in pieces.items() if k != "codes"}
+        template = np.zeros((rows, layout.row_bytes), dtype=np.uint8)
+        for k, value in typical.items():
+            o, n = pieces[k]
+            template[:, o:o + n] = np.full(n // 2, value, dtype=np.float16).view(np.uint8)
+        o, n = pieces["codes"]
+        for e in range(layout.n_experts):
+            rng = np.random.default_rng(_seed(self.seed, f"layers.{layer}.experts.{e}"))
+            template[:, o:o + n] = rng.integers(0, 256, (rows, n), dtype=np.uint8)
+            bundle = np.zeros(layout.stride, dtype=np.uint8)
+            bundle[:layout.bundle_bytes] = template.reshape(-1)
+            yield bundle
 
     def ffn_rows(self, layer: int) -> dict[str, torch.Tensor]:
         """Per bundle part, [d_ffn, d_model] rows (for `down`: the columns of the down projection)."""
@@ -132,33 +156,38 @@ class _Dropper:
             os.close(fd)
 
 
-def _layout(spec: ArchSpec, itemsize: int, bundled: bool):
-    return fmt.ExpertLayout.plan(spec, itemsize) if spec.is_moe else fmt.FFNLayout.plan(spec, itemsize, bundled)
+def _layout(spec: ArchSpec, itemsize: int, bundled: bool, quantize: str = "none"):
+    if quantize != "none" and not spec.is_moe:
+        raise SystemExit("make_model: --quantize is for mixture-of-experts shapes (dense models: flashllm convert)")
+    quant = None if quantize == "none" else QuantScheme.named(quantize)
+    return fmt.ExpertLayout.plan(spec, itemsize, quant) if spec.is_moe else fmt.FFNLayout.plan(spec, itemsize, bundled)
 
 
-def model_bytes(spec: ArchSpec, itemsize: int, bundled: bool = True) -> int:
+def model_bytes(spec: ArchSpec, itemsize: int, bundled: bool = True, quantize: str = "none") -> int:
     resident = sum(int(torch.tensor(s).prod()) for s in fmt.resident_shapes(spec).values()) * itemsize
-    return resident + _layout(spec, itemsize, bundled).file_size
+    return resident + _layout(spec, itemsize, bundled, quantize).file_size
 
 
 def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: int = 0, bundled: bool = True,
-                force: bool = False, progress: bool | None = None, shape_name: str = "") -> Path:
-    """Write the flashllm model directory `out` (atomically: temp dir + rename)."""
+                force: bool = False, progress: bool | None = None, shape_name: str = "",
+                quantize: str = "none") -> Path:
+    """Write the flashllm model directory `out` (atomically: temp dir + rename); `quantize` int8/int4
+    stores an MoE model's experts group-wise quantized (codes drawn directly, see quantized_expert_bundles)."""
     from tqdm import tqdm
 
-    from flashllm.converters.moe_families import write_experts
+    from flashllm.converters.moe_families import expert_bundles, write_experts
     from flashllm.converters.writer import _replace, check_replaceable, make_temporary, write_ffn, write_manifest
 
     out = Path(out)
     check_replaceable(out, force)
     dtype = getattr(torch, dtype_name)
-    layout = _layout(spec, dtype.itemsize, bundled)
+    layout = _layout(spec, dtype.itemsize, bundled, quantize)
     ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
     weights = RandomWeights(spec, dtype, seed)
     shapes = fmt.resident_shapes(spec)
     tmp = make_temporary(out)
     try:
-        total = model_bytes(spec, dtype.itemsize, bundled)
+        total = model_bytes(spec, dtype.itemsize, bundled, quantize)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {out.name}", file=sys.stderr,
                   disable=None if progress is None else not progress) as bar:
             drop = _Dropper(tmp / fmt.RESIDENT_FILE)
@@ -180,12 +209,18 @@ def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: in
                 drop_ffn()
 
             if spec.is_moe:
-                ffn_sha, layer_sha = write_experts(tmp / ffn_file, layout, weights.expert_rows, dtype, on_layer)
+                def bundles(i):
+                    if layout.quant:
+                        return weights.quantized_expert_bundles(layout, i)
+                    return expert_bundles(layout, weights.expert_rows(i), dtype)
+
+                ffn_sha, layer_sha = write_experts(tmp / ffn_file, layout, bundles, on_layer)
             else:
                 ffn_sha, layer_sha = write_ffn(tmp / ffn_file, layout, weights.ffn_rows, dtype, on_layer)
             drop_ffn()
-        source = {"path": f"bench/make_model.py --shape {shape_name} --seed {seed}", "model_type": spec.family,
-                  "random_weights": True, "seed": seed}
+        source = {"path": f"bench/make_model.py --shape {shape_name} --seed {seed}"
+                          + (f" --quantize {quantize}" if quantize != "none" else ""),
+                  "model_type": spec.family, "random_weights": True, "seed": seed}
         write_manifest(tmp, spec, dtype_name, layout, ffn_sha, layer_sha, [], source=source, ffn_file=ffn_file)
         drop()  # write_manifest read the resident file back for its checksum
         _replace(tmp, out)
@@ -314,6 +349,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-bundle", action="store_true",
                    help="unbundled FFN layout (up rows and down columns in separate regions: the paper's "
                         "baseline without row-column bundling)")
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                   help="MoE shapes: experts group-wise quantized (asymmetric, groups of 64; default: %(default)s)")
     p.add_argument("--activation", default=None, help="override the shape's activation (e.g. silu)")
     p.add_argument("--hf", action="store_true", help="also write an HF checkpoint of the same weights")
     p.add_argument("--hf-out", default=None, help="where to write it (default OUT/hf)")
@@ -328,7 +365,7 @@ def main(argv=None) -> Path:
     t0 = time.perf_counter()
     try:
         out = write_model(spec, Path(args.out), args.dtype, args.seed, not args.no_bundle, args.force,
-                          False if args.quiet else None, args.shape)
+                          False if args.quiet else None, args.shape, args.quantize)
     except FlashLLMError as exc:
         raise SystemExit(f"make_model: error: {exc}") from None
     size = sum(e["size"] for e in fmt.read_manifest(out, verify=False).data["files"].values())

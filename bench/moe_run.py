@@ -45,6 +45,20 @@ def bench_module(name: str):
     return mod
 
 
+def uniform_routing(n_experts: int, top_k: int, seed: int):
+    """An `expert_routing` that draws k distinct experts uniformly per token and layer (guesses too)."""
+    rng = np.random.default_rng(seed)
+    return lambda layer, logits, early: np.stack([rng.choice(n_experts, top_k, replace=False) for _ in logits])
+
+
+def routing_for(run: dict):
+    """The run's `expert_routing`: None (the model's router), uniform, or a replayed trace."""
+    manifest = fmt.read_manifest(run["model_dir"], verify=False)
+    if run["routing"] == "uniform":
+        return uniform_routing(manifest.spec.n_experts, manifest.spec.top_k, run["seed"] + 1)
+    return None
+
+
 def run_one(run: dict) -> dict:
     """One measured run in this process: load, prefill, decode; the stats that matter here."""
     import flashllm
@@ -52,16 +66,9 @@ def run_one(run: dict) -> dict:
     t0 = time.perf_counter()
     model = flashllm.load(run["model_dir"], mode="sparse", dram_budget=run["budget_bytes"], dtype=run["dtype"],
                           expert_policy=run["policy"], expert_prefetch=run["prefetch"], window=run["window"],
-                          threads=run["threads"])
+                          threads=run["threads"], context=run["prompt"] + run["tokens"],
+                          expert_routing=routing_for(run))
     load_s = time.perf_counter() - t0
-    if run["routing"] == "uniform":  # replace the router's choice by k experts drawn uniformly per token
-        rng, spec = np.random.default_rng(run["seed"] + 1), model.spec
-
-        def uniform(layer, x):
-            ids = np.stack([rng.choice(spec.n_experts, spec.top_k, replace=False) for _ in range(x.shape[0])])
-            return ids, np.full(ids.shape, 1.0 / spec.top_k, dtype=np.float32)
-
-        model.plan.predictor.predict = uniform
     ids = np.random.default_rng(run["seed"]).integers(3, model.spec.vocab_size, run["prompt"] + run["tokens"])
     model.logits(ids.tolist(), prefill=run["prompt"])
     st = model.stats

@@ -120,23 +120,37 @@ MOE_FAMILIES = [
 ]
 
 
-def write_experts(path: Path, layout: ExpertLayout, experts_of_layer, dtype: torch.dtype,
-                  on_layer=None) -> tuple[str, list[str]]:
-    """Write every layer's expert bundles (zero padded to the stride); `experts_of_layer(i)` gives
-    per expert part -> [d_ffn, d_model]. Returns the sha256 of the file and of each layer."""
+def expert_bundles(layout: ExpertLayout, experts, dtype: torch.dtype):
+    """Per expert (part -> [d_ffn, d_model] float weights) its stored bundle: uint8 [stride], each part
+    group-wise quantized (layout.quant) or cast to `dtype`, zero padded to the stride."""
+    for parts in experts:
+        bundle = np.zeros(layout.stride, dtype=np.uint8)
+        for part in layout.parts:
+            w = parts[part].contiguous()
+            raw = layout.quant.quantize(w.float().numpy()) if layout.quant else \
+                np.frombuffer(tensor_bytes(w.to(dtype)), dtype=np.uint8)
+            bundle[layout.part_range(part)] = raw.reshape(-1)
+        yield bundle
+
+
+def write_experts(path: Path, layout: ExpertLayout, bundles_of_layer, on_layer=None) -> tuple[str, list[str]]:
+    """Write every layer's expert bundles; `bundles_of_layer(i)` yields the layer's stored bundles
+    (uint8 [stride] each, e.g. from `expert_bundles`). Returns the sha256 of the file and of each layer."""
     file_sha, layer_sha = hashlib.sha256(), []
     with open(path, "wb") as f:
         for i in range(len(layout.layer_offsets)):
-            layer = hashlib.sha256()
-            for parts in experts_of_layer(i):
-                bundle = np.zeros(layout.stride, dtype=np.uint8)
-                for k, part in enumerate(layout.parts):
-                    raw = np.frombuffer(tensor_bytes(parts[part].contiguous().to(dtype)), dtype=np.uint8)
-                    bundle[k * layout.part_bytes:(k + 1) * layout.part_bytes] = raw
+            layer, n = hashlib.sha256(), 0
+            for bundle in bundles_of_layer(i):
+                if bundle.dtype != np.uint8 or bundle.shape != (layout.stride,):
+                    raise ValueError(f"layer {i}: expert bundle of {bundle.dtype} {bundle.shape}, expected "
+                                     f"uint8 ({layout.stride},)")
                 data = memoryview(bundle)
                 f.write(data)
                 file_sha.update(data)
                 layer.update(data)
+                n += 1
+            if n != layout.n_experts:
+                raise ValueError(f"layer {i}: {n} expert bundles written, expected {layout.n_experts}")
             layer_sha.append(layer.hexdigest())
             if on_layer:
                 on_layer(1)

@@ -21,7 +21,7 @@ from flashllm.st_io import write_safetensors
 
 from .checkpoint import Checkpoint, tensor_bytes
 from .families import family_for
-from .moe_families import write_experts
+from .moe_families import expert_bundles, write_experts
 
 
 def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize: str = "none",
@@ -52,9 +52,7 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
         torch_dtype = getattr(torch, dtype_name)
         if spec.is_moe and not bundled:
             raise FlashLLMError("bundled=False: an MoE model's experts are always stored as expert bundles")
-        if spec.is_moe and quant:
-            raise FlashLLMError(f"--quantize {quantize}: expert bundles of MoE models are not quantized yet (use none)")
-        layout = fmt.ExpertLayout.plan(spec, fmt.STORAGE_DTYPES[dtype_name]) if spec.is_moe else \
+        layout = fmt.ExpertLayout.plan(spec, fmt.STORAGE_DTYPES[dtype_name], quant) if spec.is_moe else \
             fmt.FFNLayout.plan(spec, fmt.STORAGE_DTYPES[dtype_name], bundled, quant)
         ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
         shapes = fmt.resident_shapes(spec)
@@ -67,8 +65,9 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
                               metadata={"format": fmt.FORMAT_NAME}, to_bytes=tensor_bytes)
             bar.update(1)
             if spec.is_moe:
-                ffn_sha, layer_sha = write_experts(tmp / ffn_file, layout, lambda i: family.expert_rows(ckpt, spec, i),
-                                                   torch_dtype, bar.update)
+                ffn_sha, layer_sha = write_experts(
+                    tmp / ffn_file, layout,
+                    lambda i: expert_bundles(layout, family.expert_rows(ckpt, spec, i), torch_dtype), bar.update)
             else:
                 ffn_sha, layer_sha = write_ffn(tmp / ffn_file, layout,
                                                lambda i: family.ffn_rows(ckpt, spec, i), torch_dtype, bar.update)

@@ -4,8 +4,13 @@ Dense holds every expert. Sparse streams experts from flash into a per-layer cac
 by the DRAM budget: per token the router picks the top-k experts, the ones not cached are read in
 one I/O submission per layer into slots freed by the eviction policy. On the CPU in the storage
 dtype the slots are one preallocated buffer per layer that direct I/O fills in place; otherwise
-(MLX, CUDA, another compute dtype) experts pass through a staging buffer and each slot gets a
-converted copy. The result is exactly the dense one, whatever the budget (only bytes read change).
+(quantized experts, MLX, CUDA, another compute dtype) experts pass through a staging buffer and are
+dequantized or converted into a preallocated per-layer slot array in the compute dtype. A layer may
+have fewer slots than top-k (a token's experts then pass through them in chunks). The result is
+exactly the dense one, whatever the budget (only bytes read change).
+
+`LoadOptions.expert_routing` replaces the router's choice (benchmarks replay recorded routing);
+the weights of the chosen experts still come from the router's own logits.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def route(logits: np.ndarray, spec) -> tuple[np.ndarray, np.ndarray]:
+def route(logits: np.ndarray, spec, ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Top-k expert ids [T, k] and their float32 weights from router logits [T, n_experts], computed as
-    transformers does (softmax in float32 over all experts, top-k, optional renormalisation)."""
+    transformers does (softmax in float32 over all experts, top-k, optional renormalisation); with
+    `ids` given, the weights those experts get instead."""
     logits = logits.astype(np.float32)
-    ids = np.argsort(-logits, axis=-1, kind="stable")[:, :spec.top_k]  # softmax keeps the order
+    if ids is None:
+        ids = np.argsort(-logits, axis=-1, kind="stable")[:, :spec.top_k]  # softmax keeps the order
     if spec.router_softmax == "after_topk":
         return ids, softmax(np.take_along_axis(logits, ids, axis=-1))
     weights = np.take_along_axis(softmax(logits), ids, axis=-1)
@@ -49,16 +56,30 @@ def by_expert(ids: np.ndarray, weights: np.ndarray) -> dict[int, tuple[np.ndarra
 
 
 class Router:
-    """The MoE predictor: exact, since the router itself decides which experts a token uses."""
+    """The MoE predictor: exact, since the router itself decides which experts a token uses.
+
+    `choose(layer, logits, early)` (LoadOptions.expert_routing), if given, picks the expert ids
+    [T, top_k] instead; `early` is True when layer `layer`'s router is run ahead on the previous
+    layer's input (a prefetch guess), so a replayed trace can give its recorded guess."""
 
     kind = "router"
 
     def __init__(self, ctx: PlanContext):
         self.backend, self.spec = ctx.backend, ctx.spec
+        self.choose = ctx.options.expert_routing
 
-    def predict(self, layer: int, x) -> tuple[np.ndarray, np.ndarray]:
+    def predict(self, layer: int, x, early: bool = False) -> tuple[np.ndarray, np.ndarray]:
         B = self.backend
-        return route(B.numpy(B.linear(x, B.w[f"layers.{layer}.router.weight"], None)), self.spec)
+        logits = B.numpy(B.linear(x, B.w[f"layers.{layer}.router.weight"], None))
+        if self.choose is None:
+            return route(logits, self.spec)
+        ids = np.asarray(self.choose(layer, logits, early), dtype=np.int64)
+        T, k, E = logits.shape[0], self.spec.top_k, self.spec.n_experts
+        if ids.shape != (T, k) or ids.min() < 0 or ids.max() >= E or \
+                any(len(np.unique(row)) != k for row in ids):
+            raise FlashLLMError(f"expert_routing gave layer {layer} expert ids of shape {ids.shape} "
+                                f"(expected {k} distinct ids in 0..{E - 1} for each of {T} tokens)")
+        return route(logits, self.spec, ids)
 
     def nbytes(self) -> int:
         return 0  # the router weights are resident tensors, counted with the backend's
@@ -125,12 +146,19 @@ class ExpertCache:
         self.slot_of[experts] = slots
 
 
-def expert_views(ctx: PlanContext, raw: np.ndarray) -> dict:
-    """One expert bundle (uint8, >= bundle_bytes) as part -> [d_ffn, d_model] backend tensors
-    (views of `raw`, no copy, when the backend computes on the CPU in the storage dtype)."""
+def expert_values(ctx: PlanContext, raw: np.ndarray):
+    """One stored expert bundle (uint8, >= bundle_bytes) as its values [parts, d_ffn, d_model]: a view
+    in the storage dtype, or float32 dequantized (quant.py) when the experts are quantized."""
     lay = ctx.layout
-    values = ctx.backend.storage_view(raw[:lay.bundle_bytes])
-    return {p: ctx.backend.tensor(values[lay.part_slice(p)].reshape(lay.d_ffn, lay.d_model)) for p in lay.parts}
+    values = lay.dequantize(raw) if lay.quant else ctx.backend.storage_view(raw[:lay.bundle_bytes])
+    return values.reshape(len(lay.parts), lay.d_ffn, lay.d_model)
+
+
+def expert_views(ctx: PlanContext, raw: np.ndarray) -> dict:
+    """One expert bundle as part -> [d_ffn, d_model] backend tensors (views of `raw`, no copy, when the
+    backend computes on the CPU in the storage dtype and the experts are not quantized)."""
+    values = expert_values(ctx, raw)
+    return {p: ctx.backend.tensor(values[k]) for k, p in enumerate(ctx.layout.parts)}
 
 
 class MoEPlan(Plan):
@@ -191,110 +219,140 @@ class MoESparsePlan(MoEPlan):
         B, lay, s, options, budget = self.backend, self.lay, self.spec, ctx.options, ctx.budget
         window, policy = options.window, options.expert_policy
         self.window, self.policy = window, policy
-        self.in_place = B.reads_in_place()
+        self.in_place = B.reads_in_place()  # False for quantized experts: they are dequantized on insert
         # prefetch: while layer l computes, read the experts layer l+1's router picks for layer l's input
-        self.prefetch = options.expert_prefetch and self.in_place
-        self.pending: dict[int, tuple] = {}  # layer -> (predicted experts, PendingRead)
-        # reads land in the slots themselves, or in a staging buffer holding one token's experts
-        self.staging = None if self.in_place else B.host_buffer((s.top_k, lay.stride))
-        self.slot_bytes = lay.stride if self.in_place else 3 * lay.d_ffn * lay.d_model * B.itemsize
+        self.prefetch = options.expert_prefetch
+        self.pending: dict[int, tuple] = {}  # layer -> (predicted experts, experts read, PendingRead)
+        # reads land in the slots themselves, or in a staging buffer holding one token's experts (and, with
+        # prefetch, a second one for the next layer's guesses)
+        staged = 0 if self.in_place else (2 if self.prefetch else 1)
+        self.staging = [B.host_buffer((s.top_k, lay.stride)) for _ in range(staged)]
+        self.slot_bytes = lay.stride if self.in_place else len(lay.parts) * lay.d_ffn * lay.d_model * B.itemsize
         if budget is None:
             capacity = s.n_experts
         else:
             base = ctx.counted(self.host_bytes(), B.nbytes())
             capacity = min(s.n_experts, max(0, budget - base) // (s.n_layers * self.slot_bytes))
-            if capacity < s.top_k:
-                need = base + s.n_layers * s.top_k * self.slot_bytes
-                raise ctx.too_small(need, f"resident weights, KV cache and {s.top_k} experts per layer")
+            if capacity < 1:
+                raise ctx.too_small(base + s.n_layers * self.slot_bytes,
+                                    "resident weights, KV cache and 1 expert slot per layer")
         self.capacities = [capacity] * s.n_layers
         self.caches = [ExpertCache(capacity, s.n_experts, window, policy) for _ in range(s.n_layers)]
         if self.in_place:
             self.raw = [B.host_buffer((capacity, lay.stride)) for _ in range(s.n_layers)]
-            self.slots = [[expert_views(ctx, r[i]) for i in range(capacity)] for r in self.raw]
-        else:
-            self.slots = [[None] * capacity for _ in range(s.n_layers)]
+            self.views = [[expert_views(ctx, r[i]) for i in range(capacity)] for r in self.raw]
+        else:  # preallocated once; inserting an expert writes its slot
+            self.arrays = [B.zeros((capacity, len(lay.parts), lay.d_ffn, lay.d_model)) for _ in range(s.n_layers)]
         self.reader = ctx.ffn_reader(verify=False)
 
     def describe(self) -> dict:
-        return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind}
+        return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind,
+                "expert_slots": "in place (as stored)" if self.in_place else
+                "dequantized on insert" if self.lay.quant else "converted on insert"}
 
     def reset(self) -> None:
-        for _, read in self.pending.values():
+        for _, _, read in self.pending.values():
             read.wait()
         self.pending = {}
         for c in self.caches:
             c.reset()
 
+    def slot(self, layer: int, slot: int) -> dict:
+        """Part -> [d_ffn, d_model] views of one slot."""
+        if self.in_place:
+            return self.views[layer][slot]
+        a = self.arrays[layer]
+        return {p: a[slot, k] for k, p in enumerate(self.lay.parts)}
+
+    def _insert(self, layer: int, raw: np.ndarray, slots: np.ndarray) -> None:
+        """Staged bundles raw[j] into `slots`: dequantized or converted to the compute dtype."""
+        for j, slot in enumerate(slots):
+            self.arrays[layer][int(slot)] = self.backend.tensor(expert_values(self.ctx, raw[j]))
+
     def _prefetch(self, layer: int, x, cost) -> None:
-        """Start reading the experts layer `layer`'s router picks for `x` (the previous layer's FFN input)."""
+        """Start reading the experts layer `layer`'s router picks for `x` (the previous layer's FFN input):
+        into cache slots (in place), or into the second staging buffer (inserted once routing confirms them)."""
         with cost.timed("predictor_ms"):
-            predicted = np.unique(self.predictor.predict(layer, x)[0])
+            predicted = np.unique(self.predictor.predict(layer, x, early=True)[0])
         cache = self.caches[layer]
         todo = predicted[cache.slot_of[predicted] < 0]
         with cost.timed("io_ms"):
-            where = cache.place(todo, keep=predicted)
-            cache.commit(todo, where)  # the read is waited for before this layer computes
             base, stride, _, _ = self.lay.segments(layer)[0]
-            read = self.reader.io.submit_rows(base, stride, stride, todo, self.raw[layer], where)
+            if self.in_place:
+                todo = todo[:cache.capacity - np.isin(cache.expert_in, predicted).sum()]
+                where = cache.place(todo, keep=predicted)
+                cache.commit(todo, where)  # the read is waited for before this layer computes
+                read = self.reader.io.submit_rows(base, stride, stride, todo, self.raw[layer], where)
+            else:
+                read = self.reader.io.submit_rows(base, stride, stride, todo, self.staging[1], np.arange(len(todo)))
         self.pending[layer] = (predicted, todo, read)
         cost.experts_prefetched += len(todo)
 
-    def _finish_prefetch(self, layer: int, routed, cost) -> None:
+    def _finish_prefetch(self, layer: int, routed: np.ndarray, cost) -> dict[int, int]:
+        """Wait for the read ahead of `layer`; the experts it read -> their staging row (staged path)."""
         predicted, todo, read = self.pending.pop(layer)
         with cost.timed("io_ms"):
             cost.add_io(read.wait())
         cost.prefetch_predicted += len(np.intersect1d(predicted, routed))
         cost.prefetch_routed += len(routed)
         cost.prefetch_wasted += len(np.setdiff1d(todo, routed))
+        return {int(e): j for j, e in enumerate(todo)}
 
-    def _read(self, layer: int, experts: np.ndarray, slots: np.ndarray, cost) -> None:
-        """Experts into slots: one submission (in place), or through the staging buffer, then converted."""
+    def _read(self, layer: int, experts: np.ndarray, slots: np.ndarray, ahead: dict, cost) -> None:
+        """Experts into slots: one submission (in place), or through the staging buffer, then inserted
+        (experts already read ahead are inserted from the prefetch buffer)."""
         if self.in_place:
             with cost.timed("io_ms"):
                 cost.add_io(self.reader.read(layer, experts, self.raw[layer], slots))
             return
-        step = self.staging.shape[0]
-        for k in range(0, len(experts), step):
-            chunk = experts[k:k + step]
-            with cost.timed("io_ms"):
-                cost.add_io(self.reader.read(layer, chunk, self.staging, np.arange(len(chunk))))
+        early = np.array([int(e) in ahead for e in experts], dtype=bool)
+        if early.any():
             with cost.timed("mem_ms"):
-                for j, slot in enumerate(slots[k:k + step]):
-                    self.slots[layer][slot] = expert_views(self.ctx, self.staging[j])
+                self._insert(layer, self.staging[1][[ahead[int(e)] for e in experts[early]]], slots[early])
+        experts, slots, staging = experts[~early], slots[~early], self.staging[0]
+        for k in range(0, len(experts), len(staging)):
+            chunk = experts[k:k + len(staging)]
+            with cost.timed("io_ms"):
+                cost.add_io(self.reader.read(layer, chunk, staging, np.arange(len(chunk))))
+            with cost.timed("mem_ms"):
+                self._insert(layer, staging, slots[k:k + len(staging)])
 
     def ffn(self, layer: int, x, cost):
         ids, weights = self.route(layer, x, cost)
-        cache, slots = self.caches[layer], self.slots[layer]
+        cache = self.caches[layer]
         groups = by_expert(ids, weights)
-        if layer in self.pending:
-            self._finish_prefetch(layer, np.fromiter(groups, dtype=np.int64), cost)
+        routed = np.fromiter(groups, dtype=np.int64)
+        ahead = self._finish_prefetch(layer, routed, cost) if layer in self.pending else {}
         with cost.timed("mem_ms"):
             cache.start(ids)
-        hit = [e for e in groups if cache.slot_of[e] >= 0]
+        cached = [e for e in groups if cache.slot_of[e] >= 0]  # in place, what was read ahead is cached
         missing = np.array([e for e in groups if cache.slot_of[e] < 0], dtype=np.int64)
-        cost.experts_hit += len(hit)
-        cost.experts_missed += len(missing)
+        # hits: cached by earlier tokens; misses: read for this token, on demand or ahead
+        early = sum(e in ahead for e in cached)
+        cost.experts_hit += len(cached) - early
+        cost.experts_missed += len(missing) + early
         # read ahead for the next layer once this layer's own reads are done (they would queue behind it)
         prefetch = self.prefetch and layer + 1 < self.spec.n_layers and ids.shape[0] == 1
         if prefetch and not len(missing):
             self._prefetch(layer + 1, x, cost)
-        y = self.combine(layer, x, [(slots[cache.slot_of[e]], *groups[e]) for e in hit])
-        # the missing experts, in chunks of the cache size (one chunk for a decode token); the most
-        # recently used are read last, so they are the ones left cached
+        y = self.combine(layer, x, [(self.slot(layer, cache.slot_of[e]), *groups[e]) for e in cached])
+        # the missing experts (the union of a prompt's), each read once, in chunks of the cache size;
+        # the most recently used are read last, so they are the ones left cached
         missing = missing[np.argsort(cache.last_used[missing], kind="stable")]
         for k in range(0, len(missing), cache.capacity):
             chunk = missing[k:k + cache.capacity]
             with cost.timed("mem_ms"):
                 where = cache.place(chunk, keep=chunk)
-            self._read(layer, chunk, where, cost)
+            self._read(layer, chunk, where, ahead, cost)
             cache.commit(chunk, where)
             if prefetch and k + cache.capacity >= len(missing):
                 self._prefetch(layer + 1, x, cost)
-            y = y + self.combine(layer, x, [(slots[s], *groups[int(e)]) for e, s in zip(chunk, where)], shared=False)
+            y = y + self.combine(layer, x, [(self.slot(layer, s), *groups[int(e)]) for e, s in zip(chunk, where)],
+                                 shared=False)
         return y
 
     def host_bytes(self) -> int:
-        return 0 if self.staging is None else self.staging.nbytes
+        return sum(b.nbytes for b in self.staging)
 
     def device_bytes(self) -> int:
         return sum(self.capacities) * self.slot_bytes

@@ -238,13 +238,11 @@ def read_manifest(model_dir: str | Path, verify: bool | None = None) -> Manifest
         qname = data.get("quantization", "none")
         quant = None if qname == "none" else \
             QuantScheme.from_dict(qname, ffn.get("quantization"), spec.d_model, str(mpath))
-        if quant and spec.is_moe:
-            raise FlashLLMError(f"{mpath}: quantized expert bundles are not supported")
         for key in ("resident", "ffn"):
             if key not in files:
                 raise FlashLLMError(f"{mpath}: manifest lists no {key!r} file")
         itemsize = STORAGE_DTYPES[data["dtype"]]
-        layout = ExpertLayout.plan(spec, itemsize) if spec.is_moe else \
+        layout = ExpertLayout.plan(spec, itemsize, quant) if spec.is_moe else \
             FFNLayout.plan(spec, itemsize, ffn.get("bundled", True), quant)
         if layout.to_dict() != {k: ffn.get(k) for k in layout.to_dict()}:
             raise FlashLLMError(f"{mpath}: FFN layout in the manifest does not match the architecture spec")

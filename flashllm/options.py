@@ -38,6 +38,9 @@ class LoadOptions:
     on_overflow: str = "drop"  # sparse: when a token's predicted set exceeds a cache, drop (warned) or error
     expert_policy: str = "lru"  # MoE sparse: which cached expert a new one replaces (experts.POLICIES)
     expert_prefetch: bool = False  # MoE sparse: read layer l+1's predicted experts while layer l computes
+    # MoE: (layer, router logits [T, n_experts], early) -> expert ids [T, top_k] chosen instead of the router's
+    # top-k (e.g. routing replayed from a trace; `early`: a prefetch guess); None: the router decides
+    expert_routing: Callable | None = None
 
     def __post_init__(self):
         from .experts import POLICIES
@@ -54,6 +57,8 @@ class LoadOptions:
               f"predictor {self.predictor!r}: expected one of {', '.join(PREDICTORS)}")
         check(self.dtype is None or self.dtype in DTYPES, f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
         check(self.expert_policy in POLICIES, f"expert_policy {self.expert_policy!r}: expected one of {', '.join(POLICIES)}")
+        check(self.expert_routing is None or callable(self.expert_routing),
+              f"expert_routing {self.expert_routing!r}: expected None or a function (layer, logits, early) -> ids")
         check(self.on_overflow in ON_OVERFLOW, f"on_overflow {self.on_overflow!r}: expected drop or error")
         check(isinstance(self.window, int) and self.window >= 1,
               f"window {self.window}: must be at least 1 (tokens whose neurons stay cached)")

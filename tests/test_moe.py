@@ -79,22 +79,93 @@ def test_moe_prefill_reads_each_expert_of_the_union_once(tiny_models):
     assert prompt["experts_missed"] > 2 * model.spec.n_layers
 
 
-def test_moe_budget_below_top_k_experts_is_a_clear_error(tiny_models):
+def test_moe_budget_below_one_expert_slot_is_a_clear_error(tiny_models):
     tiny = tiny_models("olmoe")
-    smallest = _budget_for_slots(tiny.model_dir, 2)
+    smallest = _budget_for_slots(tiny.model_dir, 1)
     flashllm.load(tiny.model_dir, mode="sparse", dram_budget=smallest)
-    with pytest.raises(FlashLLMError, match="too small: resident weights, KV cache and 2 experts per layer need"):
+    with pytest.raises(FlashLLMError, match="too small: resident weights, KV cache and 1 expert slot per layer need"):
         flashllm.load(tiny.model_dir, mode="sparse", dram_budget=smallest - 1)
     with pytest.raises(FlashLLMError, match="mode 'naive' is not supported for this olmoe model"):
         flashllm.load(tiny.model_dir, mode="naive")
 
 
-def test_moe_quantize_is_refused_clearly(tiny_models, tmp_path):
+def test_moe_fewer_slots_than_top_k_still_equals_dense(tiny_models):
+    """One slot per layer for top-2 routing: each token's experts pass through it one after another."""
+    tiny = tiny_models("olmoe")
+    dense = flashllm.load(tiny.model_dir, mode="dense").logits(IDS, prefill=4)
+    model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=_budget_for_slots(tiny.model_dir, 1))
+    assert model.plan.capacities == [1] * model.spec.n_layers
+    np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
+    assert model.stats["expert_misses"] >= 1
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized_moe(request, tiny_models, tmp_path_factory):
     from flashllm.converters import convert
 
-    with pytest.raises(FlashLLMError, match="expert bundles of MoE models are not quantized yet"):
-        convert(tiny_models("olmoe").ckpt, tmp_path / "q", quantize="int8", progress=False)
-    assert not (tmp_path / "q").exists()
+    tiny = tiny_models("qwen2_moe")
+    out = convert(tiny.ckpt, tmp_path_factory.mktemp("qmoe") / request.param, dtype="float32",
+                  quantize=request.param, group_size=32, progress=False)
+    return tiny, out, request.param
+
+
+def test_moe_quantized_expert_bundles_are_aligned_and_within_bounds(quantized_moe):
+    """Each stored expert row dequantizes to within half a group step of the checkpoint's weights."""
+    from flashllm.experts import expert_values
+    from flashllm.quant import QuantScheme
+
+    tiny, out, name = quantized_moe
+    manifest, plain = fmt.read_manifest(out), fmt.read_manifest(tiny.model_dir)
+    lay, spec = manifest.layout, manifest.spec
+    q = QuantScheme.named(name, 32)
+    assert lay.quant == q and manifest.data["quantization"] == name
+    assert lay.stride % 4096 == 0 and all(o % 4096 == 0 for o in lay.layer_offsets)
+    assert lay.bundle_bytes == 3 * spec.d_ffn * q.part_bytes(spec.d_model) < plain.layout.bundle_bytes
+    model = flashllm.load(out, mode="dense")
+    experts = tiny.hf.model.layers[1].mlp.experts
+    raw = np.fromfile(manifest.path("ffn"), dtype=np.uint8, count=lay.stride, offset=lay.layer_offsets[1] + 5 * lay.stride)
+    values = expert_values(model, raw)
+    gate, up = experts.gate_up_proj[5].detach().chunk(2, dim=0)
+    for k, want in enumerate((gate, up, experts.down_proj[5].detach().t())):
+        groups = want.float().numpy().reshape(spec.d_ffn, -1, 32)
+        step = ((groups.max(-1) - groups.min(-1)) / ((1 << q.bits) - 1))[..., None]
+        err = np.abs(np.asarray(values[k]).reshape(groups.shape) - groups)
+        assert (err <= step / 2 * (1 + 1e-3) + 1e-7).all()
+        assert err.max() > 0  # it is quantized
+
+
+def test_moe_quantized_streamed_equals_dense_and_transformers_on_the_dequantized_weights(quantized_moe):
+    """Parity: the quantized model (dense, and streamed through 2 slots) computes what transformers computes
+    with every expert replaced by its dequantized weights; against the float weights int8 stays close."""
+    import copy
+
+    from flashllm.experts import expert_values
+
+    tiny, out, name = quantized_moe
+    dense_model = flashllm.load(out, mode="dense")
+    lay = dense_model.layout
+    hf = copy.deepcopy(tiny.hf)
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            ex = layer.mlp.experts
+            for e in range(lay.n_experts):
+                raw = np.fromfile(dense_model.manifest.path("ffn"), dtype=np.uint8, count=lay.stride,
+                                  offset=lay.layer_offsets[i] + e * lay.stride)
+                gate, up, down = (torch.from_numpy(np.asarray(v)) for v in expert_values(dense_model, raw))
+                ex.gate_up_proj[e] = torch.cat((gate, up))
+                ex.down_proj[e] = down.t()
+    dense = dense_model.logits(IDS, prefill=4)
+    np.testing.assert_allclose(dense, hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
+    budget = _budget_for_slots(out, 2)
+    model = flashllm.load(out, mode="sparse", dram_budget=budget)
+    assert not model.plan.in_place and model.plan.capacities == [2] * model.spec.n_layers
+    np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
+    stats = model.stats
+    assert stats["expert_slots"] == "dequantized on insert" and stats["expert_misses"] > 0
+    assert stats["dram_bytes"] <= budget
+    ref = hf_logits(tiny.hf, IDS)
+    rel = np.abs(dense - ref).max() / np.abs(ref).max()
+    assert 0 < rel < (0.01 if name == "int8" else 1.0)
 
 
 def test_expert_layout_is_aligned_and_validated(tiny_models, tmp_path):
@@ -176,19 +247,50 @@ def test_moe_streamed_through_staging_equals_dense(tiny_models, backend, dtype):
     assert model.stats["expert_misses"] > 0
 
 
-def test_moe_prefetch_is_exact_and_measured(tiny_models):
-    """Prefetch reads layer l+1's predicted experts during layer l; wrong guesses cost reads, never results."""
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_moe_prefetch_is_exact_and_measured(tiny_models, dtype):
+    """Prefetch reads layer l+1's predicted experts during layer l (into slots, or into a staging buffer
+    when slots hold converted experts); wrong guesses cost reads, never results."""
     tiny = tiny_models("mixtral")
-    dense = flashllm.load(tiny.model_dir, mode="dense").logits(IDS, prefill=3)
-    budget = _budget_for_slots(tiny.model_dir, 3)
-    model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=budget, expert_prefetch=True)
-    np.testing.assert_allclose(model.logits(IDS, prefill=3), dense, atol=1e-5, rtol=1e-5)
+    kw = dict(dtype=dtype)
+    dense = flashllm.load(tiny.model_dir, mode="dense", **kw).logits(IDS, prefill=3)
+    budget = _budget_for_slots(tiny.model_dir, 3, expert_prefetch=True, **kw)
+    model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=budget, expert_prefetch=True, **kw)
+    assert model.plan.in_place == (dtype is None)
+    tol = 1e-5 if dtype is None else 2e-2
+    np.testing.assert_allclose(model.logits(IDS, prefill=3), dense, atol=tol, rtol=tol)
     stats, spec = model.stats, model.spec
-    assert 0 <= stats["prefetch_recall"] <= 1 and stats["experts_prefetched"] <= spec.top_k * (spec.n_layers - 1)
+    assert 0 < stats["prefetch_recall"] <= 1 and stats["experts_prefetched"] <= spec.top_k * (spec.n_layers - 1)
     routed = sum(t["prefetch_routed"] for t in model.token_stats[1:])
     assert routed == (len(IDS) - 3) * spec.top_k * (spec.n_layers - 1)
-    plain = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=budget)
+    plain = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=budget, **kw)
     plain.logits(IDS, prefill=3)
     assert "prefetch_recall" not in plain.stats
-    # a decode token reads its misses plus what it read ahead, one stride per expert
-    assert stats["bytes_read"] == pytest.approx((stats["expert_misses"] + stats["experts_prefetched"]) * model.layout.stride)
+    # a decode token reads its misses (on demand or ahead) plus the wasted guesses, one stride per expert
+    assert stats["bytes_read"] == pytest.approx((stats["expert_misses"] + stats["prefetch_wasted"]) * model.layout.stride)
+
+
+def test_moe_expert_routing_option_replaces_the_routers_choice(tiny_models):
+    """A routing trace replayed through `expert_routing`: the plans follow it (streamed = dense), prefetch
+    asks it with early=True, and bad ids are a clear error."""
+    tiny = tiny_models("qwen3_moe")
+    calls = []
+
+    def replay(layer, logits, early):
+        calls.append((layer, logits.shape[0], early))
+        return np.tile([[3, 5]], (logits.shape[0], 1))
+
+    dense = flashllm.load(tiny.model_dir, mode="dense", expert_routing=replay).logits(IDS, prefill=4)
+    assert np.abs(dense - flashllm.load(tiny.model_dir, mode="dense").logits(IDS, prefill=4)).max() > 1e-3
+    calls.clear()
+    model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=_budget_for_slots(tiny.model_dir, 2),
+                          expert_routing=replay, expert_prefetch=True)
+    np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
+    assert model.stats["expert_hit_rate"] == 1.0  # experts 3 and 5, cached since the prompt
+    L, decode = model.spec.n_layers, len(IDS) - 4
+    assert sorted(calls) == sorted([(layer, 4, False) for layer in range(L)] +
+                                   [(layer, 1, False) for layer in range(L)] * decode +
+                                   [(layer, 1, True) for layer in range(1, L)] * decode)
+    bad = flashllm.load(tiny.model_dir, mode="dense", expert_routing=lambda layer, logits, early: np.zeros((len(logits), 2)))
+    with pytest.raises(FlashLLMError, match="expert_routing gave layer 0 expert ids of shape"):
+        bad.logits(IDS[:3])

@@ -151,6 +151,12 @@ class MLXBackend(Backend):
     def zeros_like(self, x: mx.array) -> mx.array:
         return mx.zeros_like(x)
 
+    def zeros(self, shape) -> mx.array:
+        """A preallocated array of `shape` in the compute dtype (e.g. expert slots, updated by assignment)."""
+        out = mx.zeros(tuple(shape), dtype=self._mx)
+        mx.eval(out)
+        return out
+
     # -- forward pieces ------------------------------------------------------------------------
     def norm(self, name: str, x: mx.array) -> mx.array:
         w, b, eps = self.w[name + ".weight"], self.w.get(name + ".bias"), self.spec.norm_eps

@@ -101,6 +101,10 @@ class TorchBackend(Backend):
     def zeros_like(self, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)
 
+    def zeros(self, shape) -> torch.Tensor:
+        """A preallocated array of `shape` in the compute dtype on the device (e.g. expert slots)."""
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
     # -- forward pieces ------------------------------------------------------------------------
     def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
         w, b, eps = self.w[name + ".weight"], self.w.get(name + ".bias"), self.spec.norm_eps

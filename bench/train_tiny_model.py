@@ -1,21 +1,26 @@
-"""Train flashllm's own small ReLU model: an OPT-style decoder on the Python standard library.
+"""Train flashllm's own small models: an OPT-style ReLU decoder (or, with ``--arch llama``, a
+Llama-style SwiGLU one) on the Python standard library.
 
 The predictors (and the demo) need a *trained* model with real FFN activation sparsity, small
 enough to commit and to run on a laptop CPU. This script makes one from scratch, offline:
 
 1. corpus: the stdlib's own sources (bench/stdlib_corpus.py), split by file into train/heldout;
 2. a byte-level BPE tokenizer (vocab 4096, ``</s>`` = bos/eos, ``<pad>``) trained on train;
-3. an OPT decoder with ReLU FFNs (6 layers, d 256, FFN 1024, 4 heads, pre-LN, tied embeddings)
-   trained from random init with AdamW, warmup + cosine decay and bf16 autocast, for a time
+3. an OPT decoder with ReLU FFNs (6 layers, d 256, FFN 1024, 4 heads, pre-LN, tied embeddings),
+   or with ``--arch llama`` a Llama decoder (RMSNorm, rotary, SwiGLU FFN of ``--ffn`` neurons,
+   no biases, tied embeddings; ``--ffn 704`` gives about the ReLU model's FFN parameters), trained
+   from random init with AdamW, warmup + cosine decay and bf16 autocast, for a time
    budget (``--minutes``) or a number of steps (``--steps``);
 4. held-out perplexity of the init and of the trained model on a fixed token budget, and FFN
-   activation sparsity per layer (fraction of fc1 outputs > 0 per token; fraction of neurons
+   activation sparsity per layer (fraction of fc1 outputs, or SwiGLU gate pre-activations, > 0 per token; fraction of neurons
    new relative to the union of the previous ``--window`` tokens);
 5. a normal HF checkpoint (config.json, model.safetensors, tokenizer files,
    generation_config.json, training.json) written atomically to ``--out``, then reloaded with
    ``transformers`` to check it generates and that the tokenizer round-trips text.
 
     python bench/train_tiny_model.py --minutes 20 --out flashllm/data/tiny-opt
+    nice -n 10 python bench/train_tiny_model.py --arch llama --ffn 704 --lr 2e-3 --minutes 18 \
+        --out flashllm/data/tiny-llama
 """
 import argparse
 import json
@@ -87,6 +92,8 @@ def token_stream(tok, texts):
 # ----------------------------------------------------------------------------- model
 
 def make_model(vocab_size, tok, args):
+    if args.arch == "llama":
+        return make_llama(vocab_size, tok, args)
     from transformers import OPTConfig, OPTForCausalLM
     cfg = OPTConfig(
         vocab_size=vocab_size, hidden_size=args.hidden, num_hidden_layers=args.layers,
@@ -101,8 +108,25 @@ def make_model(vocab_size, tok, args):
     return model
 
 
+def make_llama(vocab_size, tok, args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=args.hidden, num_hidden_layers=args.layers,
+        intermediate_size=args.ffn, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+        max_position_embeddings=args.max_pos, hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
+        attention_bias=False, mlp_bias=False, tie_word_embeddings=True, initializer_range=0.02,
+        pad_token_id=tok.token_to_id(PAD), bos_token_id=tok.token_to_id(BOS),
+        eos_token_id=tok.token_to_id(BOS))
+    model = LlamaForCausalLM(cfg)
+    model.tie_weights()
+    return model
+
+
 def fc1_modules(model):
-    return [layer.fc1 for layer in model.model.decoder.layers]
+    """Per layer, the module whose output > 0 counts as an active neuron (OPT fc1, Llama gate_proj)."""
+    if hasattr(model.model, "decoder"):
+        return [layer.fc1 for layer in model.model.decoder.layers]
+    return [layer.mlp.gate_proj for layer in model.model.layers]
 
 
 def lm_loss(model, batch):
@@ -293,8 +317,8 @@ def swap_into_place(tmp, out):
 
 def verify(out, heldout_text, prompts, max_new_tokens):
     """Reload with transformers alone: generation from prompts, tokenizer round trip."""
-    from transformers import AutoTokenizer, OPTForCausalLM, PreTrainedTokenizerFast
-    model = OPTForCausalLM.from_pretrained(out)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    model = AutoModelForCausalLM.from_pretrained(out)
     model.eval()
     tok = AutoTokenizer.from_pretrained(out)
     tok2 = PreTrainedTokenizerFast(tokenizer_file=str(Path(out) / "tokenizer.json"))
@@ -319,6 +343,8 @@ def verify(out, heldout_text, prompts, max_new_tokens):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="flashllm/data/tiny-opt")
+    ap.add_argument("--arch", choices=["opt", "llama"], default="opt",
+                    help="opt: ReLU FFN with biases; llama: SwiGLU FFN, RMSNorm, rotary (default opt)")
     ap.add_argument("--minutes", type=float, default=20.0, help="training time budget")
     ap.add_argument("--steps", type=int, default=None, help="train this many steps instead")
     ap.add_argument("--seed", type=int, default=0)
@@ -386,10 +412,11 @@ def main(argv=None):
     import transformers
     info = {
         "command": command,
-        "model": {"family": "opt", "parameters": n_params, "layers": args.layers,
+        "model": {"family": args.arch, "parameters": n_params, "layers": args.layers,
                   "hidden": args.hidden, "ffn_dim": args.ffn, "heads": args.heads,
                   "vocab": tok.get_vocab_size(), "max_position_embeddings": args.max_pos,
-                  "activation": "relu", "tied_embeddings": True},
+                  "activation": "silu (SwiGLU)" if args.arch == "llama" else "relu",
+                  "tied_embeddings": True},
         "data": {**corpus, "tokenizer": f"byte-level BPE, vocab {args.vocab}, trained on the "
                  f"train split; {BOS} = bos/eos (prepended to every document), {PAD} = pad"},
         "training": {"seed": args.seed, "batch_size": args.batch_size, "seq_len": args.seq_len,

@@ -199,6 +199,11 @@ def format_stats(stats: dict) -> str:
     if stats.get("expert_hit_rate") is not None:
         lines.append(f"experts per token: {stats['expert_hits']:.2f} cached, {stats['expert_misses']:.2f} read "
                      f"(hit rate {stats['expert_hit_rate']:.3f})")
+    if stats.get("activation_sparsity"):
+        sp = stats["activation_sparsity"]
+        lines.append(f"calibrated activation sparsity: {sp['sparsity']:.0%} of FFN neurons skipped per token on "
+                     f"calibration text, FFN output error {sp['ffn_error']:.1%} ({sp['method']} {sp['target']:g}; "
+                     f"sparsity.json)")
     if stats.get("neurons_dropped"):
         share = stats.get("dropped_mass_share")
         lines.append(f"neurons dropped per token: {stats['neurons_dropped']:.0f} (caches too small for the predicted "

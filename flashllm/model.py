@@ -22,6 +22,7 @@ from .generate import Generation, TextStream, eos_token_ids, generate_tokens
 from .options import LoadOptions
 from .plan_context import PlanContext
 from .st_io import SafetensorsFile
+from .sparsity import read_sparsity
 from .stats import TokenCost, summarize
 from .tokenizer import Tokenizer
 
@@ -68,7 +69,7 @@ class Model:
                                 f"(expected one of {', '.join(plans)})")
         self.plan_context = PlanContext(self.manifest, self.backend, opts,
                                         self.gpu_budget if self.backend.on_gpu else self.dram_budget,
-                                        self.model_bytes, self.hooks, self.checksums)
+                                        self.model_bytes, self.hooks, self.checksums, read_sparsity(self.manifest))
         try:
             self.plan = plans[opts.mode](self.plan_context)
         finally:

@@ -219,9 +219,14 @@ class SparsePlan(StreamingPlan):
                 f"predictor {self.predictor.kind!r} marks every neuron of this {ctx.spec.activation} FFN active "
                 f"(a dense activation), but at this budget a layer's cache holds {min(self.capacities)} of "
                 f"{lay.d_ffn} neurons: sparse mode would silently drop most of the FFN. Use --mode hybrid or "
-                f"naive, an unlimited --dram-budget, or trained predictors (--predictor lowrank)")
+                f"naive, an unlimited --dram-budget, or make the FFN sparse by calibrated thresholds whose cost is "
+                f"measured and stated (`flashllm predictors train MODEL --data TEXT --sparsity 0.4`)")
         if avail is not None and need:
             self._warn_if_short(base, row, need)
+        # calibrated thresholds (SiLU/GELU): cached neurons below their layer's threshold contribute zero
+        self.ffn_thresholds = ctx.sparsity.thresholds if ctx.sparsity else [None] * L
+        if ctx.sparsity:  # a principled drop, but a change of the result all the same: say so
+            warnings.warn(ctx.sparsity.describe(ctx.spec.activation), RuntimeWarning, stacklevel=4)
         self.caches = []
         for i, capacity in enumerate(self.capacities):
             b = ctx.biases(i)
@@ -245,8 +250,10 @@ class SparsePlan(StreamingPlan):
                       f"{enough} avoids it", RuntimeWarning, stacklevel=4)
 
     def describe(self) -> dict:
+        sparsity = self.ctx.sparsity
         return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind,
-                "gap_bytes": self.reader.io.gap_bytes}
+                "gap_bytes": self.reader.io.gap_bytes,
+                **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
 
     @property
     def capacity(self) -> int:
@@ -288,7 +295,7 @@ class SparsePlan(StreamingPlan):
     def _compute(self, layer: int, x, n: int, with_down_bias: bool):
         rows, bias = self.caches[layer].store.views(n)
         down_b = self.ctx.biases(layer)["down"] if with_down_bias else None
-        return self.backend.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b)
+        return self.backend.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b, self.ffn_thresholds[layer])
 
     def ffn(self, layer: int, x, cost):
         with cost.timed("predictor_ms"):

@@ -13,6 +13,7 @@ from . import format as fmt
 from .ffn_reader import FFNReader, LayerChecksums
 from .hooks import Hooks
 from .options import LoadOptions
+from .sparsity import CalibratedSparsity
 
 
 @dataclass
@@ -27,6 +28,7 @@ class PlanContext:
     model_bytes: int
     hooks: Hooks
     checksums: LayerChecksums
+    sparsity: CalibratedSparsity | None = None  # calibrated thresholds of a SiLU/GELU FFN (sparsity.py)
     _loader: FFNReader | None = field(default=None, repr=False)
 
     @property

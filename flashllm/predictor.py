@@ -2,7 +2,8 @@
 
 `lowrank` reads the trained predictors (written by `flashllm predictors train`) from the model
 directory; `oracle` computes the true activation from the real weights (tests, upper bound);
-`gate` uses a ReLU-gated model's own gate projection, kept resident.
+`gate` uses a gated model's own gate projection, kept resident. For a dense activation (SiLU,
+GELU) "active" means above the calibrated thresholds of sparsity.json (flashllm/sparsity.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 
 from . import format as fmt
 from .errors import FlashLLMError
+from .sparsity import SPARSITY_FILE
 from .st_io import SafetensorsFile
 
 PREDICTOR_FILE = "predictors.safetensors"
@@ -29,6 +31,18 @@ def activation_threshold(spec) -> float | None:
     return 0.0 if spec.activation in ("relu", "relu2") else None
 
 
+def neuron_thresholds(ctx) -> tuple[list[float] | None, bool]:
+    """(per-layer threshold, magnitude): a neuron is active iff pre > threshold (magnitude False: the
+    model's own sparse activation) or |act(pre)| > threshold (magnitude True: calibrated thresholds of
+    a dense activation); (None, False) for a dense activation without them: every neuron is active."""
+    native = activation_threshold(ctx.spec)
+    if native is not None:
+        return [native] * ctx.spec.n_layers, False
+    if ctx.sparsity is not None:
+        return list(ctx.sparsity.thresholds), True
+    return None, False
+
+
 class OraclePredictor:
     """The true active set, from the real up (or gate) rows kept in memory for this purpose only."""
 
@@ -36,7 +50,7 @@ class OraclePredictor:
 
     def __init__(self, ctx):
         self.spec, self.backend = ctx.spec, ctx.backend
-        self.threshold = activation_threshold(self.spec)
+        self.threshold, self.magnitude = neuron_thresholds(ctx)
         part = "gate" if self.spec.gated_ffn else "up"
         self.rows, self.bias = [], []
         for layer in range(self.spec.n_layers):
@@ -50,11 +64,14 @@ class OraclePredictor:
         return self.threshold is not None
 
     def scores(self, layer: int, x) -> np.ndarray | None:
-        """Pre-activation minus the activation threshold [tokens, d_ffn] (> 0: active; its size is the
-        neuron's activation for ReLU); None for a dense activation."""
+        """Pre-activation (|act(pre)| with calibrated thresholds) minus the layer's threshold [tokens,
+        d_ffn] (> 0: active; its size ranks neurons by activation); None for a dense activation."""
         if self.threshold is None:
             return None
-        return self.backend.to_host(self.backend.linear(x, self.rows[layer], self.bias[layer])) - self.threshold
+        pre = self.backend.linear(x, self.rows[layer], self.bias[layer])
+        if self.magnitude:
+            return np.abs(self.backend.to_host(self.backend.act(pre))) - self.threshold[layer]
+        return self.backend.to_host(pre) - self.threshold[layer]
 
     def predict(self, layer: int, x) -> np.ndarray:
         """Boolean mask [tokens, d_ffn] of neurons whose activation is non-zero."""
@@ -71,7 +88,8 @@ class OraclePredictor:
 
 
 class GatePredictor(OraclePredictor):
-    """ReLU-gated FFNs: the gate projection itself, kept resident, decides (paper App. C.5).
+    """Gated FFNs: the gate projection itself, kept resident, decides (paper App. C.5) — for ReLU
+    gates, or SiLU/GELU gates with calibrated thresholds.
 
     Exact like the oracle, but its gate rows are counted against the DRAM budget.
     """
@@ -79,10 +97,10 @@ class GatePredictor(OraclePredictor):
     kind = "gate"
 
     def __init__(self, ctx):
-        if not ctx.spec.gated_ffn or activation_threshold(ctx.spec) is None:
-            raise FlashLLMError(f"predictor 'gate' needs a gated FFN with a sparse activation (relu, fatrelu); "
-                                f"this model has {'a gated' if ctx.spec.gated_ffn else 'an ungated'} "
-                                f"{ctx.spec.activation} FFN")
+        if not ctx.spec.gated_ffn or neuron_thresholds(ctx)[0] is None:
+            raise FlashLLMError(f"predictor 'gate' needs a gated FFN with a sparse activation (relu, fatrelu) or "
+                                f"calibrated thresholds (flashllm predictors train --sparsity S); this model has "
+                                f"{'a gated' if ctx.spec.gated_ffn else 'an ungated'} {ctx.spec.activation} FFN")
         super().__init__(ctx)
 
     def nbytes(self) -> int:
@@ -115,6 +133,12 @@ class LowRankPredictor:
                                 f"(ffn.bin sha256 {trained_for[:12]}...); train them again for this model")
         if meta.get("sha256") and fmt.sha256_file(st_path) != meta["sha256"]:
             raise FlashLLMError(f"{st_path}: checksum mismatch (train the predictors again)")
+        trained = (meta.get("activation_rule") or {}).get("thresholds")
+        have = None if ctx.sparsity is None else list(ctx.sparsity.thresholds)
+        if (trained is not None or have is not None) and (trained is None or have is None or trained != have):
+            raise FlashLLMError(f"{meta_path}: these predictors were trained for {'other' if trained else 'no'} "
+                                f"calibrated thresholds than {SPARSITY_FILE} holds{'' if have else ' (missing)'}; "
+                                f"train them again (`flashllm predictors train {root} --data TEXT --sparsity S`)")
         st = SafetensorsFile(st_path)
         backend = self.backend
         self.proj_in, self.proj_out, self.bias, self.threshold = [], [], [], []  # A, B, b of each layer

@@ -32,9 +32,11 @@ def _train_epilog() -> str:
     from .train import describe_estimate
 
     return ("Active neurons: pre-activation > threshold for relu/fatrelu models. Dense activations "
-            "(silu, gelu) need --activation-threshold T: a neuron counts as active iff |act(pre)| > T "
-            "(pre = gate for gated FFNs, up otherwise). Memory: one layer's shard in RAM at a time. "
-            + describe_estimate())
+            "(silu, gelu) need --sparsity S (or --ffn-error E, or --activation-threshold T): per-layer "
+            "thresholds t on |act(pre)| (pre = gate for gated FFNs, up otherwise) are calibrated and written "
+            "to MODEL_DIR/sparsity.json; sparse mode then skips the neurons with |act(pre)| <= t (a quality "
+            "cost that `predictors eval` measures); dense mode stays the unmodified model. Memory: one "
+            "layer's shard in RAM at a time. " + describe_estimate())
 
 
 def _budgets(text: str) -> list:
@@ -73,8 +75,16 @@ def add_parsers(sub) -> None:
     t.add_argument("--window", type=int, default=d.window,
                    help=f"rank cost: cache rows for the union of this many tokens' predicted sets (default {d.window})")
     t.add_argument("--seed", type=int, default=d.seed, help=f"data split and initialisation (default {d.seed})")
-    t.add_argument("--activation-threshold", type=float, default=None,
-                   help="opt-in rule for dense activations (silu, gelu): active iff |act(pre)| > T")
+    dense = t.add_mutually_exclusive_group()
+    dense.add_argument("--sparsity", type=float, default=None, metavar="S",
+                       help="dense activations (silu, gelu): calibrate per-layer thresholds on |act(pre)| that skip "
+                       "this mean share of FFN neurons per token, allocated greedily over layers by FFN output error "
+                       "(e.g. 0.4; default: none, required for such models unless --ffn-error or "
+                       "--activation-threshold)")
+    dense.add_argument("--ffn-error", type=float, default=None, metavar="E",
+                       help="instead: in each layer the largest sparsity whose relative FFN output error is <= E")
+    dense.add_argument("--activation-threshold", type=float, default=None, metavar="T",
+                       help="instead: the same threshold T on |act(pre)| in every layer")
     t.add_argument("--epochs", type=int, default=d.epochs)
     t.add_argument("--batch-size", type=int, default=d.batch_size)
     t.add_argument("--lr", type=float, default=d.lr)
@@ -143,14 +153,17 @@ def add_parsers(sub) -> None:
 
 
 def cmd_train(args) -> None:
+    from .calibrate import Target
     from .train import TrainSettings, train_predictors
 
+    target = next((Target(method, value) for method, value in (("sparsity", args.sparsity),
+                   ("ffn_error", args.ffn_error), ("explicit", args.activation_threshold)) if value is not None), None)
     settings = TrainSettings(rank=args.rank, recall_target=args.recall_target,
                              window=args.window, epochs=args.epochs,
                              batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device)
     quiet = args.quiet or args.json
     meta = train_predictors(args.model_dir, args.data, settings, max_tokens=args.max_tokens, seq_len=args.seq_len,
-                            activation_threshold=args.activation_threshold, low_memory=args.low_memory,
+                            target=target, low_memory=args.low_memory,
                             dtype=args.dtype, workdir=args.workdir, progress=not quiet,
                             log=None if quiet else lambda m: print(m, file=sys.stderr, flush=True))
     if args.order == "coactivation":
@@ -171,6 +184,12 @@ def cmd_train(args) -> None:
     print(f"wrote predictors for {len(meta['layers'])} layers into {args.model_dir}: mean held-out recall "
           f"{s['recall']:.4f}, predicted/true {s['predicted_over_true']:.2f}, ranks {s['ranks']} "
           f"({meta['calibration']['tokens']} calibration tokens)")
+    if "sparsity" in meta:
+        sp = meta["sparsity"]
+        print(f"wrote calibrated thresholds into {args.model_dir}/{sp['file']}: sparse mode skips "
+              f"{sp['mean_sparsity']:.0%} of the FFN per token on calibration text, FFN output error "
+              f"{sp['mean_ffn_error']:.1%} (relative RMS); measure the perplexity cost with `flashllm predictors "
+              f"eval {args.model_dir} --data HELDOUT`")
 
 
 def cmd_order(args) -> None:

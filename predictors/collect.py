@@ -10,11 +10,11 @@ later loads one layer's shard at a time.
 Which neurons count as active:
 - relu / relu2 / fatrelu models: the runtime's own rule, `flashllm.predictor.activation_threshold`:
   pre-activation (gate for gated FFNs, up otherwise, bias included) > threshold (0 for relu);
-- any model, with an explicit `activation_threshold=T` (CLI `--activation-threshold T`):
-  |act(pre)| > T, act being the model's activation on the same pre-activation (for gated FFNs the
-  gate's activation, not the product with up; the CATS rule for SiLU models). For relu models
-  and T >= 0 this is simply pre > T. Models with a dense activation (silu, gelu) refuse to train
-  without it: every neuron is non-zero there, so there is no active set to predict.
+- dense activations (silu, gelu) with per-layer thresholds t_l (calibrate.py: `--sparsity S`,
+  `--ffn-error E` or `--activation-threshold T`): |act(pre)| > t_l, act being the model's
+  activation on the same pre-activation (for gated FFNs the gate's activation, not the product
+  with up; the CATS rule), exactly what sparse mode applies. Without thresholds such models refuse
+  to train: every neuron is non-zero there, so there is no active set to predict.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import numpy as np
 
 from flashllm.errors import FlashLLMError
 from flashllm.predictor import activation_threshold
+from flashllm.sparsity import SPARSITY_FILE
 
 DEFAULT_SEQ_LEN = 256
 MIN_TOKENS = 16  # fewer calibration tokens cannot be split into train and held-out parts
@@ -115,36 +116,48 @@ def tokens_of(model, data: str | Path, seq_len: int | None, max_tokens: int | No
 # -- which neurons are active ------------------------------------------------------------------
 @dataclass(frozen=True)
 class ActivationRule:
-    """Active iff pre > threshold (the model's own sparse activation), or |act(pre)| > threshold."""
+    """Active iff pre > threshold (the model's own sparse activation), or |act(pre)| > the layer's
+    calibrated threshold (a dense activation made sparse; see calibrate.py)."""
 
     kind: str  # "pre" or "abs_act"
-    threshold: float
+    threshold: float | tuple[float, ...]  # one for every layer, or per layer
     part: str  # "gate" or "up": whose pre-activation decides
+
+    def at(self, layer: int) -> float:
+        return self.threshold[layer] if isinstance(self.threshold, tuple) else self.threshold
 
     def describe(self, activation: str) -> str:
         pre = f"{self.part} pre-activation (bias included)"
         if self.kind == "pre":
             return f"{pre} > {self.threshold:g} ({activation})"
-        return f"|{activation}({pre})| > {self.threshold:g} (explicit --activation-threshold)"
+        if isinstance(self.threshold, tuple):
+            return f"|{activation}({pre})| > the layer's calibrated threshold ({SPARSITY_FILE})"
+        return f"|{activation}({pre})| > {self.threshold:g}"
 
     def to_dict(self, activation: str) -> dict:
-        return {"kind": self.kind, "threshold": self.threshold, "part": self.part, "activation": activation,
-                "rule": self.describe(activation)}
+        per_layer = isinstance(self.threshold, tuple)
+        return {"kind": self.kind, "threshold": None if per_layer else self.threshold, "part": self.part,
+                "activation": activation, "rule": self.describe(activation),
+                **({"thresholds": list(self.threshold)} if per_layer else {})}
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "ActivationRule":
+        threshold = tuple(saved["thresholds"]) if saved.get("thresholds") is not None else float(saved["threshold"])
+        return cls(saved["kind"], threshold, saved["part"])
 
 
-def activation_rule(spec, explicit_threshold: float | None = None) -> ActivationRule:
-    """The rule for this model; dense activations need an explicit threshold (else FlashLLMError)."""
+def activation_rule(spec, thresholds: list[float] | None = None) -> ActivationRule:
+    """The rule for this model; dense activations need calibrated thresholds (else FlashLLMError)."""
     part = "gate" if spec.gated_ffn else "up"
-    if explicit_threshold is not None:
-        if not np.isfinite(explicit_threshold) or explicit_threshold < 0:
-            raise FlashLLMError(f"--activation-threshold {explicit_threshold}: must be a finite number >= 0")
-        return ActivationRule("abs_act", float(explicit_threshold), part)
+    if thresholds is not None:
+        return ActivationRule("abs_act", tuple(float(t) for t in thresholds), part)
     native = activation_threshold(spec)
     if native is None:
         raise FlashLLMError(
             f"activation {spec.activation!r} is dense (every FFN neuron is non-zero), so there is no active "
-            f"set to predict; pass --activation-threshold T to count neurons with |{spec.activation}(pre)| > T "
-            f"as active (e.g. T=0.1; the rest are skipped at inference), or use a ReLU-family model")
+            f"set to predict; pass --sparsity S (e.g. 0.4) to calibrate per-layer thresholds on "
+            f"|{spec.activation}(pre)| that skip that share of the FFN (or --ffn-error E, or "
+            f"--activation-threshold T), or use a ReLU-family model")
     return ActivationRule("pre", float(native), part)
 
 
@@ -252,7 +265,7 @@ def recording(model, rule: ActivationRule, sink):
     def observe(layer: int, x):
         pre = backend.linear(x, _rule_rows(model, layer, rule.part), backend.ffn_biases(layer)[rule.part])
         values = backend.to_host(pre if rule.kind == "pre" else backend.act(pre))
-        sink(layer, x, (values if rule.kind == "pre" else np.abs(values)) > rule.threshold)
+        sink(layer, x, (values if rule.kind == "pre" else np.abs(values)) > rule.at(layer))
 
     return model.hooks.observing("ffn_input", observe)
 

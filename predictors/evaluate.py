@@ -115,8 +115,7 @@ def dense_reference(model_dir, data, options, max_tokens: int | None, gen_tokens
     predictor = LowRankPredictor(dense.plan_context)
     spec = dense.spec
     saved_rule = predictor.meta.get("activation_rule")
-    rule = col.ActivationRule(saved_rule["kind"], float(saved_rule["threshold"]), saved_rule["part"]) \
-        if saved_rule else col.activation_rule(spec)
+    rule = col.ActivationRule.from_dict(saved_rule) if saved_rule else col.activation_rule(spec)
     chunks = col.chunk_text(dense, text, seq_len, max_tokens, str(data))
     del text
     start = max(len(dense.tokenizer.encode("")), 1)
@@ -174,13 +173,14 @@ def _computed_counts(model, ref: Reference, chunk_index: list, counts: Counts):
     return observe, next_chunk
 
 
-def evaluate_load(model_dir, ref: Reference, options, progress: bool = True) -> dict:
-    """Quality, drops, bytes and latency of the sparse model loaded with `options` (one budget)."""
+def evaluate_load(model_dir, ref: Reference, options, progress: bool = True, predictor: str = "lowrank") -> dict:
+    """Quality, drops, bytes and latency of the sparse model loaded with `options` (one budget) and
+    `predictor` (the trained ones; "oracle" or "gate" measure what exact predictors would give)."""
     import flashllm
     from tqdm import tqdm
 
     try:
-        sparse = flashllm.load(model_dir, options, mode="sparse", predictor="lowrank")
+        sparse = flashllm.load(model_dir, options, mode="sparse", predictor=predictor)
     except FlashLLMError as exc:
         return {"dram_budget": options.dram_budget, "refused": str(exc)}
     counts, chunk_index = Counts(sparse.spec.n_layers), [0]
@@ -209,6 +209,7 @@ def evaluate_load(model_dir, ref: Reference, options, progress: bool = True) -> 
     per = {k: v / max(tokens, 1) for k, v in sums.items()}
     return {
         "dram_budget": options.dram_budget, "budget_bytes": sparse.dram_budget, "dram_bytes": dram,
+        "predictor": predictor, "predictor_bytes": sparse.predictor.nbytes(),
         "model_bytes": sparse.model_bytes, "cache_capacity": list(sparse.plan.capacities),
         "ppl_dense": ppl_dense, "ppl_sparse": ppl_sparse, "ppl_ratio": ppl_sparse / ppl_dense,
         "top1_agreement": float(follow.mean()), "top1_agreement_tokens": len(ref.gen),

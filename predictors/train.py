@@ -38,6 +38,9 @@ import numpy as np
 from flashllm.errors import FlashLLMError
 from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_FORMAT, PREDICTOR_META, PREDICTOR_VERSION
 
+from flashllm.sparsity import SPARSITY_FILE
+
+from .calibrate import Target, calibrate, write_sparsity
 from . import collect as col
 
 RANK_LADDER = (16, 32, 64, 128, 256)
@@ -379,10 +382,11 @@ def write_predictors(model_dir: str | Path, results: list[LayerResult], freqs: l
 
 def train_predictors(model_dir: str | Path, data: str | Path, settings: TrainSettings = TrainSettings(),
                      max_tokens: int | None = DEFAULT_MAX_TOKENS, seq_len: int | None = None,
-                     activation_threshold: float | None = None, low_memory: bool = False, dtype: str | None = None,
+                     target: Target | None = None, low_memory: bool = False, dtype: str | None = None,
                      workdir: str | Path | None = None, progress: bool = True, log=None) -> dict:
     """Collect calibration data over `data`, train every layer's predictor, write them into
-    `model_dir`. Returns the metadata written to predictors.json."""
+    `model_dir`; for a dense activation, first calibrate per-layer thresholds for `target` (a
+    calibrate.Target) and write them too (sparsity.json). Returns the metadata written to predictors.json."""
     from tqdm import tqdm
 
     settings.check()
@@ -396,12 +400,21 @@ def train_predictors(model_dir: str | Path, data: str | Path, settings: TrainSet
     model_id = {"family": spec.family, "n_layers": spec.n_layers, "d_model": spec.d_model, "d_ffn": spec.d_ffn,
                 "activation": spec.activation, "dtype": model.manifest.data["dtype"],
                 "sha256": {k: files[k]["sha256"] for k in ("resident", "ffn") if k in files}}
-    rule = col.activation_rule(spec, activation_threshold)
+    if target is not None:
+        target.check(spec.activation)
+    else:
+        col.activation_rule(spec)  # a dense activation without a target: the error says what to pass
     row_elems = (3 if spec.gated_ffn else 2) * spec.d_model
     chunks = col.chunk_text(model, text, seq_len, max_tokens, str(data))
     del text
     workdir = workdir or col.workdir_default()
     need = check_disk(workdir, spec, chunks)
+    sparsity = None
+    if target is not None:
+        log(f"calibrating per-layer thresholds on |{spec.activation}(pre)| ({target.method} {target.value:g})")
+        sparsity = calibrate(model, chunks, target, log)
+        sparsity["data"] = {"file": str(data), "sha256": sha256_of(Path(data))}
+    rule = col.activation_rule(spec, sparsity and [layer["threshold"] for layer in sparsity["layers"]])
     log(f"temporary shards: at most {need / 2**20:.1f} MiB in {workdir or tempfile.gettempdir()}")
     log(f"collecting {sum(map(len, chunks))} tokens in {len(chunks)} sequences over {spec.n_layers} layers "
         f"({'naive, one layer resident' if low_memory else 'dense'}); active iff {rule.describe(spec.activation)}")
@@ -443,6 +456,10 @@ def train_predictors(model_dir: str | Path, data: str | Path, settings: TrainSet
             "calibration": {"tokens": cal.tokens, "sequences": cal.chunks, "seq_len": cal.seq_len,
                             "collect_mode": "naive" if low_memory else "dense", "shard_bytes": cal.disk_bytes()},
             "activation_rule": rule.to_dict(spec.activation),
+            **({"sparsity": {"file": SPARSITY_FILE, "method": sparsity["method"], "target": sparsity["target"],
+                             "mean_sparsity": float(np.mean([la["sparsity"] for la in sparsity["layers"]])),
+                             "mean_ffn_error": float(np.mean([la["ffn_error"] for la in sparsity["layers"]]))}}
+               if sparsity else {}),
             "activation_freq": {"file": PREDICTOR_FILE, "tensor": "layers.{i}.freq", "tokens": cal.tokens,
                                 "meaning": "fraction of calibration tokens on which each neuron is active"},
             "summary": summary(results),
@@ -451,6 +468,8 @@ def train_predictors(model_dir: str | Path, data: str | Path, settings: TrainSet
         }
     finally:
         cal.cleanup()
+    if sparsity:  # first: the predictors' check names what they were trained for
+        write_sparsity(root, sparsity)
     write_predictors(root, results, freqs, meta)
     return json.loads((root / PREDICTOR_META).read_text())
 

@@ -115,3 +115,19 @@ def test_moe_run_reports_each_policy_and_removes_its_model(tmp_path):
     assert all("error" not in r and 0 <= r["expert_hit_rate"] <= 1 for r in report["runs"])
     assert report["slots"] < report["n_experts"] and report["runs"][1]["prefetch_recall"] is not None
     assert not (tmp_path / "tiny-moe").exists()
+
+
+def test_silu_sparsity_bench_runs_and_writes_its_table(tiny_models, tmp_path, capsys):
+    from tiny import TEXT
+
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(np.random.default_rng(0).choice(TEXT.split(), 1200)) + "\n")
+    bench("silu_sparsity").main([str(tiny_models("llama").ckpt), "--calib", str(text), "--heldout", str(text),
+                                 "--sparsity", "0.4", "--rank", "4", "--max-tokens", "400", "--eval-tokens", "64",
+                                 "--gen-tokens", "4", "--out", str(tmp_path / "silu")])
+    rows = json.loads((tmp_path / "silu.json").read_text())["rows"]
+    points = rows[0]["points"]
+    assert set(points) == {"oracle", "gate", "lowrank"}
+    assert points["oracle"]["ppl_sparse"] == pytest.approx(points["gate"]["ppl_sparse"], rel=1e-6)  # both exact
+    assert points["gate"]["predictor_bytes"] > points["lowrank"]["predictor_bytes"] > 0 == points["oracle"]["predictor_bytes"]
+    assert "| 0.4 |" in (tmp_path / "silu.md").read_text()

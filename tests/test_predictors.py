@@ -176,15 +176,18 @@ def test_eval_without_trained_predictors_says_how_to_train(tiny_models, texts, c
 def test_silu_model_needs_an_explicit_threshold_rule(tiny_models, texts, capsys, tmp_path):
     model_dir = own_copy(tiny_models, "llama", tmp_path)
     code, _, err = run_cli(capsys, "predictors", "train", model_dir, "--data", texts["train"], "--max-tokens", 200)
-    assert code == 1 and "silu" in err and "--activation-threshold" in err and err.count("\n") == 1
+    assert code == 1 and "silu" in err and "--sparsity" in err and err.count("\n") == 1
     assert not (model_dir / "predictors.json").exists()
     code, _, err = run_cli(capsys, "predictors", "train", model_dir, "--data", texts["train"], "--max-tokens", 300,
                            "--activation-threshold", 0.05, "--epochs", 2, "--quiet")
     assert code == 0, err
     meta = json.loads((model_dir / "predictors.json").read_text())
-    assert meta["activation_rule"]["kind"] == "abs_act" and meta["activation_rule"]["threshold"] == 0.05
+    assert meta["activation_rule"]["kind"] == "abs_act" and meta["activation_rule"]["thresholds"] == [0.05, 0.05]
     assert 0 < meta["layers"][0]["true_fraction"] < 1
-    model = flashllm.load(model_dir, mode="sparse", predictor="lowrank")
+    # the runtime applies the same threshold (sparsity.json), and says so at load
+    assert [la["threshold"] for la in json.loads((model_dir / "sparsity.json").read_text())["layers"]] == [0.05, 0.05]
+    with pytest.warns(RuntimeWarning, match="set to 0.05"):
+        model = flashllm.load(model_dir, mode="sparse", predictor="lowrank")
     assert model.logits([1, 4, 8, 15, 16, 23, 42], prefill=3).shape == (7, 96)
 
 

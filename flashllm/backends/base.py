@@ -79,8 +79,9 @@ class Backend:
         """(output, normed input) of block `layer` for tokens at positions pos.. (updates the KV cache)."""
         raise NotImplementedError
 
-    def ffn(self, x, rows: dict, up_bias, gate_bias, down_bias):
-        """FFN over the neurons whose bundle parts are rows[part] ([n, d] each; down rows = columns)."""
+    def ffn(self, x, rows: dict, up_bias, gate_bias, down_bias, threshold: float | None = None):
+        """FFN over the neurons whose bundle parts are rows[part] ([n, d] each; down rows = columns);
+        with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity)."""
         raise NotImplementedError
 
     def embed(self, ids: list[int], pos: int):

@@ -224,10 +224,15 @@ class MLXBackend(Backend):
             out = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=scale, mask=mask)
         return self._linear(p + "o", out[0].transpose(1, 0, 2).reshape(T, s.n_heads * s.head_dim)), h
 
-    def ffn(self, x: mx.array, rows: dict[str, mx.array], up_bias, gate_bias, down_bias) -> mx.array:
-        """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns)."""
+    def ffn(self, x: mx.array, rows: dict[str, mx.array], up_bias, gate_bias, down_bias,
+            threshold: float | None = None) -> mx.array:
+        """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns);
+        with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity)."""
         up = self.linear(x, rows["up"], up_bias)
-        h = self.act(self.linear(x, rows["gate"], gate_bias)) * up if self.spec.gated_ffn else self.act(up)
+        a = self.act(self.linear(x, rows["gate"], gate_bias)) if self.spec.gated_ffn else self.act(up)
+        if threshold is not None:
+            a = a * (mx.abs(a) > threshold)
+        h = a * up if self.spec.gated_ffn else a
         y = h @ rows["down"]
         return y + down_bias if down_bias is not None else y
 

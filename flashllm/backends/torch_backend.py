@@ -177,10 +177,15 @@ class TorchBackend(Backend):
             out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale)
         return self._linear(p + "o", out.transpose(0, 1).reshape(T, s.n_heads * s.head_dim)), h
 
-    def ffn(self, x: torch.Tensor, rows: dict[str, torch.Tensor], up_bias, gate_bias, down_bias) -> torch.Tensor:
-        """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns)."""
-        h = self.act(F.linear(x, rows["gate"], gate_bias)) * F.linear(x, rows["up"], up_bias) \
-            if self.spec.gated_ffn else self.act(F.linear(x, rows["up"], up_bias))
+    def ffn(self, x: torch.Tensor, rows: dict[str, torch.Tensor], up_bias, gate_bias, down_bias,
+            threshold: float | None = None) -> torch.Tensor:
+        """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns);
+        with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity)."""
+        gated = self.spec.gated_ffn
+        a = self.act(F.linear(x, rows["gate"], gate_bias) if gated else F.linear(x, rows["up"], up_bias))
+        if threshold is not None:
+            a = a * (a.abs() > threshold)
+        h = a * F.linear(x, rows["up"], up_bias) if gated else a
         y = h @ rows["down"]
         return y + down_bias if down_bias is not None else y
 

@@ -1,0 +1,125 @@
+"""Calibrated sparsity of a SwiGLU (or GeGLU) model: quality and flash bytes per token per target.
+
+For each --sparsity S: `flashllm predictors train MODEL --sparsity S` (per-layer thresholds on
+|silu(gate)| into sparsity.json, then low-rank predictors on the thresholded labels), then on
+held-out text, against the dense (unthresholded) model in the same dtype, sparse mode with
+- oracle: the thresholded model itself, every above-threshold neuron loaded (the thresholds' cost);
+- gate: the gate rows resident in DRAM decide (exact: the oracle's quality at the DRAM of the rows);
+- lowrank: the trained predictors (threshold cost plus the predictors' misses);
+each: perplexity, greedy top-1 agreement, flash bytes and neurons read per decode token, DRAM.
+Naive mode's bytes per token are the reference for the I/O saving. The gate variant still reads
+whole bundles (gate row included); `gate_rowless_bytes_per_token` is what a bundle without the
+gate row would read (computed: up + down of the same neurons).
+
+    python bench/stdlib_corpus.py --split train --out /tmp/calib.txt --max-bytes 1200000 --max-file-bytes 2000
+    python bench/stdlib_corpus.py --split heldout --out /tmp/heldout.txt --max-bytes 200000
+    nice -n 10 python bench/silu_sparsity.py flashllm/data/tiny-llama --calib /tmp/calib.txt \\
+        --heldout /tmp/heldout.txt --out bench/results/silu_sparsity
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import flashllm
+from flashllm.converters import convert
+from flashllm.predictors import evaluate as ev
+from flashllm.predictors.calibrate import Target
+from flashllm.predictors.train import TrainSettings, train_predictors
+
+PREDICTORS = ("oracle", "gate", "lowrank")
+
+
+def run(hf_dir, calib, heldout, sparsities, rank, max_tokens, eval_tokens, gen_tokens, dtype, budget, work):
+    model_dir = convert(hf_dir, Path(work) / "flash", dtype=dtype, progress=False)
+    options = flashllm.LoadOptions(dram_budget=budget, context=256)
+    warnings.filterwarnings("once", category=RuntimeWarning)  # each load states the thresholds; once is enough
+    rows = []
+    for s in sparsities:
+        t0 = time.perf_counter()
+        meta = train_predictors(model_dir, calib, TrainSettings(rank=rank, seed=0), max_tokens=max_tokens,
+                                target=Target("sparsity", s), progress=False)
+        sparsity = json.loads((Path(model_dir) / "sparsity.json").read_text())
+        ref = ev.dense_reference(model_dir, heldout, options, eval_tokens, gen_tokens, 32, None, progress=False)
+        naive = ev.naive_bytes(model_dir, ref, options)
+        row = {"target_sparsity": s, "train_seconds": round(time.perf_counter() - t0, 1),
+               "layer_sparsity": [round(la["sparsity"], 4) for la in sparsity["layers"]],
+               "layer_ffn_error": [round(la["ffn_error"], 4) for la in sparsity["layers"]],
+               "predictor_recall": meta["summary"]["recall"], "predictor_ranks": meta["summary"]["ranks"],
+               "naive_bytes_per_token": naive, "points": {}}
+        for p in PREDICTORS:
+            point = ev.evaluate_load(model_dir, ref, options, progress=False, predictor=p)
+            row["points"][p] = point
+            print(f"sparsity {s}: {p}: ppl {point.get('ppl_dense', 0):.3f} -> {point.get('ppl_sparse', 0):.3f}, "
+                  f"top-1 {point.get('top1_agreement', 0):.3f}, {point.get('bytes_per_token', 0) / 1024:.1f} KiB/token"
+                  f"{' ' + point['refused'] if 'refused' in point else ''}", file=sys.stderr, flush=True)
+        row["ppl_dense"] = row["points"]["oracle"]["ppl_dense"]
+        gate = row["points"]["gate"]
+        if "refused" not in gate:  # a gated bundle is gate, up, down rows of equal size
+            gate["gate_rowless_bytes_per_token"] = gate["bytes_per_token"] * 2 / 3
+        rows.append(row)
+    return rows
+
+
+def table(rows) -> str:
+    out = ["| target sparsity | measured (per layer) | FFN error (mean) | predictor | ppl dense → sparse | top-1 | "
+           "flash KiB / token | naive / sparse bytes | DRAM MiB |", "|" + "---|" * 9]
+    for r in rows:
+        for p in PREDICTORS:
+            pt = r["points"][p]
+            if "refused" in pt:
+                out.append(f"| {r['target_sparsity']} | | | {p} | refused: {pt['refused']} | | | | |")
+                continue
+            ratio = r["naive_bytes_per_token"] / pt["bytes_per_token"] if pt["bytes_per_token"] else float("inf")
+            gate_note = f" ({pt['gate_rowless_bytes_per_token'] / 1024:.0f} without gate rows)" \
+                if pt.get("gate_rowless_bytes_per_token") else ""
+            out.append(f"| {r['target_sparsity']} | {', '.join(f'{v:.2f}' for v in r['layer_sparsity'])} | "
+                       f"{sum(r['layer_ffn_error']) / len(r['layer_ffn_error']):.3f} | {p} | "
+                       f"{pt['ppl_dense']:.3f} → {pt['ppl_sparse']:.3f} ({pt['ppl_ratio'] - 1:+.1%}) | "
+                       f"{pt['top1_agreement']:.3f} | {pt['bytes_per_token'] / 1024:.1f}{gate_note} | {ratio:.2f}x | "
+                       f"{pt['dram_bytes'] / 2**20:.2f} |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="HF checkpoint directory of a SwiGLU/GeGLU model")
+    ap.add_argument("--calib", required=True, help="calibration text")
+    ap.add_argument("--heldout", required=True, help="held-out text")
+    ap.add_argument("--sparsity", default="0.25,0.4,0.5", help="targets, comma-separated (default 0.25,0.4,0.5)")
+    ap.add_argument("--rank", type=int, default=64, help="predictor rank (default 64)")
+    ap.add_argument("--max-tokens", type=int, default=30000, help="calibration tokens (default 30000)")
+    ap.add_argument("--eval-tokens", type=int, default=1024, help="held-out tokens scored (default 1024)")
+    ap.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens for top-1 agreement (default 64)")
+    ap.add_argument("--dtype", default="float16", help="storage dtype of the conversion (default float16)")
+    ap.add_argument("--dram-budget", type=float, default=None,
+                    help="load budget as a fraction of the model (default: unlimited)")
+    ap.add_argument("--out", default=None, help="write PREFIX.json and PREFIX.md")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    command = "python " + " ".join(shlex.quote(a) for a in ["bench/silu_sparsity.py"] + (argv or sys.argv[1:]))
+    work = tempfile.mkdtemp(prefix="flashllm-silu-")
+    try:
+        rows = run(args.model, args.calib, args.heldout, [float(v) for v in args.sparsity.split(",")], args.rank,
+                   args.max_tokens, args.eval_tokens, args.gen_tokens, args.dtype, args.dram_budget, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = table(rows)
+    print(text)
+    if args.out:
+        Path(args.out + ".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+        Path(args.out + ".md").write_text(f"`{command}`\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()

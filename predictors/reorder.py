@@ -26,6 +26,7 @@ import numpy as np
 from flashllm import format as fmt
 from flashllm.errors import FlashLLMError
 from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_META, PREDICTOR_FORMAT, PREDICTOR_VERSION
+from flashllm.sparsity import SPARSITY_FILE
 from flashllm.st_io import SafetensorsFile, write_safetensors
 
 ORDER_FILE = "neuron_order.safetensors"
@@ -157,6 +158,7 @@ def apply_order(model_dir: str | Path, perms: list[np.ndarray], info: dict, prog
             os.replace(tmps[key], path)
         if has_predictors:
             _update_predictor_meta(root, manifest.data, data)
+        _update_sparsity_meta(root, manifest.data, data)
         _write_json(root / fmt.MANIFEST, data)
     finally:
         for p in tmps.values():
@@ -174,6 +176,18 @@ def _predictor_meta(root: Path) -> dict:
     if not ok:
         raise FlashLLMError(f"{path}: not flashllm predictors metadata (format/version)")
     return meta
+
+
+def _update_sparsity_meta(root: Path, old: dict, new: dict) -> None:
+    """sparsity.json (per-layer thresholds, independent of neuron order): the new ffn.bin's checksum."""
+    path = root / SPARSITY_FILE
+    if not path.is_file():
+        return
+    data = json.loads(path.read_text())
+    shas = (data.get("model") or {}).get("sha256")
+    if isinstance(shas, dict) and shas.get("ffn") == old["files"]["ffn"]["sha256"]:
+        shas["ffn"] = new["files"]["ffn"]["sha256"]
+        _write_json(path, data)
 
 
 def _update_predictor_meta(root: Path, old: dict, new: dict) -> None:

@@ -227,3 +227,16 @@ def test_relu_models_refuse_calibrated_thresholds(tiny_models, tmp_path, data, c
         [0.1, 0.1], [0.4, 0.4], [0.1, 0.1], "explicit", 0.1, "0" * 64)))
     with pytest.raises(flashllm.FlashLLMError, match="sparse by itself"):
         flashllm.load(model_dir, mode="dense")
+
+
+def test_neuron_reordering_keeps_the_thresholds_valid(tiny_models, tmp_path, data):
+    """Thresholds are per layer: `predictors order` rewrites ffn.bin and sparsity.json follows its checksum."""
+    from flashllm.predictors.reorder import apply_order
+
+    model_dir, _ = calibrated(tiny_models, "llama", tmp_path, data)
+    before = flashllm.load(model_dir, mode="sparse", predictor="oracle").logits(IDS, prefill=PREFILL)
+    d_ffn = flashllm.load(model_dir, mode="dense").spec.d_ffn
+    rng = np.random.default_rng(0)
+    apply_order(model_dir, [rng.permutation(d_ffn) for _ in range(2)], {"method": "random"}, progress=False)
+    after = flashllm.load(model_dir, mode="sparse", predictor="oracle").logits(IDS, prefill=PREFILL)
+    np.testing.assert_allclose(after, before, atol=2e-4, rtol=1e-4)

@@ -73,7 +73,7 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     of help (generate, serve, chat, predictors eval)."""
     from .experts import POLICIES
     from .modes import PLANS
-    from .options import BACKENDS, DTYPES, ON_OVERFLOW, LoadOptions
+    from .options import BACKENDS, DTYPES, KV_BITS, ON_OVERFLOW, QUANTIZE_RESIDENT, LoadOptions
     from .predictor import PREDICTORS
 
     d = LoadOptions()
@@ -120,6 +120,12 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                         "flashllm.disk_profile; 0: off)")
     g.add_argument("--context", type=int, default=d.context,
                    help="KV cache length (default: min(model, 4096))")
+    g.add_argument("--quantize-resident", default=d.quantize_resident, choices=QUANTIZE_RESIDENT,
+                   help="hold the attention, embedding and lm_head matrices quantized in DRAM (at load; torch CPU "
+                   "and MLX; quality cost measured in the README) (default: %(default)s)")
+    g.add_argument("--kv-bits", type=int, default=d.kv_bits, choices=KV_BITS,
+                   help="8: KV cache in int8 groups along the head dim (quality cost in the README); 16: in the "
+                   "compute dtype, unquantized (default: %(default)s)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -196,6 +202,10 @@ def format_stats(stats: dict) -> str:
     lines.append("per decode token: " + "  ".join(
         f"{k.removesuffix('_ms')} {stats[k]:.2f} ms" for k in ("total_ms", "io_ms", "mem_ms", "compute_ms", "predictor_ms")))
     lines.append(f"flash read per token: {stats['bytes_read'] / 2**20:.3f} MiB in {stats['reads']:.0f} reads")
+    q = stats.get("quantization") or {}
+    if any(q.get(k) not in (None, "none", 16) for k in ("ffn", "resident", "kv_bits")):
+        lines.append(f"quantized: FFN bundles {q['ffn']}, resident matrices {q['resident']}, KV cache "
+                     f"{'int8' if q['kv_bits'] == 8 else 'unquantized'} (lossy; measured cost: README, Quantization)")
     if stats.get("expert_hit_rate") is not None:
         lines.append(f"experts per token: {stats['expert_hits']:.2f} cached, {stats['expert_misses']:.2f} read "
                      f"(hit rate {stats['expert_hit_rate']:.3f})")

@@ -30,13 +30,13 @@ DEFAULT_CONTEXT = 4096
 
 
 def make_backend(name: str, spec, device: str, dtype: str | None, storage_dtype, context: int,
-                 quantized_ffn: bool = False):
+                 quantized_ffn: bool = False, kv_bits: int = 16):
     if name == "torch":
         from .backends.torch_backend import TorchBackend
-        return TorchBackend(spec, device, dtype, storage_dtype, context, quantized_ffn)
+        return TorchBackend(spec, device, dtype, storage_dtype, context, quantized_ffn, kv_bits)
     if name == "mlx":
         from .backends.mlx_backend import MLXBackend
-        return MLXBackend(spec, device, dtype, storage_dtype, context, quantized_ffn)
+        return MLXBackend(spec, device, dtype, storage_dtype, context, quantized_ffn, kv_bits)
     raise FlashLLMError(f"backend {name!r}: expected torch or mlx")
 
 
@@ -51,7 +51,7 @@ class Model:
         self.spec, self.layout, self.mode = self.manifest.spec, self.manifest.layout, opts.mode
         self.context = min(opts.context or DEFAULT_CONTEXT, self.spec.context_limit)
         self.backend = make_backend(opts.backend, self.spec, opts.device, opts.dtype, self.manifest.dtype, self.context,
-                                    self.manifest.data.get("quantization", "none") != "none")
+                                    self.manifest.data.get("quantization", "none") != "none", opts.kv_bits)
         self._tokenizer = None
         self._chat_template = None
         self._warned_overflow = False
@@ -60,6 +60,7 @@ class Model:
         self._costs: list[TokenCost] = []
         self.last_generation = Generation()
         self._load_resident(skip_layers=opts.mode == "naive")
+        self.backend.quantize_resident(opts.quantize_resident)  # naive mode: its layers as it reads them
         self.model_bytes = sum(e["size"] for k, e in self.manifest.data["files"].items() if k in ("resident", "ffn"))
         self.dram_budget = budget_bytes(opts.dram_budget, self.model_bytes)
         self.gpu_budget = budget_bytes(opts.gpu_budget, self.model_bytes)
@@ -150,9 +151,15 @@ class Model:
     def stats(self) -> dict:
         extra = {"mode": self.mode, "backend": self.backend.name, "device": str(self.backend.device),
                  "dram_budget": self.dram_budget, "gpu_budget": self.gpu_budget, "model_bytes": self.model_bytes,
-                 "gpu_bytes": self.memory()[1] if self.backend.on_gpu else 0}
+                 "gpu_bytes": self.memory()[1] if self.backend.on_gpu else 0, "quantization": self.quantization()}
         extra.update(self.plan.describe())
         return summarize(self._costs, self.dram_bytes(), extra)
+
+    def quantization(self) -> dict:
+        """What is held quantized: FFN bundles (as stored), resident matrices and the KV cache (as loaded)."""
+        q = getattr(self.layout, "quant", None)
+        return {"ffn": f"{q.name} {q.scheme} g{q.group_size}" if q else "none",
+                "resident": self.options.quantize_resident, "kv_bits": self.options.kv_bits}
 
     @property
     def token_stats(self) -> list[dict]:

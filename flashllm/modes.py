@@ -64,7 +64,7 @@ class DensePlan(Plan):
 
     def __init__(self, ctx: PlanContext):
         super().__init__(ctx)
-        self.rows = [ctx.bundle_rows(ctx.read_layer_block(i)) for i in range(ctx.spec.n_layers)]
+        self.rows = [ctx.bundle_rows(ctx.read_layer_block(i), keep_quantized=True) for i in range(ctx.spec.n_layers)]
         ctx.check_fits(ctx.counted(0, self.backend.nbytes() + self.device_bytes()), "all weights and the KV cache")
 
     def ffn(self, layer: int, x, cost):
@@ -89,7 +89,7 @@ class StreamingPlan(Plan):
         with cost.timed("io_ms"):
             cost.add_io(self.reader.read_block(layer, lo, hi, buf))
         with cost.timed("mem_ms"):
-            return self.ctx.bundle_rows(buf[:hi - lo])
+            return self.ctx.bundle_rows(buf[:hi - lo], keep_quantized=True)
 
 
 class NaivePlan(StreamingPlan):
@@ -126,6 +126,7 @@ class NaivePlan(StreamingPlan):
                 e = self.st.entries[name]
                 b, en = e["data_offsets"]
                 self.backend.put_bytes(name, self.attn_buf[b - base:en - base], self.st.dtype(name), e["shape"])
+            self.backend.quantize_resident(self.ctx.options.quantize_resident, names)  # as in every mode
 
     def ffn(self, layer: int, x, cost):
         rows = self.read_rows(layer, 0, self.lay.d_ffn, self.ffn_buf, cost)
@@ -160,7 +161,7 @@ class HybridPlan(StreamingPlan):
             raise ctx.too_small(base + lay.d_ffn * row, "resident weights, KV cache and one layer's streamed FFN")
         self.resident_rows = budget_mod.hybrid_resident_rows(avail, row, L, lay.d_ffn, ctx.options.hybrid_fraction)
         h = self.resident_rows
-        self.resident = [ctx.bundle_rows(ctx.read_layer_block(i)[:h]) for i in range(L)] if h else []
+        self.resident = [ctx.bundle_rows(ctx.read_layer_block(i)[:h], keep_quantized=True) for i in range(L)] if h else []
         self.buf = self.backend.host_buffer((lay.d_ffn - h, lay.stride)) if h < lay.d_ffn else None
 
     def ffn(self, layer: int, x, cost):

@@ -12,6 +12,8 @@ from .errors import FlashLLMError
 BACKENDS = ("torch", "mlx")
 DTYPES = ("float32", "float16", "bfloat16")
 ON_OVERFLOW = ("drop", "error")
+QUANTIZE_RESIDENT = ("none", "int8", "int4")
+KV_BITS = (8, 16)
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class LoadOptions:
     # MoE: (layer, router logits [T, n_experts], early) -> expert ids [T, top_k] chosen instead of the router's
     # top-k (e.g. routing replayed from a trace; `early`: a prefetch guess); None: the router decides
     expert_routing: Callable | None = None
+    quantize_resident: str = "none"  # hold attention, embedding and lm_head matrices as int8/int4 (at load)
+    kv_bits: int = 16  # 8: KV cache in int8 groups along the head dim; 16: the compute dtype
 
     def __post_init__(self):
         from .experts import POLICIES
@@ -59,6 +63,9 @@ class LoadOptions:
         check(self.expert_policy in POLICIES, f"expert_policy {self.expert_policy!r}: expected one of {', '.join(POLICIES)}")
         check(self.expert_routing is None or callable(self.expert_routing),
               f"expert_routing {self.expert_routing!r}: expected None or a function (layer, logits, early) -> ids")
+        check(self.quantize_resident in QUANTIZE_RESIDENT,
+              f"quantize_resident {self.quantize_resident!r}: expected one of {', '.join(QUANTIZE_RESIDENT)}")
+        check(self.kv_bits in KV_BITS, f"kv_bits {self.kv_bits!r}: expected 8 (int8 KV cache) or 16 (compute dtype)")
         check(self.on_overflow in ON_OVERFLOW, f"on_overflow {self.on_overflow!r}: expected drop or error")
         check(isinstance(self.window, int) and self.window >= 1,
               f"window {self.window}: must be at least 1 (tokens whose neurons stay cached)")

@@ -65,9 +65,10 @@ class PlanContext:
             self._loader.close()
             self._loader = None
 
-    def bundle_rows(self, block: np.ndarray, parts: tuple[str, ...] | None = None) -> dict:
-        """Split uint8 bundle rows [n, >=bundle_bytes] into per-part [n, d] backend tensors."""
-        return self.backend.bundle_rows(block, self.layout, parts)
+    def bundle_rows(self, block: np.ndarray, parts: tuple[str, ...] | None = None, keep_quantized: bool = False) -> dict:
+        """Split uint8 bundle rows [n, >=bundle_bytes] into per-part [n, d] backend tensors (`keep_quantized`:
+        for the backend's `ffn` only, which may compute on quantized rows as they are)."""
+        return self.backend.bundle_rows(block, self.layout, parts, keep_quantized)
 
     def biases(self, layer: int) -> dict:
         """The FFN biases of `layer` by part (None where the family has none)."""
@@ -75,9 +76,8 @@ class PlanContext:
 
     # -- budget arithmetic (budget.py) ---------------------------------------------------------
     def row_bytes(self) -> int:
-        """DRAM one cached neuron costs: its bundle in the compute dtype plus per-row biases."""
-        B = self.backend
-        return budget_mod.row_bytes(self.layout, B.reads_in_place(), B.itemsize)
+        """DRAM one cached neuron costs: its bundle as the backend holds it plus per-row biases."""
+        return self.backend.cache_row_bytes(self.layout)
 
     def max_layer_bytes(self) -> int:
         """DRAM one layer's weights (resident tensors and FFN) take in the compute dtype."""
@@ -96,6 +96,10 @@ class PlanContext:
         """The "budget too small" error, with the smallest budget and what would lower it."""
         B = self.backend
         hints = budget_mod.lowering_hints(self.mode, B.itemsize, B.kv_bytes(), needed)
+        if self.options.quantize_resident != "int4":
+            hints.append("--quantize-resident int4 (attention, embeddings and lm_head at ~1/7 of float32)")
+        if self.options.kv_bits == 16 and B.kv_bytes() > needed // 8:
+            hints.append("--kv-bits 8 (the KV cache in int8)")
         return budget_mod.too_small(self.budget, needed, what, self.model_bytes, hints, self.budget_option)
 
     def check_fits(self, needed: int, what: str) -> None:

@@ -8,9 +8,16 @@ flash bytes cross as uint8 numpy arrays.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
+from ..budget import row_bytes
+
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+RESIDENT_QUANT_BITS = {"none": None, "int8": 8, "int4": 4}  # --quantize-resident choices
+# the resident matrices --quantize-resident holds quantized: attention projections, embeddings, lm_head
+QUANTIZED_RESIDENT = re.compile(r"(embed|lm_head|layers\.\d+\.[qkvo])\.weight")
 
 
 def default_compute_dtype(requested: str | None, storage: str, on_cpu: bool) -> str:
@@ -43,6 +50,11 @@ class Backend:
         raise NotImplementedError
 
     def nbytes_of(self, t) -> int:
+        raise NotImplementedError
+
+    def quantized(self, t, bits: int, gather: bool):
+        """A resident [out, in] matrix held quantized in the backend's kernel format; `linear` and
+        `embed` take it where they take a matrix (`gather`: embeddings are looked up by row too)."""
         raise NotImplementedError
 
     def kv_bytes(self) -> int:
@@ -101,6 +113,13 @@ class Backend:
         """A resident tensor from its raw bytes (of dtype `dtype`)."""
         self.put(name, self.storage_view(raw, dtype).reshape(tuple(shape)))
 
+    def quantize_resident(self, quantize: str, names=None) -> None:
+        """Hold the resident matrices (QUANTIZED_RESIDENT; of `names` if given) quantized ("int8", "int4")."""
+        bits = RESIDENT_QUANT_BITS[quantize]
+        names = [n for n in (self.w if names is None else names) if bits and QUANTIZED_RESIDENT.fullmatch(n)]
+        for name in names:
+            self.w[name] = self.quantized(self.w[name], bits, gather=name == "embed.weight")
+
     def read_tensor(self, st, name: str):
         """Tensor `name` of a SafetensorsFile in the compute dtype (not made resident)."""
         return self.tensor(self.storage_view(st.read_bytes(name), st.dtype(name)).reshape(st.shape(name)))
@@ -113,11 +132,17 @@ class Backend:
         """Bundle rows one staging buffer holds: STAGING_BYTES worth, at most one layer."""
         return max(1, min(self.STAGING_BYTES // stride, self.spec.d_ffn))
 
-    def bundle_rows(self, block: np.ndarray, layout, parts: tuple[str, ...] | None = None) -> dict:
+    def bundle_rows(self, block: np.ndarray, layout, parts: tuple[str, ...] | None = None,
+                    keep_quantized: bool = False) -> dict:
         """uint8 bundle rows [n, >= bundle_bytes] of the storage dtype as part -> [n, d_model] arrays
-        (quantized bundles are dequantized here)."""
+        (quantized bundles are dequantized here, unless `keep_quantized` and the backend's `ffn`
+        computes on them as they are)."""
         values = layout.dequantize(block) if layout.quant else self.storage_view(block)
         return {part: self.tensor(values[:, layout.part_slice(part)]) for part in parts or layout.parts}
+
+    def cache_row_bytes(self, layout) -> int:
+        """DRAM one cached neuron costs: its bundle as the row store holds it, plus per-row biases."""
+        return row_bytes(layout, self.reads_in_place(), self.itemsize)
 
     def ffn_biases(self, layer: int) -> dict:
         """The FFN biases of `layer` (None where the model has none): the one place they come from."""

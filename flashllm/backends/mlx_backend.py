@@ -22,6 +22,7 @@ from ..rope import Rope, layer_ropes
 from ..stats import untimed
 from ..spec import ArchSpec
 from .base import Backend, default_compute_dtype
+from .mlx_quant import MLX_GROUPS, MLXKVCache, QuantArray, mlx_quantizable, quant_rows
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # how raw bytes of a dtype cross into MLX: (numpy view, MLX view of it or None)
@@ -68,7 +69,7 @@ class MLXBackend(Backend):
     STAGING_BYTES = 8 << 20  # the one staging buffer flash reads land in (<= one layer)
 
     def __init__(self, spec: ArchSpec, device: str | None, dtype: str | None, storage_dtype: str, context: int,
-                 quantized_ffn: bool = False):
+                 quantized_ffn: bool = False, kv_bits: int = 16):
         if dtype is not None and dtype not in DTYPES:
             raise FlashLLMError(f"dtype {dtype!r}: the MLX backend computes in {', '.join(DTYPES)}")
         self.spec = spec
@@ -83,10 +84,7 @@ class MLXBackend(Backend):
         # one preallocated [1, kv_heads, context, head_dim] buffer per layer, updated by slice
         # assignment: per-layer arrays let MLX update in place (a single [layers, ...] array would be
         # copied whole while an earlier layer's attention still references it in the lazy graph)
-        shape = (1, spec.n_kv_heads, context, spec.head_dim)
-        self.k_cache = [mx.zeros(shape, dtype=self._mx) for _ in range(spec.n_layers)]
-        self.v_cache = [mx.zeros(shape, dtype=self._mx) for _ in range(spec.n_layers)]
-        mx.eval(self.k_cache, self.v_cache)
+        self.kv = MLXKVCache(spec, context, self._mx, kv_bits)
         self.act = _act(spec.activation, spec.activation_threshold)
         self._staging = None
         self.ropes = layer_ropes(spec)
@@ -105,11 +103,35 @@ class MLXBackend(Backend):
         return out.view(mx_view) if mx_view is not None else out
 
     def kv_bytes(self) -> int:
-        return sum(map(self.nbytes_of, self.k_cache + self.v_cache))
+        return self.kv.nbytes()
 
     @staticmethod
-    def nbytes_of(t: mx.array) -> int:
-        return int(t.nbytes)
+    def nbytes_of(t: mx.array | QuantArray) -> int:
+        return sum(int(a.nbytes) for a in t[:3]) if isinstance(t, QuantArray) else int(t.nbytes)
+
+    def quantized(self, t: mx.array, bits: int, gather: bool) -> QuantArray:
+        """mx.quantize's affine format, groups of 64 (32 or 128 where 64 does not divide the row)."""
+        group = next((g for g in MLX_GROUPS if t.shape[-1] % g == 0), None)
+        if group is None:
+            raise FlashLLMError(f"--quantize-resident int{bits}: a {t.shape[0]}x{t.shape[1]} matrix has no MLX group "
+                                f"size in {MLX_GROUPS} dividing {t.shape[1]}")
+        out = QuantArray(*mx.quantize(t, group_size=group, bits=bits), group, bits)
+        mx.eval(out[:3])
+        return out
+
+    def bundle_rows(self, block: np.ndarray, layout, parts: tuple[str, ...] | None = None,
+                    keep_quantized: bool = False) -> dict:
+        """As Backend.bundle_rows; with `keep_quantized`, MLX-compatible quantized parts stay QuantArrays."""
+        if not (keep_quantized and mlx_quantizable(layout)):
+            return super().bundle_rows(block, layout, parts)
+        return {p: quant_rows(block, layout, p, self._mx) for p in parts or layout.parts}
+
+    def cache_row_bytes(self, layout) -> int:
+        if not mlx_quantizable(layout):
+            return super().cache_row_bytes(layout)
+        groups = layout.quant.groups(layout.d_model)
+        per_part = layout.d_model * layout.quant.bits // 8 + 2 * groups * self.itemsize
+        return len(layout.parts) * per_part + 2 * self.itemsize
 
     def row_store(self, capacity: int, layout, biases: dict):
         return MLXRowStore(self, capacity, layout, biases)
@@ -140,8 +162,15 @@ class MLXBackend(Backend):
         """False: on Apple silicon the GPU shares DRAM, so everything counts against one DRAM budget."""
         return False
 
-    def linear(self, x: mx.array, w: mx.array, b: mx.array | None) -> mx.array:
+    def linear(self, x: mx.array, w: mx.array | QuantArray, b: mx.array | None) -> mx.array:
+        if isinstance(w, QuantArray):
+            y = w.matmul(x, transpose=True)
+            return y if b is None else y + b
         return x @ w.T if b is None else mx.addmm(b, x, w.T)
+
+    def matmul(self, x: mx.array, w: mx.array | QuantArray) -> mx.array:
+        """x @ w (the FFN's down projection over cached columns)."""
+        return w.matmul(x, transpose=False) if isinstance(w, QuantArray) else x @ w
 
     def to_host(self, x: mx.array) -> np.ndarray:
         """x as a float32 numpy array (evaluates the graph so far: a predictor's scores, the logits)."""
@@ -165,7 +194,8 @@ class MLXBackend(Backend):
         return mx.fast.rms_norm(x, w, eps)
 
     def embed(self, ids: list[int], pos: int) -> mx.array:
-        x = self.w["embed.weight"][mx.array(ids, dtype=mx.int32)]
+        table, idx = self.w["embed.weight"], mx.array(ids, dtype=mx.int32)
+        x = table.rows(idx).dequantize() if isinstance(table, QuantArray) else table[idx]
         if self.spec.embed_scale != 1.0:  # Gemma: the scale rounded to the compute dtype, as transformers does
             x = x * mx.array(self.spec.embed_scale, dtype=x.dtype)
         if self.spec.positional == "learned":
@@ -201,11 +231,9 @@ class MLXBackend(Backend):
         q, k, v = (a.transpose(1, 0, 2)[None] for a in (q, k, v))  # [1, heads, T, head_dim]
         if s.positional == "rotary":
             q, k = self._rope(q, self.ropes[layer], pos), self._rope(k, self.ropes[layer], pos)
-        self.k_cache[layer][:, :, pos:pos + T] = k
-        self.v_cache[layer][:, :, pos:pos + T] = v
         S, window = pos + T, s.window(layer)
         lo = max(0, pos - window + 1) if window else 0  # earliest key any query sees
-        keys, vals = self.k_cache[layer][:, :, lo:S], self.v_cache[layer][:, :, lo:S]
+        keys, vals = self.kv.update(layer, pos, k, v, lo)
         mask = None
         if T > 1:  # causal (and windowed) among the new tokens; one decode token sees all of lo..S-1
             qpos, kpos = mx.arange(pos, S)[:, None], mx.arange(lo, S)[None, :]
@@ -233,7 +261,7 @@ class MLXBackend(Backend):
         if threshold is not None:
             a = a * (mx.abs(a) > threshold)
         h = a * up if self.spec.gated_ffn else a
-        y = h @ rows["down"]
+        y = self.matmul(h, rows["down"])
         return y + down_bias if down_bias is not None else y
 
     def moe_ffn(self, x: mx.array, groups: list, shared: dict | None = None, shared_gate=None) -> mx.array:
@@ -275,13 +303,23 @@ class MLXRowStore:
     converting to the compute dtype. On Apple silicon both arrays live in unified memory, so there
     is no host-to-device transfer: the remaining copies are that one memcpy plus the scatter itself.
     Swap-delete is an indexed update too (`part[dst] = part[src]`), done in place by MLX when no
-    pending graph still references the array.
+    pending graph still references the array. Bundles quantized in MLX's affine format (mlx_quant.py)
+    stay quantized: each part is a QuantArray whose codes, scales and mins are scattered as read,
+    and the FFN runs `mx.quantized_matmul` on them.
     """
 
     def __init__(self, backend: MLXBackend, capacity: int, layout, biases: dict):
         self.layout, self.backend = layout, backend
         dt = backend.dtype
-        self.parts = {p: mx.zeros((capacity, layout.d_model), dtype=dt) for p in layout.parts}
+        self.quantized = mlx_quantizable(layout)  # rows stay in MLX's affine format (see mlx_quant.py)
+        if self.quantized:
+            q, d = layout.quant, layout.d_model
+            self.parts = {p: QuantArray(mx.zeros((capacity, d * q.bits // 32), dtype=mx.uint32),
+                                        mx.zeros((capacity, q.groups(d)), dtype=dt),
+                                        mx.zeros((capacity, q.groups(d)), dtype=dt), q.group_size, q.bits)
+                          for p in layout.parts}
+        else:
+            self.parts = {p: mx.zeros((capacity, layout.d_model), dtype=dt) for p in layout.parts}
         self.full_bias = {k: v for k, v in biases.items() if v is not None}
         self.bias = {k: mx.zeros((capacity,), dtype=dt) for k in self.full_bias}
         # numpy view of the staging bytes, and the MLX dtype they are reinterpreted as
@@ -289,8 +327,11 @@ class MLXRowStore:
         self.staging = backend.staging(layout.stride)
         mx.eval(self._arrays())
 
+    def _row_arrays(self) -> list[mx.array]:
+        return [a for p in self.parts.values() for a in (p[:3] if self.quantized else (p,))]
+
     def _arrays(self) -> list[mx.array]:
-        return [*self.parts.values(), *self.bias.values()]
+        return [*self._row_arrays(), *self.bias.values()]
 
     def nbytes(self) -> int:
         """Bytes of the rows and per-row biases (the shared staging buffer is counted once, elsewhere)."""
@@ -318,17 +359,23 @@ class MLXRowStore:
                 part = read(chunk, self.staging, np.arange(len(chunk)))
             io = part if io is None else io + part
             with timed("mem_ms"):
-                # mx.array copies now, so the staging buffer is free for the next chunk at once
-                if self.layout.quant:  # dequantized on insert (numpy), then cast to the compute dtype
-                    vals = mx.array(self.layout.dequantize(self.staging[:len(chunk)]))
-                else:
-                    vals = mx.array(self.staging[:len(chunk), :self.layout.bundle_bytes].view(self._np_view))
-                if self._mx_view is not None and not self.layout.quant:
-                    vals = vals.view(self._mx_view)
                 r = mx.array(rows[k:k + step].astype(np.int32))
-                for p, a in self.parts.items():
-                    a[r] = vals[:, self.layout.part_slice(p)].astype(dt)
-                mx.async_eval(list(self.parts.values()))  # scatter this chunk while the next one is read
+                # mx.array copies now, so the staging buffer is free for the next chunk at once
+                if self.quantized:  # codes, scales and mins as they are: no dequantization
+                    for p, a in self.parts.items():
+                        new = quant_rows(self.staging[:len(chunk)], self.layout, p, dt)
+                        for dst, src in zip(a[:3], new[:3]):
+                            dst[r] = src
+                else:
+                    if self.layout.quant:  # a scheme MLX has no kernel for: dequantized on insert (numpy)
+                        vals = mx.array(self.layout.dequantize(self.staging[:len(chunk)]))
+                    else:
+                        vals = mx.array(self.staging[:len(chunk), :self.layout.bundle_bytes].view(self._np_view))
+                        if self._mx_view is not None:
+                            vals = vals.view(self._mx_view)
+                    for p, a in self.parts.items():
+                        a[r] = vals[:, self.layout.part_slice(p)].astype(dt)
+                mx.async_eval(self._row_arrays())  # scatter this chunk while the next one is read
         with timed("mem_ms"):
             if len(ids):
                 r, i = mx.array(rows.astype(np.int32)), mx.array(ids.astype(np.int32))
@@ -339,4 +386,5 @@ class MLXRowStore:
 
     def views(self, n: int) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
         """Per-part [n, d] weight views of rows :n, and per-row biases."""
-        return {p: a[:n] for p, a in self.parts.items()}, {k: b[:n] for k, b in self.bias.items()}
+        return {p: a.rows(slice(None, n)) if self.quantized else a[:n] for p, a in self.parts.items()}, \
+            {k: b[:n] for k, b in self.bias.items()}

@@ -12,6 +12,7 @@ from ..stats import untimed
 from ..spec import ArchSpec
 from .base import Backend, default_compute_dtype
 from .staging import StagingRing, bundle_values, host_array
+from .torch_quant import KVCache, QuantMatrix
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -34,7 +35,7 @@ class TorchBackend(Backend):
     STAGING_BYTES = 1 << 20  # per staging buffer (two per backend); the I/O engine's largest read
 
     def __init__(self, spec: ArchSpec, device: str, dtype: str | None, storage_dtype: str, context: int,
-                 quantized_ffn: bool = False):
+                 quantized_ffn: bool = False, kv_bits: int = 16):
         self.spec = spec
         self.device = torch.device(_device(device))
         self.dtype_name = default_compute_dtype(dtype, storage_dtype, self.device.type == "cpu")
@@ -45,9 +46,7 @@ class TorchBackend(Backend):
         self.quantized_ffn = quantized_ffn  # FFN rows are dequantized on insert, never read in place
         self.context = context
         self.w: dict[str, torch.Tensor] = {}
-        kv_shape = (spec.n_layers, context, spec.n_kv_heads, spec.head_dim)
-        self.k_cache = torch.zeros(kv_shape, dtype=cdt, device=self.device)
-        self.v_cache = torch.zeros(kv_shape, dtype=cdt, device=self.device)
+        self.kv = KVCache(spec, context, cdt, self.device, kv_bits)
         self.act = _act(spec.activation, spec.activation_threshold)
         self.ropes = layer_ropes(spec)
         self._rope_rows: dict[Rope, tuple] = {}  # rope -> (pos, count, cos, sin) of the current call
@@ -62,11 +61,14 @@ class TorchBackend(Backend):
         return torch.from_numpy(raw).view(DTYPES[dtype] if dtype else self.storage_dtype)
 
     def kv_bytes(self) -> int:
-        return 2 * self.nbytes_of(self.k_cache)
+        return self.kv.nbytes()
 
     @staticmethod
-    def nbytes_of(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
+    def nbytes_of(t: torch.Tensor | QuantMatrix) -> int:
+        return t.nbytes if isinstance(t, QuantMatrix) else t.numel() * t.element_size()
+
+    def quantized(self, t: torch.Tensor, bits: int, gather: bool) -> QuantMatrix:
+        return QuantMatrix(t, bits, self.dtype, gather)
 
     def row_store(self, capacity: int, layout, biases: dict):
         return TorchRowStore(self, capacity, layout, biases)
@@ -91,8 +93,8 @@ class TorchBackend(Backend):
     def on_gpu(self) -> bool:
         return self.device.type == "cuda"
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, w, b)
+    def linear(self, x: torch.Tensor, w: torch.Tensor | QuantMatrix, b: torch.Tensor | None) -> torch.Tensor:
+        return w.linear(x, b) if isinstance(w, QuantMatrix) else F.linear(x, w, b)
 
     def to_host(self, x: torch.Tensor) -> np.ndarray:
         return x.float().cpu().numpy()
@@ -115,7 +117,8 @@ class TorchBackend(Backend):
 
     def embed(self, ids: list[int], pos: int) -> torch.Tensor:
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
-        x = self.w["embed.weight"][idx]
+        table = self.w["embed.weight"]
+        x = table.rows(idx) if isinstance(table, QuantMatrix) else table[idx]
         if self.spec.embed_scale != 1.0:  # Gemma: the scale rounded to the compute dtype, as transformers does
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         if self.spec.positional == "learned":
@@ -123,7 +126,7 @@ class TorchBackend(Backend):
         return x
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        return self.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     def _cos_sin(self, rope: Rope, pos: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[count, 1, rope dim] cos and sin from flashllm.rope, made once per forward call and rope."""
@@ -154,11 +157,9 @@ class TorchBackend(Backend):
             q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
         if s.positional == "rotary":
             q, k = self._rope(q, self.ropes[layer], pos), self._rope(k, self.ropes[layer], pos)
-        self.k_cache[layer, pos:pos + T] = k
-        self.v_cache[layer, pos:pos + T] = v
         S, window = pos + T, s.window(layer)
         lo = max(0, pos - window + 1) if window else 0  # earliest key any of the new queries sees
-        keys, vals = self.k_cache[layer, lo:S], self.v_cache[layer, lo:S]
+        keys, vals = self.kv.update(layer, pos, k, v, lo)
         group = s.n_heads // s.n_kv_heads
         if group > 1:
             keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)
@@ -209,7 +210,7 @@ class TorchBackend(Backend):
     def logits(self, x: torch.Tensor) -> np.ndarray:
         h = self.norm("final_norm", x)
         w = self.w["embed.weight"] if self.spec.tied_embeddings else self.w["lm_head.weight"]
-        logits = F.linear(h, w, self.w.get("lm_head.bias"))
+        logits = self.linear(h, w, self.w.get("lm_head.bias"))
         if self.spec.final_softcap:
             logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
         return logits.float().cpu().numpy()

@@ -1,0 +1,106 @@
+"""Quantized arrays on MLX: resident matrices and FFN bundle rows in MLX's affine format, and an
+int8 KV cache.
+
+flashllm's asymmetric bundle quantization (w = q * scale + min per group along d_model, int4
+nibbles low-first) is MLX's affine format byte for byte, so bundle rows go from flash into
+quantized cache arrays without dequantization and the FFN runs on `mx.quantized_matmul`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+KV_GROUP = 64
+
+
+MLX_GROUPS = (64, 32, 128)  # group sizes mx.quantize takes, in order of preference
+
+
+class QuantArray(NamedTuple):
+    """An [n, d] matrix in MLX's affine format: w = scales * q + biases per group along d (mx.quantize);
+    `packed` holds 32 // bits codes per uint32, value j at bits j * bits (flashllm's int4/int8 bundle
+    codes read as little-endian uint32 are exactly this)."""
+
+    packed: mx.array
+    scales: mx.array
+    biases: mx.array
+    group_size: int
+    bits: int
+
+    def rows(self, idx) -> "QuantArray":
+        return QuantArray(self.packed[idx], self.scales[idx], self.biases[idx], self.group_size, self.bits)
+
+    def matmul(self, x: mx.array, transpose: bool) -> mx.array:
+        """x @ w.T (transpose) or x @ w."""
+        return mx.quantized_matmul(x, self.packed, self.scales, self.biases, transpose=transpose,
+                                   group_size=self.group_size, bits=self.bits)
+
+    def dequantize(self) -> mx.array:
+        return mx.dequantize(self.packed, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+
+
+def mlx_quantizable(layout) -> bool:
+    """Whether MLX keeps this layout's bundles quantized (affine = flashllm's asymmetric scheme, a group
+    size MLX supports); other quantized layouts are dequantized on insert."""
+    q = layout.quant
+    return q is not None and not q.symmetric and q.group_size in MLX_GROUPS
+
+
+def quant_rows(block: np.ndarray, layout, part: str, dtype) -> QuantArray:
+    """uint8 bundle rows [n, >= bundle_bytes] -> one part's rows as a QuantArray (no dequantization)."""
+    q, base = layout.quant, layout.part_range(part).start
+    lay = q.part_layout(layout.d_model)
+
+    def piece(key, view):
+        off, size = lay[key]
+        return mx.array(np.ascontiguousarray(block[:, base + off:base + off + size]).view(view))
+
+    return QuantArray(piece("codes", np.uint32), piece("scales", np.float16).astype(dtype),
+                      piece("mins", np.float16).astype(dtype), q.group_size, q.bits)
+
+
+class MLXKVCache:
+    """Per layer [1, kv heads, context, head dim] K and V buffers, updated by slice assignment (per-layer
+    arrays let MLX update in place); in the compute dtype, or int8 codes with a float32 scale and
+    minimum per group of up to 64 values along the head dim (FlexGen's grouping)."""
+
+    def __init__(self, spec, context: int, dtype, bits: int = 16):
+        shape, hd = (1, spec.n_kv_heads, context, spec.head_dim), spec.head_dim
+        self.bits, self.dtype = bits, dtype
+        self.group = KV_GROUP if hd % KV_GROUP == 0 else hd
+        n = spec.n_layers
+        if bits == 16:
+            self.k, self.v = ([mx.zeros(shape, dtype=dtype) for _ in range(n)] for _ in range(2))
+        else:
+            self.k, self.v = ([mx.zeros(shape, dtype=mx.uint8) for _ in range(n)] for _ in range(2))
+            gshape = (*shape[:3], hd // self.group, 2)  # (scale, min) per group
+            self.k_sm, self.v_sm = ([mx.zeros(gshape, dtype=mx.float32) for _ in range(n)] for _ in range(2))
+        mx.eval(self._arrays())
+
+    def _arrays(self) -> list:
+        return self.k + self.v + (self.k_sm + self.v_sm if self.bits == 8 else [])
+
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self._arrays())
+
+    def update(self, layer: int, pos: int, k: mx.array, v: mx.array, lo: int):
+        """Store k, v ([1, kv heads, T, head dim]) at pos..; return keys and values of lo..pos+T."""
+        end = pos + k.shape[2]
+        if self.bits == 16:
+            self.k[layer][:, :, pos:end], self.v[layer][:, :, pos:end] = k, v
+            return self.k[layer][:, :, lo:end], self.v[layer][:, :, lo:end]
+        out = []
+        for new, codes, sm in ((k, self.k[layer], self.k_sm[layer]), (v, self.v[layer], self.v_sm[layer])):
+            g = new.astype(mx.float32).reshape(*new.shape[:3], -1, self.group)
+            low, high = g.min(axis=-1), g.max(axis=-1)
+            scale = (high - low) / 255
+            q = mx.clip(mx.round((g - low[..., None]) / mx.where(scale == 0, 1, scale)[..., None]), 0, 255)
+            codes[:, :, pos:end] = q.astype(mx.uint8).reshape(new.shape)
+            sm[:, :, pos:end] = mx.stack((scale, low), axis=-1)
+            c, s = codes[:, :, lo:end], sm[:, :, lo:end]
+            vals = c.reshape(*c.shape[:3], -1, self.group).astype(mx.float32) * s[..., :1] + s[..., 1:]
+            out.append(vals.reshape(c.shape).astype(self.dtype))
+        return out[0], out[1]

@@ -1,0 +1,137 @@
+"""Quantized resident matrices and an int8 KV cache on torch (CPU), in the formats of torch's kernels.
+
+Resident matrices ([out, in]: attention projections, embeddings, lm_head) use torch's weight-only
+CPU kernels, chosen by measurement (bench/results/quant_resident.md): they beat dequantizing per
+call by 5-20x, and they are fastest with bfloat16 activations, so x is cast to bfloat16 for them.
+- int8: per output row symmetric codes (`torch._weight_int8pack_mm`, as gpt-fast's int8);
+- int4: groups of 64 (32 where 64 does not divide `in`) along `in`, min/max codes 0..15 with
+  w = (q - 8) * scale + zero (`torch._weight_int4pack_mm_for_cpu`); rows padded to a multiple of 16.
+The KV cache in int8 keeps, per token and kv head, groups of up to 64 values along the head dim
+with their own float32 scale and minimum (FlexGen's grouping), dequantized when attention reads them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import FlashLLMError
+
+KERNEL_DTYPE = torch.bfloat16  # activations and scales of the CPU kernels (float32/float16 paths are 3-6x slower)
+INT4_GROUPS = (64, 32, 128, 256)  # group sizes the int4 kernel takes, in order of preference
+KV_GROUP = 64
+
+
+def _bf16_up(x: torch.Tensor) -> torch.Tensor:
+    """bfloat16 values >= x (float32): a scale rounded up, so that no code clips."""
+    b = x.to(KERNEL_DTYPE)
+    low = b.float() < x
+    b[low] = torch.nextafter(b[low], torch.full_like(b[low], float("inf")))
+    return b
+
+
+def _minmax_codes(w: torch.Tensor, group: int, levels: int):
+    """Asymmetric group codes of float [n, k] rows: (codes uint8 [n, k], scale [n, G], min [n, G]) float32."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(2), g.amax(2)
+    scale = (hi - lo) / levels
+    codes = torch.round((g - lo[..., None]) / torch.where(scale == 0, 1, scale)[..., None]).clamp_(0, levels)
+    return codes.to(torch.uint8).reshape(n, k), scale, lo
+
+
+class QuantMatrix:
+    """A resident [out, in] matrix held as int8 or int4 codes; `linear` multiplies, `rows` gathers."""
+
+    def __init__(self, w: torch.Tensor, bits: int, out_dtype: torch.dtype, gather: bool = False):
+        if w.device.type != "cpu":
+            raise FlashLLMError("--quantize-resident runs on the CPU (torch's weight-only CPU kernels); "
+                                "on CUDA use --quantize-resident none")
+        self.bits, self.out_dtype, self.shape = bits, out_dtype, tuple(w.shape)
+        n, k = w.shape
+        self.row_codes = None
+        if bits == 8:  # |w - q s| <= s / 2 with s the stored scale
+            self.scales = _bf16_up(w.float().abs().amax(1) / 127)
+            scale = self.scales.float()
+            self.codes = torch.round(w.float() / torch.where(scale == 0, 1, scale)[:, None]).clamp_(-127, 127) \
+                .to(torch.int8)
+            return
+        group = next((g for g in INT4_GROUPS if k % g == 0), None)
+        if group is None:
+            raise FlashLLMError(f"--quantize-resident int4: a {n}x{k} matrix has no group size in {INT4_GROUPS} "
+                                f"dividing {k}; use int8")
+        self.group, pad = group, -n % 16
+        g = w.float().reshape(n, k // group, group)
+        lo = g.amin(2)
+        scale = _bf16_up((g.amax(2) - lo) / 15).float()
+        zero = (lo + 8 * scale).to(KERNEL_DTYPE).float()  # w ≈ (q - 8) * scale + zero, as the kernel computes
+        codes = torch.round((g - (zero - 8 * scale)[..., None]) / torch.where(scale == 0, 1, scale)[..., None])
+        codes = codes.clamp_(0, 15).to(torch.uint8).reshape(n, k)
+        padded = F.pad(codes.to(torch.int32), (0, 0, 0, pad))
+        self.codes = torch._convert_weight_to_int4pack_for_cpu(padded, 1)
+        self.scales = F.pad(torch.stack((scale, zero), 2), (0, 0, 0, 0, 0, pad)).transpose(0, 1) \
+            .contiguous().to(KERNEL_DTYPE)  # [G, rows, 2]
+        if gather:  # the packed kernel layout cannot be gathered by row: keep the nibbles too
+            self.row_codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.row_codes) if t is not None)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead, xk = x.shape[:-1], x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE)
+        if self.bits == 8:
+            y = torch._weight_int8pack_mm(xk, self.codes, self.scales)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(xk, self.codes, self.group, self.scales)[:, :self.shape[0]]
+        y = y.to(self.out_dtype).reshape(*lead, self.shape[0])
+        return y + bias if bias is not None else y
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows `idx` (embedding lookups)."""
+        if self.bits == 8:
+            return (self.codes[idx].float() * self.scales[idx].float()[:, None]).to(self.out_dtype)
+        c = self.row_codes[idx]
+        codes = torch.stack((c & 15, c >> 4), 2).reshape(len(idx), -1, self.group).float()
+        sz = self.scales[:, idx].float()  # [G, len(idx), 2]
+        s, z = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]
+        return ((codes - 8) * s + z).reshape(len(idx), -1).to(self.out_dtype)
+
+
+class KVCache:
+    """The static K and V cache of every layer, in the compute dtype or int8 groups along the head dim."""
+
+    def __init__(self, spec, context: int, dtype: torch.dtype, device, bits: int = 16):
+        shape = (spec.n_layers, context, spec.n_kv_heads, spec.head_dim)
+        self.bits, self.dtype = bits, dtype
+        if bits == 16:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+            return
+        hd = spec.head_dim
+        self.group = KV_GROUP if hd % KV_GROUP == 0 else hd
+        self.k, self.v = (torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(2))
+        gshape = (*shape[:3], hd // self.group, 2)  # (scale, min) per group
+        self.k_sm, self.v_sm = (torch.zeros(gshape, dtype=torch.float32, device=device) for _ in range(2))
+
+    def nbytes(self) -> int:
+        held = [self.k, self.v] + ([self.k_sm, self.v_sm] if self.bits == 8 else [])
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor, lo: int):
+        """Store k, v ([T, kv heads, head dim]) at pos..; return keys and values of lo..pos+T."""
+        end = pos + k.shape[0]
+        if self.bits == 16:
+            self.k[layer, pos:end], self.v[layer, pos:end] = k, v
+            return self.k[layer, lo:end], self.v[layer, lo:end]
+        for new, codes, sm in ((k, self.k, self.k_sm), (v, self.v, self.v_sm)):
+            T, h, d = new.shape
+            c, s, m = _minmax_codes(new.reshape(T * h, d), self.group, 255)
+            codes[layer, pos:end] = c.reshape(T, h, d)
+            sm[layer, pos:end] = torch.stack((s, m), 2).reshape(T, h, -1, 2)
+        return self._values(self.k, self.k_sm, layer, lo, end), self._values(self.v, self.v_sm, layer, lo, end)
+
+    def _values(self, codes, sm, layer: int, lo: int, end: int) -> torch.Tensor:
+        c, s = codes[layer, lo:end], sm[layer, lo:end]
+        g = c.reshape(*c.shape[:2], -1, self.group).float() * s[..., :1] + s[..., 1:]
+        return g.reshape(c.shape).to(self.dtype)

@@ -157,10 +157,9 @@ class _Dropper:
 
 
 def _layout(spec: ArchSpec, itemsize: int, bundled: bool, quantize: str = "none"):
-    if quantize != "none" and not spec.is_moe:
-        raise SystemExit("make_model: --quantize is for mixture-of-experts shapes (dense models: flashllm convert)")
     quant = None if quantize == "none" else QuantScheme.named(quantize)
-    return fmt.ExpertLayout.plan(spec, itemsize, quant) if spec.is_moe else fmt.FFNLayout.plan(spec, itemsize, bundled)
+    return fmt.ExpertLayout.plan(spec, itemsize, quant) if spec.is_moe else \
+        fmt.FFNLayout.plan(spec, itemsize, bundled, quant)
 
 
 def model_bytes(spec: ArchSpec, itemsize: int, bundled: bool = True, quantize: str = "none") -> int:
@@ -172,7 +171,8 @@ def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: in
                 force: bool = False, progress: bool | None = None, shape_name: str = "",
                 quantize: str = "none") -> Path:
     """Write the flashllm model directory `out` (atomically: temp dir + rename); `quantize` int8/int4
-    stores an MoE model's experts group-wise quantized (codes drawn directly, see quantized_expert_bundles)."""
+    stores the FFN bundles (or an MoE model's experts: codes drawn directly, see quantized_expert_bundles)
+    group-wise quantized, as `flashllm convert --quantize` does."""
     from tqdm import tqdm
 
     from flashllm.converters.moe_families import expert_bundles, write_experts
@@ -350,7 +350,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="unbundled FFN layout (up rows and down columns in separate regions: the paper's "
                         "baseline without row-column bundling)")
     p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
-                   help="MoE shapes: experts group-wise quantized (asymmetric, groups of 64; default: %(default)s)")
+                   help="FFN bundles (MoE shapes: experts) group-wise quantized as `flashllm convert --quantize` "
+                   "stores them (asymmetric, groups of 64; default: %(default)s)")
     p.add_argument("--activation", default=None, help="override the shape's activation (e.g. silu)")
     p.add_argument("--hf", action="store_true", help="also write an HF checkpoint of the same weights")
     p.add_argument("--hf-out", default=None, help="where to write it (default OUT/hf)")
@@ -369,7 +370,8 @@ def main(argv=None) -> Path:
     except FlashLLMError as exc:
         raise SystemExit(f"make_model: error: {exc}") from None
     size = sum(e["size"] for e in fmt.read_manifest(out, verify=False).data["files"].values())
-    print(f"{out}: {args.shape} {args.dtype} {'unbundled' if args.no_bundle else 'bundled'}, "
+    print(f"{out}: {args.shape} {args.dtype} {'unbundled' if args.no_bundle else 'bundled'}"
+          f"{'' if args.quantize == 'none' else ', FFN ' + args.quantize}, "
           f"{size / 1e9:.2f} GB, seed {args.seed}, {time.perf_counter() - t0:.0f} s")
     if args.hf:
         hf = write_hf(spec, Path(args.hf_out) if args.hf_out else out / "hf", args.dtype, args.seed, args.force,

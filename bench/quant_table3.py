@@ -1,0 +1,161 @@
+"""The Table 3 analogue with quantized storage: float16 vs int4 bundles vs int4 bundles + int4 resident
+matrices, side by side in one run, at the same DRAM budget fraction.
+
+    python bench/quant_table3.py [--shape opt-1.3b] [--work-dir /tmp/flashllm-quant3] [--out bench/results/quant_table3.md]
+
+1. held-out text and an activation trace of the embedded model (as bench/paper_run.py makes them);
+2. the random model of `--shape` twice (bench/make_model.py, same seed): float16 bundles, and int4
+   bundles (groups of 64; resident tensors float16 on flash in both);
+3. bench/paper_tables.py on each (naive, hybrid and the sparse "all" row; each run in a child
+   process inside a cgroup v1 memory limit, page cache evicted before each run), the third variant
+   loading the int4 model with `--quantize-resident int4`;
+4. one table: per variant and mode, flash bytes per token, I/O (`io_ms`: the reads), memory
+   management (`mem_ms`: placing, casting, dequantizing rows), compute, predictor, total, DRAM;
+5. the model files are deleted afterwards (unless --keep-models).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "flashllm" / "data"
+GB = 1e9
+# (label, FFN bundles, resident matrices)
+VARIANTS = [("float16", "none", "none"), ("int4 bundles", "int4", "none"),
+            ("int4 bundles + int4 resident", "int4", "int4")]
+
+
+def sh(argv: list) -> None:
+    print("+", " ".join(map(str, argv)), file=sys.stderr, flush=True)
+    subprocess.run([str(a) for a in argv], check=True, cwd=ROOT)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="opt-1.3b", help="bench/make_model.py shape (default: %(default)s)")
+    p.add_argument("--work-dir", default="/tmp/flashllm-quant3", help="models, trace and text (default: %(default)s)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant_table3.md"),
+                   help="markdown report; JSON beside it (default: %(default)s)")
+    p.add_argument("--dram-budget", default="0.5", help="fraction of each model's flash size (default: %(default)s)")
+    p.add_argument("--tokens", default="32", help="measured sparse decode tokens (default: %(default)s)")
+    p.add_argument("--warmup", default="8", help="sparse warm-up tokens (default: %(default)s)")
+    p.add_argument("--naive-tokens", default="3", help="(default: %(default)s)")
+    p.add_argument("--hybrid-tokens", default="4", help="(default: %(default)s)")
+    p.add_argument("--torch-threads", default="2", help="(default: %(default)s)")
+    p.add_argument("--keep-models", action="store_true", help="keep the model files afterwards")
+    return p
+
+
+def trace_file(work: Path) -> Path:
+    """The held-out text and the embedded model's activation trace (made once per work dir)."""
+    py, heldout, trace = sys.executable, work / "heldout.txt", work / "trace-auto.npz"
+    if not heldout.is_file():
+        sh([py, "bench/stdlib_corpus.py", "--split", "heldout", "--out", heldout, "--max-bytes", "4000000"])
+    if not trace.is_file():
+        cmd = [py, "bench/trace.py", "record", DATA / "tiny-opt", "--data", heldout, "--out", trace,
+               "--tokens", "2048", "--predictor", "auto"]
+        if (DATA / "tiny-opt-predictors" / "predictors.json").is_file():
+            cmd += ["--predictors", DATA / "tiny-opt-predictors"]
+        sh(cmd)
+    return trace
+
+
+def rows_of(report: dict, label: str) -> list[dict]:
+    runs, out = report["runs"], []
+    for config in ("naive", "hybrid", "all"):
+        r = runs.get(config)
+        if r is None or "error" in r:
+            out.append({"variant": label, "config": config, "error": (r or {}).get("error", "not run")})
+            continue
+        out.append({"variant": label, "config": config, "flash_gb_per_token": r["bytes_read"] / GB,
+                    "io_ms": r["io_ms"], "read_ms": r["read_ms"], "mem_ms": r["mem_ms"],
+                    "compute_ms": r["compute_ms"], "predictor_ms": r["predictor_ms"], "total_ms": r["total_ms"],
+                    "dram_gb": r["dram_in_use"] / GB, "budget_gb": r["dram_budget"] / GB,
+                    "model_gb": r["model_bytes"] / GB, "compute_dtype": r["compute_dtype"],
+                    "neurons_dropped": r["neurons_dropped"], "tokens": r["decode_tokens"]})
+    return out
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    L = [f"# Table 3 analogue with quantized storage ({meta['shape']} shape, random weights)", "",
+         f"- command: `{meta['command']}`", f"- machine: {meta['machine']}", f"- code: {meta['code']}",
+         f"- models: {meta['models']}", f"- DRAM budget: {meta['budget']} of each model's size on flash; "
+         "cgroup v1 limit per run (see the per-variant JSON)", f"- active neurons: {meta['active']}",
+         f"- tokens: {meta['tokens']}", "- units: GB = 10^9 bytes; ms per decode token. `I/O` is io_ms (the "
+         "flash reads only); `memory mgmt` is mem_ms (placing rows: staging copy, cast to the compute dtype, "
+         "int4 dequantization on insert, cache bookkeeping); compute is the rest of the token's time "
+         "(attention, FFN, lm_head) minus the predictor", "",
+         "| variant | mode | flash→DRAM (GB/token) | I/O (ms) | memory mgmt (ms) | compute (ms) | predictor (ms) | "
+         "total (ms) | DRAM in use (GB) | budget (GB) | dropped neurons/token | tokens |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            L.append(f"| {r['variant']} | {r['config']} | error: {r['error']} |" + " |" * 9)
+            continue
+        L.append(f"| {r['variant']} | {r['config']} | {r['flash_gb_per_token']:.3f} | {r['io_ms']:,.0f} | "
+                 f"{r['mem_ms']:,.1f} | {r['compute_ms']:,.0f} | {r['predictor_ms']:.1f} | {r['total_ms']:,.0f} | "
+                 f"{r['dram_gb']:.2f} | {r['budget_gb']:.2f} | {r['neurons_dropped']:,.0f} | {r['tokens']} |")
+    by = {(r["variant"], r["config"]): r for r in rows if "error" not in r}
+    base = by.get(("float16", "all"))
+    L.append("")
+    for label, _, _ in VARIANTS[1:]:
+        r = by.get((label, "all"))
+        if base and r:
+            L.append(f"- {label} vs float16, sparse \"all\": {base['total_ms'] / r['total_ms']:.2f}x end-to-end, "
+                     f"{base['flash_gb_per_token'] / max(r['flash_gb_per_token'], 1e-12):.2f}x fewer flash bytes, "
+                     f"memory management {r['mem_ms'] / r['total_ms']:.1%} of the token (float16: "
+                     f"{base['mem_ms'] / base['total_ms']:.1%})")
+    return "\n".join(L) + "\n"
+
+
+def main(argv=None) -> None:
+    args = setup_arg_parser().parse_args(argv)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle torch threads must not starve the I/O threads
+    sys.path.insert(0, str(ROOT / "bench"))
+    from paper_tables import code_version, machine  # noqa: E402
+
+    work, out = Path(args.work_dir), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    py, trace = sys.executable, trace_file(work)
+    models = {q: work / f"{args.shape}-{'float16' if q == 'none' else q}" for q in {v[1] for v in VARIANTS}}
+    rows, reports, machine_desc = [], {}, machine()
+    try:
+        for q, d in models.items():
+            if not (d / "flashllm.json").is_file():
+                sh([py, "bench/make_model.py", "--shape", args.shape, "--dtype", "float16", "--out", d,
+                    "--quantize", q, "--quiet"])
+        for label, q, resident in VARIANTS:
+            js = work / f"{label.replace(' ', '_').replace('+', 'and')}.json"
+            sh([py, "bench/paper_tables.py", models[q], "--dram-budget", args.dram_budget, "--tokens", args.tokens,
+                "--warmup", args.warmup, "--naive-tokens", args.naive_tokens, "--hybrid-tokens", args.hybrid_tokens,
+                "--only", "naive,hybrid,all", "--fig8-tokens", "0", "--trace", trace, "--isolate", "--cgroup",
+                "--torch-threads", args.torch_threads, "--quantize-resident", resident, "--json-out", js, "--quiet"])
+            reports[label] = json.loads(js.read_text())
+            rows += rows_of(reports[label], label)
+    finally:
+        if not args.keep_models:
+            for d in models.values():
+                shutil.rmtree(d, ignore_errors=True)
+    first = next(iter(reports.values()))["meta"]
+    sizes = ", ".join(f"{label}: {rows_of(reports[label], label)[0].get('model_gb', 0):.2f} GB"
+                      for label, _, _ in VARIANTS if label in reports)
+    meta = {"shape": args.shape, "command": " ".join(["python", "bench/quant_table3.py", *(argv or sys.argv[1:])]),
+            "machine": f"{machine_desc}; load average at the end {os.getloadavg()[0]:.1f}", "code": code_version(),
+            "models": f"bench/make_model.py --shape {args.shape} --dtype float16 --seed 0 [--quantize int4] "
+                      f"(resident tensors float16 on flash; sizes on flash {sizes}); compute {first['compute']}",
+            "budget": args.dram_budget, "active": first["active_method"], "tokens": first["tokens_desc"]}
+    text = markdown(rows, meta)
+    print(text)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "reports": reports}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

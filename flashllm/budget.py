@@ -130,6 +130,17 @@ def sparse_capacities(avail: int, row: int, n_layers: int, d_ffn: int, need: lis
     return split_rows(avail // row, need or [1.0] * n_layers, d_ffn)
 
 
+def given_capacities(rows, avail: int | None, row: int, n_layers: int, d_ffn: int) -> list[int]:
+    """Cache rows per layer as given (a plan's choice), checked against the layers and the bytes left."""
+    rows = [min(int(r), d_ffn) for r in rows]
+    if len(rows) != n_layers:
+        raise FlashLLMError(f"cache_rows: {len(rows)} values for a model of {n_layers} layers")
+    if avail is not None and sum(rows) * row > avail:
+        raise FlashLLMError(f"cache_rows: {sum(rows)} rows need {format_size(sum(rows) * row)} but the budget leaves "
+                            f"{format_size(max(avail, 0))} for caches (plan again for this budget)")
+    return rows
+
+
 def hybrid_resident_rows(avail: int | None, row: int, n_layers: int, d_ffn: int, fraction: float | None) -> int:
     """Neurons per layer kept resident by the hybrid mode: `fraction` of the FFN if given, half without
     a budget, else what the bytes left after one streamed layer hold."""

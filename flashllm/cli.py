@@ -126,6 +126,9 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--kv-bits", type=int, default=d.kv_bits, choices=KV_BITS,
                    help="8: KV cache in int8 groups along the head dim (quality cost in the README); 16: in the "
                    "compute dtype, unquantized (default: %(default)s)")
+    g.add_argument("--plan", default="none", choices=["none", "auto"],
+                   help="auto: mode, dtype, window and per-layer caches from `flashllm plan` for this --dram-budget "
+                   "(the saved plan.json when it matches, else planned now and saved) (default: %(default)s)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -148,8 +151,13 @@ def load_options(args: argparse.Namespace):
 
     from .options import LoadOptions
 
-    return LoadOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LoadOptions)
-                          if hasattr(args, f.name)})
+    options = LoadOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LoadOptions)
+                             if hasattr(args, f.name)})
+    if getattr(args, "plan", "none") == "auto":
+        from .plan_cli import auto_options
+
+        options = auto_options(args.model_dir, options)
+    return options
 
 
 def cmd_convert(args) -> None:
@@ -322,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_predictor_parsers(pr.add_subparsers(dest="predictors_command", required=True))
     from . import chat, serve  # each adds its subcommand
+    from . import plan_cli  # profile and plan
+
+    plan_cli.add_parsers(sub)
 
     chat.add_parser(sub)
     serve.add_parser(sub)

@@ -214,7 +214,8 @@ class SparsePlan(StreamingPlan):
             raise ctx.too_small(base + L * row,
                                 "resident weights, KV cache, staging, predictors and one cached neuron per layer")
         need = getattr(self.predictor, "expected_fraction", lambda: None)()
-        self.capacities = budget_mod.sparse_capacities(avail, row, L, lay.d_ffn, need)
+        self.capacities = budget_mod.sparse_capacities(avail, row, L, lay.d_ffn, need) if options.cache_rows is None \
+            else budget_mod.given_capacities(options.cache_rows, avail, row, L, lay.d_ffn)
         if not getattr(self.predictor, "selective", True) and min(self.capacities) < lay.d_ffn:
             raise FlashLLMError(
                 f"predictor {self.predictor.kind!r} marks every neuron of this {ctx.spec.activation} FFN active "

@@ -37,6 +37,7 @@ class LoadOptions:
     context: int | None = None  # KV cache length; None: min(model, 4096)
     verify: bool | None = None  # checksums at load: None small files (FFN layers verified on first full read)
     hybrid_fraction: float | None = None  # hybrid: resident share of each FFN (None: sized by the budget)
+    cache_rows: tuple[int, ...] | None = None  # sparse: neuron cache rows per layer (None: sized by the budget)
     on_overflow: str = "drop"  # sparse: when a token's predicted set exceeds a cache, drop (warned) or error
     expert_policy: str = "lru"  # MoE sparse: which cached expert a new one replaces (experts.POLICIES)
     expert_prefetch: bool = False  # MoE sparse: read layer l+1's predicted experts while layer l computes
@@ -76,6 +77,9 @@ class LoadOptions:
         check(self.context is None or self.context >= 1, f"context {self.context}: must be at least 1")
         check(self.hybrid_fraction is None or 0 <= self.hybrid_fraction <= 1,
               f"hybrid_fraction {self.hybrid_fraction}: expected a value in [0, 1]")
+        check(self.cache_rows is None or (len(self.cache_rows) > 0 and all(isinstance(r, int) and r >= 1
+                                                                          for r in self.cache_rows)),
+              f"cache_rows {self.cache_rows}: expected one whole number of at least 1 per layer")
         for name in ("dram_budget", "gpu_budget"):
             object.__setattr__(self, name, parse_budget(getattr(self, name)))
 

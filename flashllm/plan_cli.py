@@ -1,0 +1,132 @@
+"""`flashllm profile`, `flashllm plan` and `--plan auto`: thin CLI over profile.py and planner.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .errors import FlashLLMError
+
+
+def _disk(model_dir, refresh: bool, log):
+    try:
+        from . import disk_profile
+    except ImportError:
+        raise FlashLLMError("this flashllm has no disk profiler (flashllm.disk_profile)") from None
+    return disk_profile.profile(model_dir, refresh=refresh, progress=log)
+
+
+def _log(quiet: bool):
+    return (lambda msg: None) if quiet else (lambda msg: print(f"flashllm: {msg}", file=sys.stderr, flush=True))
+
+
+def add_parsers(sub) -> None:
+    from .cli import _budget
+    from .options import DTYPES
+    from .planner import MAX_DROPPED, SAMPLE_TOKENS
+
+    p = sub.add_parser("profile", help="measure this machine once (disk, DRAM, matvec) and cache it",
+                       description="Measure what reads, copies and matrix-vector products cost on this machine: "
+                       "random-read throughput and latency per request size and reads in flight on the disk of "
+                       "PATH, DRAM copy and cast bandwidth, matvec throughput per compute dtype, and the "
+                       "runtime's fixed cost per layer. Cached per machine (and per disk); --refresh measures again.")
+    p.add_argument("path", nargs="?", default=".", help="a file or directory on the disk to profile "
+                   "(a model directory)")
+    p.add_argument("--backend", default="torch", choices=["torch"], help="compute backend profiled")
+    p.add_argument("--device", default="cpu", help="compute device profiled")
+    p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_profile)
+
+    q = sub.add_parser("plan", help="choose mode, window, per-layer caches and dtype for a DRAM budget",
+                       description="Solve a small MILP on the cost model (docs/cost_model.md) with this machine's "
+                       "profile and the model's predictor statistics, print the chosen settings and the predicted "
+                       "decode-token latency with its parts, and save the plan as plan.json in the model "
+                       "directory (used by `--plan auto` on generate, serve and chat).")
+    q.add_argument("model_dir")
+    q.add_argument("--dram-budget", type=_budget, required=True, metavar="BUDGET",
+                   help="a fraction of the model (0.5 or 50%%), a size (6GiB, 700MiB) or bytes")
+    q.add_argument("--dtypes", default=None, metavar="D1,D2",
+                   help=f"compute dtypes the plan may choose from ({', '.join(DTYPES)}; default: the storage dtype "
+                   "only, so results stay as without a plan)")
+    q.add_argument("--context", type=int, default=None, help="KV cache length (default: min(model, 4096))")
+    q.add_argument("--data", default=None, help="sample text for the predictor statistics (default: this "
+                   "Python's standard library sources)")
+    q.add_argument("--sample-tokens", type=int, default=SAMPLE_TOKENS, help="sample tokens replayed")
+    q.add_argument("--max-dropped", type=float, default=MAX_DROPPED,
+                   help="share of predicted neurons the caches may drop (a quality cost; 0 forbids)")
+    q.add_argument("--refresh", action="store_true", help="measure the machine again first")
+    q.add_argument("--quiet", action="store_true", help="no progress lines")
+    q.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    q.set_defaults(func=cmd_plan)
+
+
+def cmd_profile(args) -> None:
+    from . import profile
+
+    log = _log(args.json)
+    disk = _disk(args.path, args.refresh, log)
+    machine = profile.profile(args.backend, args.device, refresh=args.refresh, progress=log)
+    if args.json:
+        print(json.dumps({"machine": machine.to_dict(), "disk": disk.to_dict()}))
+        return
+    print(disk.table())
+    print(machine.table())
+
+
+def _dtypes(text: str | None) -> list[str] | None:
+    from .options import DTYPES
+
+    if text is None:
+        return None
+    bad = [d for d in text.split(",") if d not in DTYPES]
+    if bad:
+        raise FlashLLMError(f"--dtypes {text}: {bad[0]!r} is not one of {', '.join(DTYPES)}")
+    return text.split(",")
+
+
+def plan_for(model_dir, budget, dtypes=None, context=None, data=None, sample_tokens=None, max_dropped=None,
+             refresh: bool = False, log=None):
+    """A plan for `model_dir` at `budget` (profiles measured when missing), saved into the directory."""
+    from . import planner, profile
+
+    if not 0 <= (max_dropped or 0) < 1:
+        raise FlashLLMError(f"--max-dropped {max_dropped}: must be in [0, 1)")
+    log = log or (lambda msg: None)
+    disk = _disk(model_dir, refresh, log)
+    machine = profile.profile(refresh=refresh, progress=log)
+    plan = planner.make_plan(model_dir, budget, machine, disk, data=data, dtypes=dtypes, context=context,
+                             sample_tokens=sample_tokens or planner.SAMPLE_TOKENS,
+                             max_dropped=max_dropped or 0.0, log=log)
+    planner.save_plan(model_dir, plan)
+    return plan
+
+
+def cmd_plan(args) -> None:
+    plan = plan_for(args.model_dir, args.dram_budget, _dtypes(args.dtypes), args.context, args.data,
+                    args.sample_tokens, args.max_dropped, args.refresh, _log(args.quiet or args.json))
+    print(json.dumps(plan.to_dict()) if args.json else plan.describe())
+
+
+def auto_options(model_dir, options):
+    """`--plan auto`: the saved plan when it was made for this model, predictors, machine, budget and
+    context; else a new one (saved). Returns `options` with the plan's settings."""
+    from . import format as fmt
+    from . import planner, profile
+
+    saved = planner.saved_plan(model_dir)
+    if saved is not None:
+        try:
+            manifest = fmt.read_manifest(model_dir, verify=False)
+            machine = profile.profile()
+            disk = _disk(model_dir, False, None)
+            context = min(options.context or 4096, manifest.spec.context_limit)
+            if saved.key == planner._key(manifest, machine, disk, options.dram_budget, context):
+                return options.replace(**saved.load_options())
+        except FlashLLMError:
+            pass
+    log = _log(False)
+    plan = plan_for(model_dir, options.dram_budget, [options.dtype] if options.dtype else None, options.context,
+                    log=log)
+    log(plan.describe().splitlines()[0] + f" (saved in {model_dir}/{planner.PLAN_FILE})")
+    return options.replace(**plan.load_options())

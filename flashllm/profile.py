@@ -1,0 +1,195 @@
+"""`flashllm profile`: what this machine's compute and memory cost, measured once and cached.
+
+Beside the disk profile (disk_profile.py: random-read throughput and latency per request size and
+reads in flight, cached per disk), this measures for one backend and device:
+- DRAM copy bandwidth (numpy copies of 64 MiB blocks) and the cast bandwidth from each storage dtype
+  to each compute dtype (what placing a streamed row costs when the dtypes differ);
+- matrix-vector throughput per compute dtype: the time of `backend.linear` on one token for a ladder
+  of weight sizes, fitted to `per_call_s + bytes / bytes_per_s`;
+- the runtime's own fixed cost per layer and decode token (Python, small ops, attention over a short
+  context), dense and sparse: the embedded model runs a few decode tokens in each mode and what its
+  matvecs and reads explain is subtracted.
+
+The cost model (docs/cost_model.md) combines these with a model's shapes; `flashllm plan` uses it.
+Profiles are cached as JSON in $FLASHLLM_CACHE/profile/<host>-<backend>-<device>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import FlashLLMError
+
+FORMAT, VERSION = "flashllm-machine-profile", 1
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+MATVEC_SHAPES = ((256, 256), (1024, 256), (2048, 2048), (8192, 2048), (4096, 4096))  # (rows, d_model)
+
+
+@dataclass
+class MachineProfile:
+    host: str
+    backend: str
+    device: str
+    torch_threads: int
+    dram_copy_Bps: float
+    cast_Bps: dict  # "float32->bfloat16" -> bytes of output per second
+    matvec: dict  # dtype -> {"per_call_s", "bytes_per_s"}
+    layer_s: dict  # "dense" / "sparse" / "predictor" -> fixed seconds per layer per decode token
+    measured_at: str = ""
+    notes: list = field(default_factory=list)
+
+    def matvec_s(self, dtype: str, rows: int, d: int, itemsize: int, calls: int = 1) -> float:
+        """Seconds of `calls` matvecs over a [rows, d] weight in `dtype` (itemsize bytes per value)."""
+        m = self.matvec[dtype]
+        return calls * m["per_call_s"] + rows * d * itemsize / m["bytes_per_s"]
+
+    def cast_s(self, src: str, dst: str, nbytes_out: int) -> float:
+        """Seconds to place `nbytes_out` bytes of rows: a copy when the dtypes agree, else a cast."""
+        bps = self.dram_copy_Bps if src == dst else self.cast_Bps.get(f"{src}->{dst}", self.dram_copy_Bps / 4)
+        return nbytes_out / bps
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "format_version": VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MachineProfile":
+        if d.get("format") != FORMAT or d.get("format_version") != VERSION:
+            raise FlashLLMError("not a flashllm machine profile (format/version)")
+        return cls(**{k: v for k, v in d.items() if k not in ("format", "format_version")})
+
+    def table(self) -> str:
+        lines = [f"machine profile: {self.host}, backend {self.backend} on {self.device} "
+                 f"({self.torch_threads} torch threads), measured {self.measured_at}",
+                 f"  DRAM copy: {self.dram_copy_Bps / 2**30:.2f} GiB/s",
+                 "  casts: " + ", ".join(f"{k} {v / 2**30:.2f} GiB/s" for k, v in self.cast_Bps.items())]
+        for dt, m in self.matvec.items():
+            lines.append(f"  matvec {dt:<9}: {m['bytes_per_s'] / 2**30:6.2f} GiB/s of weights + "
+                         f"{m['per_call_s'] * 1e6:.1f} us per call")
+        lines.append(f"  runtime fixed cost per layer and token: dense {self.layer_s['dense'] * 1e3:.3f} ms, "
+                     f"sparse {self.layer_s['sparse'] * 1e3:.3f} ms")
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def cache_path(backend: str = "torch", device: str = "cpu") -> Path:
+    root = Path(os.environ.get("FLASHLLM_CACHE", Path.home() / ".cache" / "flashllm")) / "profile"
+    return root / f"{socket.gethostname()}-{backend}-{device}.json"
+
+
+def _best(fn, repeats: int = 7) -> float:
+    """The median wall time of fn() over `repeats` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def measure_dram(nbytes: int = 64 << 20) -> float:
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    return nbytes / _best(lambda: np.copyto(dst, src), 5)
+
+
+def measure_casts(nbytes: int = 32 << 20) -> dict:
+    import torch
+
+    out = {}
+    for src in COMPUTE_DTYPES:
+        x = torch.ones(nbytes // 4, dtype=getattr(torch, src))
+        for dst in COMPUTE_DTYPES:
+            if src != dst:
+                y = torch.empty(x.shape, dtype=getattr(torch, dst))
+                out[f"{src}->{dst}"] = y.numel() * y.element_size() / _best(lambda: y.copy_(x), 5)
+    return out
+
+
+def measure_matvec(device: str = "cpu") -> dict:
+    """Per compute dtype: least-squares fit of one-token linear times to per_call_s + bytes / bytes_per_s."""
+    import torch
+    import torch.nn.functional as F
+
+    out = {}
+    for name in COMPUTE_DTYPES:
+        dt = getattr(torch, name)
+        sizes, times = [], []
+        for rows, d in MATVEC_SHAPES:
+            w = torch.randn(rows, d, device=device).to(dt)
+            x = torch.randn(1, d, device=device).to(dt)
+            sizes.append(rows * d * w.element_size())
+            times.append(_best(lambda: F.linear(x, w)))
+        slope, intercept = np.polyfit(np.array(sizes, float), np.array(times), 1)
+        out[name] = {"per_call_s": float(max(intercept, min(times) * 0.05)), "bytes_per_s": float(1 / max(slope, 1e-15))}
+    return out
+
+
+def measure_layer_overhead(profile: MachineProfile, tokens: int = 24) -> dict:
+    """Fixed seconds per layer and decode token of the runtime (dense and sparse), from the embedded model:
+    its compute time minus what its matvecs explain (costmodel), divided by its layers."""
+    from . import costmodel as cm
+    from . import demo, load
+
+    model_dir = demo.prepare()
+    out = {}
+    for kind in ("dense", "sparse"):
+        m = load(model_dir, mode=kind, dtype="float32", context=64, **({"predictor": "lowrank"} if kind == "sparse" else {}))
+        ids = list(range(5, 5 + tokens))
+        m.logits(ids, prefill=4)
+        m.logits(ids, prefill=4)  # the second run is measured
+        s, spec = m.stats, m.spec
+        rows = s.get("neurons_cached_per_layer") or [spec.d_ffn] * spec.n_layers
+        explained = cm.head_s(profile, spec, "float32") + sum(
+            cm.attention_s(profile, spec, "float32") + cm.ffn_s(profile, spec, "float32", r) for r in rows)
+        busy = (s["total_ms"] - s["io_ms"] - s["mem_ms"] - s["predictor_ms"]) / 1e3
+        out[kind] = max(busy - explained, 0.0) / spec.n_layers
+        if kind == "sparse":
+            rank = int(m.plan.predictor.proj_in[0].shape[0])
+            out["predictor"] = max(s["predictor_ms"] / 1e3 / spec.n_layers - cm.predictor_s(profile, spec, "float32", rank), 0)
+    return out
+
+
+def measure(backend: str = "torch", device: str = "cpu", progress=None) -> MachineProfile:
+    """Measure this machine now (about ten seconds)."""
+    import torch
+
+    if backend != "torch":
+        raise FlashLLMError(f"flashllm profile: backend {backend!r} is not profiled yet (torch only)")
+    say = progress or (lambda msg: None)
+    say("DRAM copy and cast bandwidth")
+    p = MachineProfile(socket.gethostname(), backend, device, torch.get_num_threads(), measure_dram(), measure_casts(),
+                       {}, {}, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    say("matrix-vector throughput per dtype")
+    p.matvec = measure_matvec(device)
+    say("runtime fixed cost per layer (embedded model)")
+    p.layer_s = measure_layer_overhead(p)
+    return p
+
+
+def save(p: MachineProfile) -> Path:
+    path = cache_path(p.backend, p.device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(p.to_dict(), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def profile(backend: str = "torch", device: str = "cpu", refresh: bool = False, progress=None) -> MachineProfile:
+    """The cached profile of this machine (measured now when missing, unreadable or `refresh`)."""
+    path = cache_path(backend, device)
+    if not refresh and path.is_file():
+        try:
+            return MachineProfile.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError, FlashLLMError):
+            pass  # a stale or foreign file: measure again
+    p = measure(backend, device, progress)
+    save(p)
+    return p

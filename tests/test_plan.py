@@ -1,0 +1,81 @@
+"""flashllm plan: the cache replay counts what the runtime's cache does, the MILP respects the budget,
+a plan loads and runs within it, and per-layer cache rows given as an option are what the runtime uses."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+import flashllm
+from flashllm import format as fmt
+from flashllm import planner
+from flashllm.errors import FlashLLMError
+from flashllm.profile import MachineProfile
+from tiny import write_random_predictors
+
+
+class FakeDisk:
+    measured_at = "test"
+
+    def cost_model(self, inflight):
+        return 1e-4 / min(inflight, 8), 1e9
+
+
+MACHINE = MachineProfile("test", "torch", "cpu", 1, 5e9, {}, {dt: {"per_call_s": 1e-5, "bytes_per_s": 5e9}
+                                                              for dt in ("float32", "bfloat16", "float16")},
+                         {"dense": 1e-4, "sparse": 2e-4, "predictor": 2e-5})
+
+
+def test_replay_counts_loads_reads_and_drops():
+    masks = [np.array([[1, 1, 0, 1, 0, 0], [1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1]], bool)]
+    full = planner.replay(masks, window=2, capacity=6, d_ffn=6)
+    # loads: {0,1,3} (2 runs), {2} (1 run), {4,5} (1 run)
+    assert full["loaded"] == pytest.approx(6 / 3) and full["reads"] == pytest.approx(4 / 3)
+    assert full["drop_share"] == 0
+    tight = planner.replay(masks, window=2, capacity=3, d_ffn=6)
+    assert tight["drop_share"] > 0  # the second token needs 4 rows
+
+
+def test_milp_picks_cheapest_within_memory():
+    # one layer, one window: capacity 10 costs 1.0 s, capacity 20 costs 0.5 s; row 100 bytes
+    curves = [{4: [{"capacity": 10}, {"capacity": 20}]}]
+    costs = [{4: [1.0, 0.5]}]
+    assert planner.solve_sparse(costs, curves, 100, 2000)[1] == [20]
+    assert planner.solve_sparse(costs, curves, 100, 1500)[1] == [10]
+    assert planner.solve_sparse(costs, curves, 100, 500) is None
+
+
+@pytest.fixture(scope="module")
+def planned_model(tiny_models, tmp_path_factory):
+    out = shutil.copytree(tiny_models("opt").model_dir, tmp_path_factory.mktemp("plan") / "opt")
+    write_random_predictors(out, trained_for=fmt.read_manifest(out).data["files"]["ffn"]["sha256"])
+    (out.parent / "sample.txt").write_text("def main(): return sum(x * x for x in range(10))\n" * 40)
+    return out
+
+
+def test_plan_fits_its_budget_and_runs(planned_model):
+    budget = "345KiB"  # between what sparse (252 KiB + rows for a token's set) and hybrid or dense (366 KiB) need at context 64
+    plan = planner.make_plan(planned_model, budget, MACHINE, FakeDisk(), data=planned_model.parent / "sample.txt",
+                             context=64, sample_tokens=128)
+    assert plan.mode in ("sparse", "hybrid")
+    assert plan.predicted["total_ms"] > 0
+    assert abs(sum(v for k, v in plan.predicted.items() if k.endswith("_ms") and k != "total_ms")
+               - plan.predicted["total_ms"]) < 1e-6
+    model = flashllm.load(planned_model, context=64, **plan.load_options())  # fits: load checks the budget
+    model.logits([1, 5, 9, 12, 3], prefill=2)
+    assert model.stats["dram_bytes"] <= flashllm.budget.budget_bytes(budget, model.model_bytes)
+    if plan.mode == "sparse":
+        assert model.stats["cache_capacity"] == plan.cache_rows
+    path = planner.save_plan(planned_model, plan)
+    assert planner.saved_plan(planned_model) == plan and path.name == planner.PLAN_FILE
+
+
+def test_cache_rows_option_is_checked(planned_model):
+    spec = fmt.read_manifest(planned_model).spec
+    model = flashllm.load(planned_model, mode="sparse", cache_rows=tuple([7] * spec.n_layers), context=64)
+    assert model.stats["cache_capacity"] == [7] * spec.n_layers
+    with pytest.raises(FlashLLMError, match="cache_rows: 1 values"):
+        flashllm.load(planned_model, mode="sparse", cache_rows=(7,), context=64)
+    with pytest.raises(FlashLLMError, match="budget leaves"):
+        flashllm.load(planned_model, mode="sparse", cache_rows=tuple([spec.d_ffn] * spec.n_layers), context=64,
+                      dram_budget="345KiB")

@@ -99,7 +99,7 @@ def _fits_dense(model_dir) -> bool:
     from . import format as fmt
 
     m = fmt.read_manifest(model_dir, verify=False)
-    return m.data["files"]["ffn"]["size"] < (2 << 30)
+    return m.data["files"]["ffn"]["size"] < (1 << 30)
 
 
 def _stdlib_text(nbytes: int) -> str:
@@ -116,21 +116,32 @@ def _stdlib_text(nbytes: int) -> str:
     return "\n\n".join(out)
 
 
-def curves(masks_per_layer, d_ffn: int, windows=WINDOWS, points: int = CAPACITY_POINTS) -> list[dict]:
-    """Per layer, per window: replays at a ladder of capacities from the largest set per token to the
-    window's largest union."""
-    out = []
-    for masks in masks_per_layer:
-        sizes = np.concatenate([m.sum(axis=1) for m in masks])
-        layer = {}
-        for k in windows:
-            full = replay(masks, k, d_ffn, d_ffn)
-            top = max(int(math.ceil(_max_union(masks, k))), 1)
-            low = max(int(np.percentile(sizes, 90)), 1)
-            caps = sorted({int(c) for c in np.linspace(low, max(low, top), points)})
-            layer[k] = [{"capacity": c, **(full if c >= top else replay(masks, k, c, d_ffn))} for c in caps]
-        out.append(layer)
-    return out
+class Replays:
+    """Replayed cache behaviour per (layer, window, capacity), computed once each."""
+
+    def __init__(self, masks_per_layer, d_ffn: int):
+        self.masks, self.d_ffn, self._memo = masks_per_layer, d_ffn, {}
+        self.sizes = [np.concatenate([m.sum(axis=1) for m in masks]) for masks in masks_per_layer]
+
+    def at(self, layer: int, window: int, capacity: int) -> dict:
+        key = (layer, window, min(capacity, self.d_ffn))
+        if key not in self._memo:
+            self._memo[key] = {"capacity": key[2], **replay(self.masks[layer], window, key[2], self.d_ffn)}
+        return self._memo[key]
+
+    def curves(self, extra: list[int] | None = None, windows=WINDOWS, points: int = CAPACITY_POINTS) -> list[dict]:
+        """Per layer, per window: replays at a ladder of capacities from the median set per token to the
+        window's largest union, plus `extra[layer]` (e.g. what the runtime would size by default)."""
+        out = []
+        for layer, masks in enumerate(self.masks):
+            low = max(int(np.percentile(self.sizes[layer], 50)), 1)
+            curve = {}
+            for k in windows:
+                top = max(_max_union(masks, k), low)
+                caps = {int(c) for c in np.linspace(low, top, points)} | ({min(extra[layer], top)} if extra else set())
+                curve[k] = [self.at(layer, k, c) for c in sorted(caps)]
+            out.append(curve)
+        return out
 
 
 def _max_union(masks, k: int) -> int:
@@ -201,6 +212,16 @@ def fixed_bytes(manifest, dtype: str, context: int, predictor_ranks: list[int] |
             "dense_rows": spec.n_layers * spec.d_ffn * len(lay.parts) * spec.d_model * it}
 
 
+def _runtime_capacities(avail: int, row: int, spec, fractions, unlimited: bool) -> list[int] | None:
+    """The cache rows the runtime gives each layer by default (budget.sparse_capacities), if any fit."""
+    from .budget import sparse_capacities
+
+    if avail < spec.n_layers * row:
+        return None
+    usable = fractions if all(isinstance(f, (int, float)) and f > 0 for f in fractions) else None
+    return sparse_capacities(None if unlimited else avail, row, spec.n_layers, spec.d_ffn, usable)
+
+
 def _budget_bytes(budget, manifest) -> int | None:
     from .budget import budget_bytes
 
@@ -217,6 +238,22 @@ def sparse_cost(machine, disk, manifest, dtype: str, mem: dict, point: dict, ran
     return cm.Parts(compute_s=cm.ffn_s(machine, spec, dtype, point["held"]) + machine.layer_s["sparse"],
                     predictor_s=cm.predictor_s(machine, spec, dtype, rank, fixed=True),
                     io_s=cm.io_s(disk, point["reads"], nbytes, threads), mem_s=placed)
+
+
+def _sparse_parts(machine, disk, manifest, dtype, mem, replays, window, caps, ranks, threads) -> tuple[cm.Parts, dict]:
+    """Predicted parts of sparse decoding at `window` and per-layer `caps`, and its bytes, reads and drops."""
+    parts, extra = _resident_parts(machine, manifest.spec, dtype), {"bytes_per_token": 0.0, "reads_per_token": 0.0}
+    dropped = []
+    for layer, cap in enumerate(caps):
+        pt = replays.at(layer, window, cap)
+        lp = sparse_cost(machine, disk, manifest, dtype, mem, pt, ranks[layer], threads)
+        for f in ("compute_s", "predictor_s", "io_s", "mem_s"):
+            setattr(parts, f, getattr(parts, f) + getattr(lp, f))
+        extra["bytes_per_token"] += pt["loaded"] * manifest.layout.stride
+        extra["reads_per_token"] += pt["reads"]
+        dropped.append(pt["drop_share"])
+    extra["dropped_share"] = float(np.mean(dropped))
+    return parts, extra
 
 
 def _resident_parts(machine, spec, dtype: str) -> cm.Parts:
@@ -294,7 +331,7 @@ def _key(manifest, machine, disk, budget, context: int) -> dict:
     return {"ffn_sha256": manifest.data["files"]["ffn"]["sha256"],
             "predictors_sha256": _sha(pred) if pred.is_file() else None,
             "machine": f"{machine.host}-{machine.backend}-{machine.device}", "machine_measured": machine.measured_at,
-            "disk_measured": getattr(disk, "measured_at", None), "dram_budget": budget, "context": context}
+            "disk_measured": getattr(disk, "date", None), "dram_budget": budget, "context": context}
 
 
 def _sha(path: Path) -> str:
@@ -318,12 +355,15 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
     has_pred = (manifest.root / PREDICTOR_META).is_file()
     ranks = [int(layer["rank"]) for layer in json.loads((manifest.root / PREDICTOR_META).read_text())["layers"]] \
         if has_pred else None
-    layer_curves = None
+    replays = None
     if has_pred:
         log(f"replaying the predictors' sets on {sample_tokens} sample tokens through the cache")
-        layer_curves = curves(sample_masks(model_dir, data, sample_tokens), spec.d_ffn)
-    options, notes = [], []
-    for dtype in dtypes or [manifest.dtype]:
+        replays = Replays(sample_masks(model_dir, data, sample_tokens), spec.d_ffn)
+        fractions = [f.get("predicted_fraction") for f in json.loads((manifest.root / PREDICTOR_META).read_text())["layers"]]
+    options, notes, reference = [], [], []
+    from .backends.base import default_compute_dtype
+
+    for dtype in dtypes or [default_compute_dtype(None, manifest.dtype, True)]:
         mem = fixed_bytes(manifest, dtype, context, ranks)
         tag = f"compute {dtype}"
         dense_need = mem["resident"] + mem["dense_rows"]
@@ -337,8 +377,10 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
             options.append((hybrid_cost(machine, disk, manifest, dtype, mem, h, threads),
                             Plan("hybrid", dtype, nbudget, hybrid_fraction=h / spec.d_ffn, threads=threads),
                             f"hybrid {h}/{spec.d_ffn} resident, {tag}"))
-        if layer_curves is not None:
+        if replays is not None:
             avail = (10 ** 18) if nbudget is None else nbudget - mem["resident"] - mem["staging"] - mem["predictors"]
+            default = _runtime_capacities(avail, mem["row"], spec, fractions, nbudget is None)
+            layer_curves = replays.curves(default)
             costs = [{k: [(sparse_cost(machine, disk, manifest, dtype, mem, pt, ranks[l], threads).total_s
                            if pt["drop_share"] <= max_dropped else None) for pt in pts]
                       for k, pts in cur.items()} for l, cur in enumerate(layer_curves)]
@@ -348,24 +390,25 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
                              f"of the predicted neurons (--max-dropped allows more, at a quality cost)")
             else:
                 window, caps, _ = found
-                parts, rb = _resident_parts(machine, spec, dtype), [0.0, 0.0]
-                for l, cur in enumerate(layer_curves):
-                    pt = next(p for p in cur[window] if p["capacity"] == caps[l])
-                    lp = sparse_cost(machine, disk, manifest, dtype, mem, pt, ranks[l], threads)
-                    for f in ("compute_s", "predictor_s", "io_s", "mem_s"):
-                        setattr(parts, f, getattr(parts, f) + getattr(lp, f))
-                    rb[0] += pt["loaded"] * manifest.layout.stride
-                    rb[1] += pt["reads"]
+                parts, extra = _sparse_parts(machine, disk, manifest, dtype, mem, replays, window, caps, ranks, threads)
                 plan = Plan("sparse", dtype, nbudget, window=window, cache_rows=caps, threads=threads)
-                plan.predicted = {"bytes_per_token": rb[0], "reads_per_token": rb[1]}
+                plan.predicted = extra
                 options.append((parts, plan, f"sparse window {window}, {tag}, {sum(caps)} cache rows"))
+            if default is not None:  # the runtime's own sizing at the default window, for comparison
+                parts, extra = _sparse_parts(machine, disk, manifest, dtype, mem, replays, 4, default, ranks, threads)
+                if extra["dropped_share"] > max_dropped:
+                    reference.append({"what": f"sparse window 4, runtime default caches, {tag} (drops "
+                                              f"{extra['dropped_share']:.1%} of predicted neurons)", **parts.to_ms(), **extra})
+                else:
+                    options.append((parts, Plan("sparse", dtype, nbudget, window=4, cache_rows=default, threads=threads,
+                                                predicted=extra), f"sparse window 4, runtime default caches, {tag}"))
     if not options:
         raise FlashLLMError(f"{model_dir}: nothing fits --dram-budget {budget} (see `flashllm generate --help` "
                             f"for the smallest budget each mode needs)")
     options.sort(key=lambda o: o[0].total_s)
     parts, best, _ = options[0]
     best.predicted = {**parts.to_ms(), **best.predicted}
-    best.alternatives = [{"what": w, **p.to_ms()} for p, _, w in options[1:]]
+    best.alternatives = [{"what": w, **p.to_ms(), **o.predicted} for p, o, w in options[1:]] + reference
     best.notes = notes + ["threads and the I/O engine: runtime defaults; hot set: not chosen (no pinned set in "
                           "the runtime yet); FFN quantization: as converted"]
     best.key = _key(manifest, machine, disk, budget, context)

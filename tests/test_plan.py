@@ -79,3 +79,48 @@ def test_cache_rows_option_is_checked(planned_model):
     with pytest.raises(FlashLLMError, match="budget leaves"):
         flashllm.load(planned_model, mode="sparse", cache_rows=tuple([spec.d_ffn] * spec.n_layers), context=64,
                       dram_budget="345KiB")
+
+
+@pytest.fixture
+def cached_profiles(planned_model, tmp_path, monkeypatch):
+    """This machine's profiles as if measured before: fake numbers in a private cache."""
+    from flashllm import disk_profile, profile
+
+    monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path / "cache"))
+    profile.save(MACHINE)
+    disk_profile.save(disk_profile.DiskProfile(disk_profile.disk_key(planned_model), "test", "t", True, [4096, 1 << 20],
+                                               [1, 32], [[10.0, 200.0], [40.0, 800.0]], [100.0, 1000.0]))
+
+
+def test_plan_cli_and_plan_auto(planned_model, cached_profiles, capsys):
+    import json
+
+    from flashllm.cli import main
+
+    (planned_model / planner.PLAN_FILE).unlink(missing_ok=True)
+    capsys.readouterr()
+    assert main(["plan", str(planned_model), "--dram-budget", "345KiB", "--context", "64", "--json", "--data",
+                 str(planned_model.parent / "sample.txt"), "--sample-tokens", "128"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["mode"] in ("sparse", "hybrid") and plan["predicted"]["total_ms"] > 0
+    assert (planned_model / planner.PLAN_FILE).is_file()
+    # --plan auto reuses the saved plan made for this budget and context
+    code = main(["generate", str(planned_model), "--prompt", "def main", "--max-new-tokens", "3", "--plan", "auto",
+                 "--dram-budget", "345KiB", "--context", "64", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    stats = json.loads(out.out)["stats"]
+    assert stats["mode"] == plan["mode"]
+    if plan["mode"] == "sparse":
+        assert stats["cache_capacity"] == plan["cache_rows"] and stats["window"] == plan["window"]
+    assert "plan:" not in out.err  # nothing planned anew
+
+
+def test_plan_errors_are_one_line(planned_model, cached_profiles, capsys):
+    from flashllm.cli import main
+
+    capsys.readouterr()
+    assert main(["plan", str(planned_model), "--dram-budget", "20KiB", "--context", "64", "--quiet",
+                 "--sample-tokens", "64"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("flashllm: error:") and "nothing fits" in err and len(err.strip().splitlines()) == 1

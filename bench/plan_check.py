@@ -1,0 +1,172 @@
+"""`flashllm plan` checked: predicted vs measured decode-token latency, and the plan vs the hand defaults.
+
+In one run: the machine and the model's disk are profiled afresh; then for each model and budget the
+plan is made, and the planned settings and the hand defaults (sparse, window 4, default dtype and
+threads, same budget) decode the same held-out tokens in interleaved rounds (median per-token stats).
+
+Models: the embedded model (converted into a temporary directory, its shipped predictors) and, with
+--opt13 DIR, an OPT-1.3B-shaped model written by `bench/make_model.py --shape opt-1.3b` (random weights;
+random rank-16 predictors selecting about 16% of the neurons per token are written into it, since random
+weights have nothing to learn: the check is of the cost model, not of quality).
+
+    python bench/plan_check.py [--opt13 /tmp/opt13] [--tokens 16] [--rounds 3] [--out bench/results/plan_check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import flashllm  # noqa: E402
+from flashllm import demo, disk_profile, planner, profile  # noqa: E402
+from flashllm import format as fmt  # noqa: E402
+
+import stdlib_corpus  # noqa: E402
+
+PARTS = ("total_ms", "compute_ms", "predictor_ms", "io_ms", "mem_ms")
+
+
+def random_predictors(model_dir: Path, rank: int = 16, bias: float = -4.0, seed: int = 0) -> None:
+    """Rank-`rank` predictors with N(0,1) weights: logits ~ N(bias, rank), so about 16% predicted at bias -4."""
+    from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_FORMAT, PREDICTOR_META, PREDICTOR_VERSION
+    from flashllm.st_io import write_safetensors
+
+    spec = fmt.read_manifest(model_dir, verify=False).spec
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for i in range(spec.n_layers):
+        tensors[f"layers.{i}.A"] = (rng.standard_normal((rank, spec.d_model)) / spec.d_model ** 0.5).astype(np.float32)
+        tensors[f"layers.{i}.B"] = rng.standard_normal((spec.d_ffn, rank)).astype(np.float32)
+        tensors[f"layers.{i}.b"] = np.full(spec.d_ffn, bias, np.float32)
+    write_safetensors(str(model_dir / PREDICTOR_FILE), [(n, t.dtype, t.shape) for n, t in tensors.items()],
+                      tensors.__getitem__)
+    meta = {"format": PREDICTOR_FORMAT, "format_version": PREDICTOR_VERSION, "created_by": "bench/plan_check.py",
+            "layers": [{"rank": rank, "threshold": 0.5} for _ in range(spec.n_layers)]}
+    (model_dir / PREDICTOR_META).write_text(json.dumps(meta))
+
+
+def token_ids(model_dir: Path, n: int, text: str) -> list[int]:
+    m = fmt.read_manifest(model_dir, verify=False)
+    if m.has("tokenizer.json"):
+        from flashllm.tokenizer import Tokenizer
+
+        return Tokenizer(model_dir, m.spec.bos_token_id).encode(text)[:n]
+    return [int(i) for i in np.random.default_rng(1).integers(3, m.spec.vocab_size, n)]
+
+
+def decode_stats(model, ids: list[int], prefill: int) -> dict:
+    model.plan.reset()
+    model.logits(ids, prefill=prefill)
+    return {k: model.stats[k] for k in PARTS + ("bytes_read", "reads", "neurons_dropped")}
+
+
+def check(model_dir: Path, budget, machine, disk, ids, prefill: int, rounds: int, context: int, data,
+          dtype: str | None, max_dropped: float) -> dict:
+    t0 = time.perf_counter()
+    plan = planner.make_plan(model_dir, budget, machine, disk, data=data, context=context,
+                             dtypes=[dtype] if dtype else None, max_dropped=max_dropped)
+    plan_s = time.perf_counter() - t0
+    hand_opts = {"mode": "sparse", "dram_budget": budget, "window": 4, "dtype": dtype}
+    models = {"plan": flashllm.load(model_dir, context=context, **plan.load_options()),
+              "hand": flashllm.load(model_dir, context=context, **hand_opts)}
+    models_caps = models["hand"].stats.get("cache_capacity")
+    runs = {k: [] for k in models}
+    for _ in range(rounds):
+        for name, m in models.items():
+            runs[name].append(decode_stats(m, ids, prefill))
+    med = {name: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for name, rs in runs.items()}
+    spread = {name: [round(r["total_ms"], 2) for r in rs] for name, rs in runs.items()}
+    del models
+    pred, meas = plan.predicted, med["plan"]
+    hand_pred = next((a for a in plan.alternatives if "runtime default" in a["what"]), None)
+    if hand_pred is None and plan.mode == "sparse" and plan.window == 4 and \
+            plan.cache_rows == models_caps:
+        hand_pred = pred
+    return {"model": model_dir.name, "budget": budget, "plan": {k: v for k, v in plan.to_dict().items()
+                                                               if k in ("mode", "dtype", "window", "cache_rows",
+                                                                        "hybrid_fraction")},
+            "plan_seconds": round(plan_s, 1), "predicted": pred, "measured": meas, "hand": med["hand"],
+            "rounds_total_ms": spread, "error": meas["total_ms"] / pred["total_ms"] - 1,
+            "plan_over_hand": meas["total_ms"] / med["hand"]["total_ms"], "alternatives": plan.alternatives,
+            "hand_predicted": hand_pred,
+            "hand_error": None if hand_pred is None else med["hand"]["total_ms"] / hand_pred["total_ms"] - 1}
+
+
+def table(results: list[dict], header: str) -> str:
+    lines = [header, "", f"{'model':<10}{'budget':>8}  {'plan':<30}{'pred ms':>9}{'meas ms':>9}{'error':>8}"
+             f"{'hand ms':>9}{'(pred)':>8}{'plan/hand':>10}{'dropped p/h':>13}{'KiB/tok p/m':>15}{'reads p/m':>13}"
+             f"   predicted / measured parts (compute, predictor, io, mem ms)"]
+    for r in results:
+        p = r["plan"]
+        what = p["mode"] + (f" w{p['window']}" if p["mode"] == "sparse" else
+                            f" {p['hybrid_fraction']:.2f}" if p["mode"] == "hybrid" else "") + f" {p['dtype']}"
+        pr, me = r["predicted"], r["measured"]
+        parts = " / ".join(", ".join(f"{x[k]:.1f}" for k in PARTS[1:]) for x in (pr, me))
+        lines.append(f"{r['model']:<10}{str(r['budget']):>8}  {what:<30}{pr['total_ms']:>9.1f}{me['total_ms']:>9.1f}"
+                     f"{r['error']:>+8.0%}{r['hand']['total_ms']:>9.1f}"
+                     f"{(r['hand_predicted'] or {}).get('total_ms', float('nan')):>8.1f}{r['plan_over_hand']:>10.2f}"
+                     f"{me['neurons_dropped']:>7.0f}/{r['hand']['neurons_dropped']:<5.0f}"
+                     f"{pr.get('bytes_per_token', 0) / 1024:>8.0f}/{me['bytes_read'] / 1024:<6.0f}"
+                     f"{pr.get('reads_per_token', 0):>7.0f}/{me['reads']:<5.0f}   {parts}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--opt13", default=None, help="an OPT-1.3B-shaped model directory (bench/make_model.py)")
+    p.add_argument("--tokens", type=int, default=16, help="decode tokens per round (default 16)")
+    p.add_argument("--prefill", type=int, default=4, help="prompt tokens (default 4)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--max-dropped", type=float, default=0.05,
+                   help="share of predicted neurons the plan may drop (the hand defaults drop at small budgets; "
+                   "both are reported) (default 0.05)")
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="flashllm-plancheck-") as tmp:
+        tmp = Path(tmp)
+        sample = tmp / "sample.txt"
+        stdlib_corpus.write_text("train", sample, max_bytes=64_000)
+        text = "\n\n".join(t for _, (_, t) in zip(range(3), stdlib_corpus.texts("heldout")))
+        machine = profile.measure()  # fresh, in this run
+        profile.save(machine)
+        # the demo's settings for the embedded model (bfloat16 compute, context 256)
+        targets = [(demo.prepare(tmp / "tiny-opt"), (0.5, 0.7), 256, "bfloat16")]
+        if args.opt13:
+            d = Path(args.opt13)
+            random_predictors(d)
+            targets.append((d, ("2.6GiB", "3.4GiB"), 256, None))
+        for model_dir, budgets, context, dtype in targets:
+            disk = disk_profile.profile(model_dir, refresh=True)
+            ids = token_ids(model_dir, args.prefill + args.tokens, text)
+            for budget in budgets:
+                r = check(model_dir, budget, machine, disk, ids, args.prefill, args.rounds, context, sample, dtype,
+                          args.max_dropped)
+                print(json.dumps({k: r[k] for k in ("model", "budget", "plan", "error", "plan_over_hand")}),
+                      file=sys.stderr, flush=True)
+                results.append(r)
+    command = "python bench/plan_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = table(results, f"{command}\nmachine: {machine.host}, torch threads {machine.torch_threads}; "
+                          f"{args.rounds} interleaved rounds of {args.tokens} decode tokens, medians")
+    print(text)
+    if args.out:
+        Path(args.out + ".json").write_text(json.dumps({"command": command, "machine": machine.to_dict(),
+                                                        "results": results}, indent=1) + "\n")
+        Path(args.out + ".md").write_text(f"```\n{text}\n```\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()

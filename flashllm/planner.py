@@ -45,18 +45,26 @@ class _NoStore:
         pass
 
 
-def runs(ids: np.ndarray) -> int:
-    """Reads the engine issues for sorted needed ids appended to consecutive rows: runs of adjacent ids."""
-    return 0 if not len(ids) else 1 + int(np.count_nonzero(np.diff(ids) != 1))
+def reads_of(ids: np.ndarray, gap_rows: int, chunk_rows: int) -> tuple[int, int]:
+    """(reads, bundles transferred) for sorted needed ids, as the engine plans them: ids at most `gap_rows`
+    apart are read with the gap in one read, a read holds at most `chunk_rows` bundles."""
+    if not len(ids):
+        return 0, 0
+    brk = np.flatnonzero(np.diff(ids) > gap_rows + 1)
+    starts, ends = np.concatenate([[ids[0]], ids[brk + 1]]), np.concatenate([ids[brk], [ids[-1]]])
+    spans = ends - starts + 1
+    return int(np.sum(-(-spans // chunk_rows))), int(spans.sum())
 
 
-def replay(masks: list[np.ndarray], window: int, capacity: int, d_ffn: int) -> dict:
+def replay(masks: list[np.ndarray], window: int, capacity: int, d_ffn: int, gap_rows: int = 0,
+           chunk_rows: int = 1 << 30) -> dict:
     """One layer's predicted sets (bool [tokens, d_ffn] per sequence) through a NeuronCache: per token
-    means of bundles loaded, reads, rows held; the share of predicted neurons dropped for lack of rows."""
+    means of bundles loaded, bundles transferred (gaps included), reads, rows held; and the share of
+    predicted neurons dropped for lack of rows."""
     from .neuron_cache import NeuronCache
 
     cache = NeuronCache(capacity, d_ffn, _NoStore())
-    loaded = reads = held = dropped = predicted = tokens = 0
+    loaded = moved = reads = held = dropped = predicted = tokens = 0
     for seq in masks:
         cache.reset()
         for row in seq:
@@ -67,9 +75,12 @@ def replay(masks: list[np.ndarray], window: int, capacity: int, d_ffn: int) -> d
             missing, _, cut = cache.evict(active, window)
             missing, dropped = missing[:len(missing) - cut] if cut else missing, dropped + cut
             cache.append(missing)
-            loaded, reads, held, tokens = loaded + len(missing), reads + runs(missing), held + cache.num_used, tokens + 1
+            r, b = reads_of(missing, gap_rows, chunk_rows)
+            loaded, moved, reads = loaded + len(missing), moved + b, reads + r
+            held, tokens = held + cache.num_used, tokens + 1
     n = max(tokens, 1)
-    return {"loaded": loaded / n, "reads": reads / n, "held": held / n, "drop_share": dropped / max(predicted, 1)}
+    return {"loaded": loaded / n, "transferred": moved / n, "reads": reads / n, "held": held / n,
+            "drop_share": dropped / max(predicted, 1)}
 
 
 def sample_masks(model_dir, data: str | None, tokens: int, seq_len: int = 128) -> list[list[np.ndarray]]:
@@ -119,14 +130,16 @@ def _stdlib_text(nbytes: int) -> str:
 class Replays:
     """Replayed cache behaviour per (layer, window, capacity), computed once each."""
 
-    def __init__(self, masks_per_layer, d_ffn: int):
+    def __init__(self, masks_per_layer, d_ffn: int, gap_rows: int = 0, chunk_rows: int = 1 << 30):
         self.masks, self.d_ffn, self._memo = masks_per_layer, d_ffn, {}
+        self.gap_rows, self.chunk_rows = gap_rows, chunk_rows
         self.sizes = [np.concatenate([m.sum(axis=1) for m in masks]) for masks in masks_per_layer]
 
     def at(self, layer: int, window: int, capacity: int) -> dict:
         key = (layer, window, min(capacity, self.d_ffn))
         if key not in self._memo:
-            self._memo[key] = {"capacity": key[2], **replay(self.masks[layer], window, key[2], self.d_ffn)}
+            self._memo[key] = {"capacity": key[2], **replay(self.masks[layer], window, key[2], self.d_ffn,
+                                                            self.gap_rows, self.chunk_rows)}
         return self._memo[key]
 
     def curves(self, extra: list[int] | None = None, windows=WINDOWS, points: int = CAPACITY_POINTS) -> list[dict]:
@@ -233,7 +246,7 @@ def _budget_bytes(budget, manifest) -> int | None:
 def sparse_cost(machine, disk, manifest, dtype: str, mem: dict, point: dict, rank: int, threads: int) -> cm.Parts:
     """One layer's decode-token cost at a replayed (window, capacity) point."""
     spec, lay = manifest.spec, manifest.layout
-    nbytes = point["loaded"] * lay.stride
+    nbytes = point["transferred"] * lay.stride
     placed = machine.cast_s(manifest.dtype, dtype, point["loaded"] * (lay.stride if mem["in_place"] else mem["row"]))
     return cm.Parts(compute_s=cm.ffn_s(machine, spec, dtype, point["held"]) + machine.layer_s["sparse"],
                     predictor_s=cm.predictor_s(machine, spec, dtype, rank, fixed=True),
@@ -249,7 +262,7 @@ def _sparse_parts(machine, disk, manifest, dtype, mem, replays, window, caps, ra
         lp = sparse_cost(machine, disk, manifest, dtype, mem, pt, ranks[layer], threads)
         for f in ("compute_s", "predictor_s", "io_s", "mem_s"):
             setattr(parts, f, getattr(parts, f) + getattr(lp, f))
-        extra["bytes_per_token"] += pt["loaded"] * manifest.layout.stride
+        extra["bytes_per_token"] += pt["transferred"] * manifest.layout.stride
         extra["reads_per_token"] += pt["reads"]
         dropped.append(pt["drop_share"])
     extra["dropped_share"] = float(np.mean(dropped))
@@ -340,7 +353,7 @@ def _sha(path: Path) -> str:
 
 def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes: list[str] | None = None,
               context: int | None = None, threads: int = 32, sample_tokens: int = SAMPLE_TOKENS,
-              max_dropped: float = MAX_DROPPED, log=None) -> Plan:
+              max_dropped: float = MAX_DROPPED, gap_bytes: int | None = None, log=None) -> Plan:
     """The cheapest way (by the cost model) to decode with `model_dir` within `budget` bytes or fraction."""
     from . import format as fmt
     from .predictor import PREDICTOR_META
@@ -358,7 +371,9 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
     replays = None
     if has_pred:
         log(f"replaying the predictors' sets on {sample_tokens} sample tokens through the cache")
-        replays = Replays(sample_masks(model_dir, data, sample_tokens), spec.d_ffn)
+        stride = manifest.layout.stride
+        gap_rows = (disk.gap_bytes(threads) if gap_bytes is None else gap_bytes) // stride
+        replays = Replays(sample_masks(model_dir, data, sample_tokens), spec.d_ffn, gap_rows, max(1, (1 << 20) // stride))
         fractions = [f.get("predicted_fraction") for f in json.loads((manifest.root / PREDICTOR_META).read_text())["layers"]]
     options, notes, reference = [], [], []
     from .backends.base import default_compute_dtype

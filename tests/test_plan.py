@@ -20,6 +20,9 @@ class FakeDisk:
     def cost_model(self, inflight):
         return 1e-4 / min(inflight, 8), 1e9
 
+    def gap_bytes(self, inflight):
+        return 0
+
 
 MACHINE = MachineProfile("test", "torch", "cpu", 1, 5e9, {}, {dt: {"per_call_s": 1e-5, "bytes_per_s": 5e9}
                                                               for dt in ("float32", "bfloat16", "float16")},
@@ -34,6 +37,8 @@ def test_replay_counts_loads_reads_and_drops():
     assert full["drop_share"] == 0
     tight = planner.replay(masks, window=2, capacity=3, d_ffn=6)
     assert tight["drop_share"] > 0  # the second token needs 4 rows
+    gapped = planner.replay(masks, window=2, capacity=6, d_ffn=6, gap_rows=1)  # {0,1,3} now one read of 4 bundles
+    assert gapped["reads"] == pytest.approx(3 / 3) and gapped["transferred"] == pytest.approx(7 / 3)
 
 
 def test_milp_picks_cheapest_within_memory():

@@ -91,7 +91,7 @@ def sample_masks(model_dir, data: str | None, tokens: int, seq_len: int = 128) -
 
     model = load(model_dir, mode="dense", context=seq_len) if _fits_dense(model_dir) else \
         load(model_dir, mode="naive", context=seq_len)
-    predictor = LowRankPredictor(model)
+    predictor = LowRankPredictor(model.plan_context)
     seq_len = min(seq_len, model.context)
     text = Path(data).read_text(errors="replace") if data else _stdlib_text(tokens * 8)
     ids = model.tokenizer.encode(text)[:tokens] if model.manifest.has("tokenizer.json") else \

@@ -94,7 +94,7 @@ def order_model(model_dir: str | Path, data: str | Path, max_tokens: int = DEFAU
     if model.spec.is_moe:
         raise FlashLLMError(f"{model_dir}: a mixture-of-experts model streams whole experts; neuron order does not apply")
     has_predictors = (Path(model_dir) / PREDICTOR_META).is_file()
-    predictor = LowRankPredictor(model) if has_predictors else None
+    predictor = LowRankPredictor(model.plan_context) if has_predictors else None
     chunks = col.chunk_text(model, text, seq_len, max_tokens, str(data))
     source = "predicted (trained predictors)" if predictor else "true activations (no trained predictors)"
     log(f"collecting {source} sets over {sum(map(len, chunks))} tokens in {len(chunks)} sequences")

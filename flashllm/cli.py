@@ -58,6 +58,14 @@ _top_p = _checked(float, lambda v: 0 < v <= 1, "a probability in (0, 1]")
 
 
 
+_row_count = _checked(int, lambda v: v >= 1, "whole numbers of at least 1, one per layer")
+
+
+def _rows(text: str) -> tuple[int, ...]:
+    """argparse type for --cache-rows: comma-separated row counts."""
+    return tuple(_row_count(v) for v in text.split(","))
+
+
 def _budget(text: str):
     """argparse type for budgets: see flashllm.budget for the accepted forms."""
     from .budget import parse_budget
@@ -126,6 +134,9 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--kv-bits", type=int, default=d.kv_bits, choices=KV_BITS,
                    help="8: KV cache in int8 groups along the head dim (quality cost in the README); 16: in the "
                    "compute dtype, unquantized (default: %(default)s)")
+    g.add_argument("--cache-rows", type=_rows, default=d.cache_rows, metavar="N1,N2,...",
+                   help="sparse mode: neuron cache rows per layer, one number per layer (what `flashllm plan` "
+                   "chooses) (default: sized by the budget)")
     g.add_argument("--plan", default="none", choices=["none", "auto"],
                    help="auto: mode, dtype, window and per-layer caches from `flashllm plan` for this --dram-budget "
                    "(the saved plan.json when it matches, else planned now and saved) (default: %(default)s)")

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
@@ -36,8 +37,7 @@ from flashllm import format as fmt  # noqa: E402
 from flashllm.errors import FlashLLMError  # noqa: E402
 from flashllm.quant import QuantScheme  # noqa: E402
 from flashllm.spec import ArchSpec  # noqa: E402
-from flashllm.converters.checkpoint import tensor_bytes  # noqa: E402
-from flashllm.st_io import write_safetensors  # noqa: E402
+from flashllm.st_io import storage_bytes, write_safetensors  # noqa: E402
 
 STD = 0.02
 OPT = dict(family="opt", norm="layernorm", norm_eps=1e-5, positional="learned", activation="relu", qkv_bias=True,
@@ -89,20 +89,27 @@ def _seed(seed: int, name: str) -> int:
 class RandomWeights:
     """Every tensor of the model by canonical name, reproducible from (seed, name) alone."""
 
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype, seed: int):
+    def __init__(self, spec: ArchSpec, dtype: str, seed: int):
         self.spec, self.dtype, self.seed = spec, dtype, seed
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """float32 values (rounded to the storage dtype `dtype` when written)."""
         last = name.rsplit(".", 1)[-1]
         is_norm = "norm" in name
         if is_norm and last == "weight":
-            return torch.ones(shape, dtype=self.dtype)
+            return np.ones(shape, dtype=np.float32)
         if last == "bias" or name.endswith("_bias"):
-            return torch.zeros(shape, dtype=self.dtype)
+            return np.zeros(shape, dtype=np.float32)
         g = torch.Generator().manual_seed(_seed(self.seed, name))
         out = torch.empty(shape, dtype=torch.float32)
         out.normal_(0.0, STD, generator=g)
-        return out.to(self.dtype)
+        return out.numpy()
+
+    def stored(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """`get` rounded to the storage dtype, as values (bfloat16 widened back exactly to float32)."""
+        raw = storage_bytes(self.get(name, shape), self.dtype)
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if self.dtype == "bfloat16" else \
+            raw.view(self.dtype)
 
     def expert_rows(self, layer: int):
         """Per expert of the layer: gate, up and down^T, each [d_ffn, d_model] (one expert at a time)."""
@@ -117,7 +124,7 @@ class RandomWeights:
         read and computed per expert are the same."""
         q, rows = layout.quant, len(layout.parts) * layout.d_ffn
         pieces = q.part_layout(layout.d_model)
-        sample = q.quantize(self.get("quant.sample", (64, layout.d_model)).float().numpy())
+        sample = q.quantize(self.stored("quant.sample", (64, layout.d_model)).astype(np.float32))
         typical = {k: np.frombuffer(sample[:, o:o + n].tobytes(), np.float16).reshape(64, -1).astype(np.float32)
                    .mean().astype(np.float16) for k, (o, n) in pieces.items() if k != "codes"}
         template = np.zeros((rows, layout.row_bytes), dtype=np.uint8)
@@ -132,7 +139,7 @@ class RandomWeights:
             bundle[:layout.bundle_bytes] = template.reshape(-1)
             yield bundle
 
-    def ffn_rows(self, layer: int) -> dict[str, torch.Tensor]:
+    def ffn_rows(self, layer: int) -> dict[str, np.ndarray]:
         """Per bundle part, [d_ffn, d_model] rows (for `down`: the columns of the down projection)."""
         s = self.spec
         return {part: self.get(f"layers.{layer}.ffn_{part}", (s.d_ffn, s.d_model)) for part in s.bundle_parts}
@@ -163,7 +170,7 @@ def _layout(spec: ArchSpec, itemsize: int, bundled: bool, quantize: str = "none"
 
 
 def model_bytes(spec: ArchSpec, itemsize: int, bundled: bool = True, quantize: str = "none") -> int:
-    resident = sum(int(torch.tensor(s).prod()) for s in fmt.resident_shapes(spec).values()) * itemsize
+    resident = sum(int(np.prod(s)) for s in fmt.resident_shapes(spec).values()) * itemsize
     return resident + _layout(spec, itemsize, bundled, quantize).file_size
 
 
@@ -180,27 +187,27 @@ def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: in
 
     out = Path(out)
     check_replaceable(out, force)
-    dtype = getattr(torch, dtype_name)
-    layout = _layout(spec, dtype.itemsize, bundled, quantize)
+    itemsize = fmt.STORAGE_DTYPES[dtype_name]
+    layout = _layout(spec, itemsize, bundled, quantize)
     ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
-    weights = RandomWeights(spec, dtype, seed)
+    weights = RandomWeights(spec, dtype_name, seed)
     shapes = fmt.resident_shapes(spec)
     tmp = make_temporary(out)
     try:
-        total = model_bytes(spec, dtype.itemsize, bundled, quantize)
+        total = model_bytes(spec, itemsize, bundled, quantize)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {out.name}", file=sys.stderr,
                   disable=None if progress is None else not progress) as bar:
             drop = _Dropper(tmp / fmt.RESIDENT_FILE)
 
             def produce(name):
                 t = weights.get(name, shapes[name])
-                bar.update(t.numel() * t.element_size())
-                if t.numel() * t.element_size() >= 64 << 20:
+                bar.update(t.size * itemsize)
+                if t.size * itemsize >= 64 << 20:
                     drop()
                 return t
 
-            write_safetensors(tmp / fmt.RESIDENT_FILE, [(n, dtype, s) for n, s in shapes.items()], produce,
-                              metadata={"format": fmt.FORMAT_NAME}, to_bytes=tensor_bytes)
+            write_safetensors(tmp / fmt.RESIDENT_FILE, [(n, dtype_name, s) for n, s in shapes.items()], produce,
+                              metadata={"format": fmt.FORMAT_NAME})
             drop()
             drop_ffn = _Dropper(tmp / ffn_file)
 
@@ -212,11 +219,11 @@ def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: in
                 def bundles(i):
                     if layout.quant:
                         return weights.quantized_expert_bundles(layout, i)
-                    return expert_bundles(layout, weights.expert_rows(i), dtype)
+                    return expert_bundles(layout, weights.expert_rows(i), dtype_name)
 
                 ffn_sha, layer_sha = write_experts(tmp / ffn_file, layout, bundles, on_layer)
             else:
-                ffn_sha, layer_sha = write_ffn(tmp / ffn_file, layout, weights.ffn_rows, dtype, on_layer)
+                ffn_sha, layer_sha = write_ffn(tmp / ffn_file, layout, weights.ffn_rows, dtype_name, on_layer)
             drop_ffn()
         source = {"path": f"bench/make_model.py --shape {shape_name} --seed {seed}"
                           + (f" --quantize {quantize}" if quantize != "none" else ""),
@@ -266,7 +273,7 @@ def hf_tensors(spec: ArchSpec, weights: RandomWeights) -> list[list[tuple[str, t
         hf = f"{fam.globals[module]}.{param}"
         if name == "pos_embed.weight":  # OPT keeps 2 unused rows before position 0
             full = (shape[0] + 2, shape[1])
-            shards[0].append((hf, full, lambda n=name, s=shape: torch.cat(
+            shards[0].append((hf, full, lambda n=name, s=shape: np.concatenate(
                 (weights.get("pos_embed.offset_rows", (2, s[1])), weights.get(n, s)))))
         else:
             shards[0].append((hf, shape, lambda n=name, s=shape: weights.get(n, s)))
@@ -285,7 +292,7 @@ def hf_tensors(spec: ArchSpec, weights: RandomWeights) -> list[list[tuple[str, t
             rows = (spec.d_ffn, spec.d_model)
             if part == "down":
                 shard.append((f"{prefix}{fam.ffn[part]}.weight", (spec.d_model, spec.d_ffn),
-                              lambda n=f"layers.{i}.ffn_{part}": weights.get(n, rows).t().contiguous()))
+                              lambda n=f"layers.{i}.ffn_{part}": weights.get(n, rows).T))
             else:
                 shard.append((f"{prefix}{fam.ffn[part]}.weight", rows,
                               lambda n=f"layers.{i}.ffn_{part}": weights.get(n, rows)))
@@ -303,8 +310,8 @@ def write_hf(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: int =
     out = Path(out)
     if out.exists() and not force:
         raise SystemExit(f"{out}: already exists (pass --force to replace it)")
-    dtype = getattr(torch, dtype_name)
-    weights = RandomWeights(spec, dtype, seed)
+    itemsize = fmt.STORAGE_DTYPES[dtype_name]
+    weights = RandomWeights(spec, dtype_name, seed)
     shards = hf_tensors(spec, weights)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -314,7 +321,7 @@ def write_hf(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: int =
         weight_map, total = {}, 0
         for shard in shards:
             for _, shape, _ in shard:
-                total += int(torch.tensor(shape).prod()) * dtype.itemsize
+                total += int(np.prod(shape)) * itemsize
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"write {out.name}", file=sys.stderr,
                   disable=None if progress is None else not progress) as bar:
             for k, shard in enumerate(shards):
@@ -323,11 +330,11 @@ def write_hf(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: int =
 
                 def produce(name, produce_of=produce_of):
                     t = produce_of[name]()
-                    bar.update(t.numel() * t.element_size())
+                    bar.update(t.size * itemsize)
                     return t
 
-                write_safetensors(tmp / fname, [(n, dtype, s) for n, s, _ in shard], produce,
-                                  metadata={"format": "pt"}, to_bytes=tensor_bytes)
+                write_safetensors(tmp / fname, [(n, dtype_name, s) for n, s, _ in shard], produce,
+                                  metadata={"format": "pt"})
                 _Dropper(tmp / fname)()
                 weight_map.update({n: fname for n, _, _ in shard})
         (tmp / "model.safetensors.index.json").write_text(json.dumps(

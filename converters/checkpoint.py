@@ -1,4 +1,9 @@
-"""Reading an HF checkpoint directory: config.json plus tensors, one tensor at a time."""
+"""Reading an HF checkpoint directory: config.json plus tensors, one tensor at a time.
+
+Tensors come out as numpy arrays of their values: float32 and float16 as stored, bfloat16 (which
+numpy lacks) widened exactly to float32; `Checkpoint.dtype` names the stored dtype. Torch is used
+only to read the weights-only `.bin` format.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from flashllm import format as fmt
 from flashllm.errors import FlashLLMError
 from flashllm.st_io import SafetensorsFile
 
@@ -51,7 +56,7 @@ class Checkpoint:
         if fname not in self._open:
             path = self.root / fname
             if fname.endswith(".safetensors"):
-                self._open[fname] = _SafetensorsTensors(path)
+                self._open[fname] = _SafetensorsTensors(path)  # .read: bfloat16 widened to float32
             else:
                 self._open[fname] = _BinFile(path)
         return self._open[fname]
@@ -66,7 +71,7 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return self.resolve(name) is not None
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """Tensor `name`; a clear error names the tensor and file when it is missing or mis-shaped."""
         stored = self.resolve(name)
         if stored is None:
@@ -77,35 +82,33 @@ class Checkpoint:
                                 f"{tuple(t.shape)}, expected {tuple(shape)} from config.json")
         return t
 
-    def dtype(self, names: list[str]) -> torch.dtype:
-        """The dtype most bytes of `names` are stored in; an error names a tensor in a dtype that
+    def dtype(self, names: list[str]) -> str:
+        """The dtype (name) most bytes of `names` are stored in; an error names a tensor in a dtype that
         flashllm does not convert (integer/quantized or float64 weights would be silently recast)."""
-        sizes: dict[torch.dtype, int] = {}
+        sizes: dict[str, int] = {}
         for name in names:
             dtype, numel = self._file(self.where[name]).info(name)
-            if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            if dtype not in fmt.STORAGE_DTYPES:
                 raise FlashLLMError(f"{self.root / self.where[name]}: tensor {name!r} is stored as "
-                                    f"{str(dtype).removeprefix('torch.')}; flashllm converts float32, float16 and "
-                                    f"bfloat16 checkpoints only")
-            sizes[dtype] = sizes.get(dtype, 0) + numel * dtype.itemsize
+                                    f"{dtype}; flashllm converts float32, float16 and bfloat16 checkpoints only")
+            sizes[dtype] = sizes.get(dtype, 0) + numel * fmt.STORAGE_DTYPES[dtype]
         return max(sizes, key=sizes.get)
 
 
 class _SafetensorsTensors(SafetensorsFile):
-    """A safetensors shard read as torch tensors."""
+    """A safetensors shard: `read` (values, bfloat16 widened to float32) and `info`."""
 
-    def read(self, name: str) -> torch.Tensor:
-        return read_tensor(self, name)
-
-    def info(self, name: str) -> tuple[torch.dtype, int]:
-        """(dtype, element count) of tensor `name`, from the header."""
-        return getattr(torch, self.dtype(name)), int(np.prod(self.shape(name), dtype=np.int64))
+    def info(self, name: str) -> tuple[str, int]:
+        """(dtype name, element count) of tensor `name`, from the header."""
+        return self.dtype(name), int(np.prod(self.shape(name), dtype=np.int64))
 
 
 class _BinFile:
     """A PyTorch .bin state dict, loaded only with weights_only=True (no code execution)."""
 
     def __init__(self, path: Path):
+        import torch
+
         try:
             self.state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # torch raises many types for corrupt or unsafe files
@@ -114,21 +117,12 @@ class _BinFile:
     def names(self):
         return list(self.state)
 
-    def info(self, name: str) -> tuple[torch.dtype, int]:
-        return self.state[name].dtype, self.state[name].numel()
+    def info(self, name: str) -> tuple[str, int]:
+        return str(self.state[name].dtype).removeprefix("torch."), self.state[name].numel()
 
-    def read(self, name: str) -> torch.Tensor:
-        return self.state[name].clone()
+    def read(self, name: str) -> np.ndarray:
+        """A fresh numpy copy of the tensor's values (bfloat16 widened exactly to float32)."""
+        import torch
 
-
-def read_tensor(st: SafetensorsFile, name: str) -> torch.Tensor:
-    """Tensor `name` of a safetensors file as a fresh CPU tensor of its stored dtype."""
-    raw = st.read_bytes(name)
-    flat = torch.from_numpy(raw) if len(raw) else torch.empty(0, dtype=torch.uint8)
-    return flat.view(getattr(torch, st.dtype(name))).reshape(st.shape(name))
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a CPU tensor (bfloat16 included)."""
-    t = t.detach().contiguous().cpu()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        t = self.state[name]
+        return t.float().numpy() if t.dtype == torch.bfloat16 else t.clone().numpy()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
+import numpy as np
 
 from flashllm import format as fmt
 from flashllm.errors import FlashLLMError
@@ -68,17 +68,17 @@ def windows(cfg: dict, default_types: list[str] | None = None, enabled: bool = T
     return {"sliding_window": window, "layer_types": () if "full" not in mapped else mapped}
 
 
-def split_fused_qkv(t: torch.Tensor, spec: ArchSpec) -> tuple[torch.Tensor, ...]:
+def split_fused_qkv(t: np.ndarray, spec: ArchSpec) -> tuple[np.ndarray, ...]:
     """Fused query_key_value rows grouped as [kv_heads, q_per_kv + 2, head_dim] (Falcon, Persimmon)."""
     groups, per = spec.n_kv_heads, spec.n_heads // spec.n_kv_heads
     g = t.reshape(groups, per + 2, spec.head_dim, *t.shape[1:])
-    return tuple(x.reshape(-1, *t.shape[1:]).contiguous() for x in (g[:, :per], g[:, per], g[:, per + 1]))
+    return tuple(np.ascontiguousarray(x.reshape(-1, *t.shape[1:])) for x in (g[:, :per], g[:, per], g[:, per + 1]))
 
 
-def split_concat_qkv(t: torch.Tensor, spec: ArchSpec) -> tuple[torch.Tensor, ...]:
+def split_concat_qkv(t: np.ndarray, spec: ArchSpec) -> tuple[np.ndarray, ...]:
     """Fused qkv_proj rows as all q heads, then all k heads, then all v heads (Phi-3)."""
     q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
-    return t[:q].contiguous(), t[q:q + kv].contiguous(), t[q + kv:].contiguous()
+    return t[:q], t[q:q + kv], t[q + kv:]
 
 
 @dataclass(frozen=True)
@@ -119,12 +119,12 @@ class Family:
             return f"{prefix}{self.fused_gate_up}.weight"
         return f"{prefix}{self.ffn[part]}.weight"
 
-    def tensor(self, ckpt: Checkpoint, spec: ArchSpec, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The resident tensor with canonical `name` (see flashllm.format.resident_shapes)."""
+    def tensor(self, ckpt: Checkpoint, spec: ArchSpec, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The resident tensor with canonical `name` (see flashllm.format.resident_shapes), as values."""
         t = self._tensor(ckpt, spec, name, shape)
-        return t.float() + self.norm_offset if self.norm_offset and name.endswith("norm.weight") else t
+        return t.astype(np.float32) + self.norm_offset if self.norm_offset and name.endswith("norm.weight") else t
 
-    def _tensor(self, ckpt: Checkpoint, spec: ArchSpec, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def _tensor(self, ckpt: Checkpoint, spec: ArchSpec, name: str, shape: tuple[int, ...]) -> np.ndarray:
         hf = self.source(ckpt, name)
         if name == "pos_embed.weight":  # OPT keeps 2 unused rows before position 0
             full = ckpt.get(hf)
@@ -137,7 +137,7 @@ class Family:
             return _check(split(ckpt.get(hf), spec)["qkv".index(parts[2])], hf, shape)
         return ckpt.get(hf, shape)
 
-    def ffn_rows(self, ckpt: Checkpoint, spec: ArchSpec, i: int) -> dict[str, torch.Tensor]:
+    def ffn_rows(self, ckpt: Checkpoint, spec: ArchSpec, i: int) -> dict[str, np.ndarray]:
         """Per bundle part, a [d_ffn, d_model] matrix whose row j belongs to neuron j."""
         f, rows = spec.d_ffn, {}
         if self.fused_gate_up:
@@ -148,7 +148,7 @@ class Family:
                 continue
             shape = (spec.d_model, spec.d_ffn) if part == "down" else (spec.d_ffn, spec.d_model)
             w = ckpt.get(self.ffn_source(i, part), shape)
-            rows[part] = w.t() if part == "down" else w
+            rows[part] = w.T if part == "down" else w
         return rows
 
     def streamed_sources(self, ckpt: Checkpoint, spec: ArchSpec) -> list[str]:
@@ -173,14 +173,14 @@ class Family:
             return True
         lm_head = ckpt.resolve(f"{self.globals['lm_head']}.weight")
         if stored == lm_head and spec.tied_embeddings:
-            if not torch.equal(ckpt.get(stored), ckpt.get(f"{self.globals['embed']}.weight")):
+            if not np.array_equal(ckpt.get(stored), ckpt.get(f"{self.globals['embed']}.weight")):
                 raise FlashLLMError(f"{ckpt.root}: config.json ties the embeddings, but {stored!r} differs from "
                                     f"them (set tie_word_embeddings to false?)")
             return True
         return False
 
 
-def _check(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _check(t: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarray:
     if tuple(t.shape) != tuple(shape):
         raise FlashLLMError(f"tensor {name!r} gives shape {tuple(t.shape)}, expected {tuple(shape)} from config.json")
     return t

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from flashllm.errors import FlashLLMError
 from flashllm.expert_format import ExpertLayout
 from flashllm.spec import ArchSpec
+from flashllm.st_io import storage_bytes
 
-from .checkpoint import Checkpoint, tensor_bytes
+from .checkpoint import Checkpoint
 from .families import _LLAMA_GLOBALS, _LLAMA_LAYER, Family, _llama_spec
 
 
@@ -42,20 +42,20 @@ class MoEFamily(Family):
                 names += [f"{p}{self.experts}.{e}.{hf}.weight" for e in range(spec.n_experts) for _, hf in self.expert_parts]
         return names
 
-    def expert_rows(self, ckpt: Checkpoint, spec: ArchSpec, i: int) -> list[dict[str, torch.Tensor]]:
+    def expert_rows(self, ckpt: Checkpoint, spec: ArchSpec, i: int) -> list[dict[str, np.ndarray]]:
         """Per expert of layer i: gate, up and down^T, each [d_ffn, d_model] (row j = neuron j)."""
         p, f, d, E = self.layer_prefix.format(i=i), spec.d_ffn, spec.d_model, spec.n_experts
         fused = f"{p}{self.fused_experts}."
         if ckpt.has(fused + "gate_up_proj"):
             gate_up, down = ckpt.get(fused + "gate_up_proj", (E, 2 * f, d)), ckpt.get(fused + "down_proj", (E, d, f))
-            return [{"gate": gate_up[e, :f], "up": gate_up[e, f:], "down": down[e].t()} for e in range(E)]
+            return [{"gate": gate_up[e, :f], "up": gate_up[e, f:], "down": down[e].T} for e in range(E)]
         names = dict(self.expert_parts)
         out = []
         for e in range(E):
             base = f"{p}{self.experts}.{e}."
             out.append({"gate": ckpt.get(base + names["gate"] + ".weight", (f, d)),
                         "up": ckpt.get(base + names["up"] + ".weight", (f, d)),
-                        "down": ckpt.get(base + names["down"] + ".weight", (d, f)).t()})
+                        "down": ckpt.get(base + names["down"] + ".weight", (d, f)).T})
         return out
 
 
@@ -120,15 +120,15 @@ MOE_FAMILIES = [
 ]
 
 
-def expert_bundles(layout: ExpertLayout, experts, dtype: torch.dtype):
-    """Per expert (part -> [d_ffn, d_model] float weights) its stored bundle: uint8 [stride], each part
-    group-wise quantized (layout.quant) or cast to `dtype`, zero padded to the stride."""
+def expert_bundles(layout: ExpertLayout, experts, dtype: str):
+    """Per expert (part -> [d_ffn, d_model] float values) its stored bundle: uint8 [stride], each part
+    group-wise quantized (layout.quant) or stored as `dtype`, zero padded to the stride."""
     for parts in experts:
         bundle = np.zeros(layout.stride, dtype=np.uint8)
         for part in layout.parts:
-            w = parts[part].contiguous()
-            raw = layout.quant.quantize(w.float().numpy()) if layout.quant else \
-                np.frombuffer(tensor_bytes(w.to(dtype)), dtype=np.uint8)
+            w = parts[part]
+            raw = layout.quant.quantize(np.ascontiguousarray(w, dtype=np.float32)) if layout.quant else \
+                storage_bytes(w, dtype)
             bundle[layout.part_range(part)] = raw.reshape(-1)
         yield bundle
 

@@ -10,16 +10,15 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from flashllm import format as fmt
 from flashllm.errors import FlashLLMError
 from flashllm.quant import DEFAULT_GROUP, DEFAULT_SCHEME, QuantScheme
 from flashllm.spec import ArchSpec
-from flashllm.st_io import write_safetensors
+from flashllm.st_io import storage_bytes, write_safetensors
 
-from .checkpoint import Checkpoint, tensor_bytes
+from .checkpoint import Checkpoint
 from .families import family_for
 from .moe_families import expert_bundles, write_experts
 
@@ -48,8 +47,7 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
             quant.check(spec.d_model)
         sources = family.sources(ckpt, spec)
         stored = ckpt.dtype(sources)  # also refuses tensors stored in dtypes we cannot convert
-        dtype_name = dtype or _dtype_name(stored)
-        torch_dtype = getattr(torch, dtype_name)
+        dtype_name = dtype or stored
         if spec.is_moe and not bundled:
             raise FlashLLMError("bundled=False: an MoE model's experts are always stored as expert bundles")
         layout = fmt.ExpertLayout.plan(spec, fmt.STORAGE_DTYPES[dtype_name], quant) if spec.is_moe else \
@@ -60,17 +58,16 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
         _check_space(tmp, sum(np.prod(s, dtype=np.int64) for s in shapes.values()) * fmt.STORAGE_DTYPES[dtype_name]
                      + layout.file_size + sum((ckpt.root / f).stat().st_size for f in copied))
         with tqdm(total=spec.n_layers + 1, desc=f"convert {ckpt.root.name}", unit="layer", disable=None if progress is None else not progress) as bar:
-            write_safetensors(tmp / fmt.RESIDENT_FILE, [(n, torch_dtype, s) for n, s in shapes.items()],
-                              lambda n: family.tensor(ckpt, spec, n, shapes[n]).to(torch_dtype),
-                              metadata={"format": fmt.FORMAT_NAME}, to_bytes=tensor_bytes)
+            write_safetensors(tmp / fmt.RESIDENT_FILE, [(n, dtype_name, s) for n, s in shapes.items()],
+                              lambda n: family.tensor(ckpt, spec, n, shapes[n]), metadata={"format": fmt.FORMAT_NAME})
             bar.update(1)
             if spec.is_moe:
                 ffn_sha, layer_sha = write_experts(
                     tmp / ffn_file, layout,
-                    lambda i: expert_bundles(layout, family.expert_rows(ckpt, spec, i), torch_dtype), bar.update)
+                    lambda i: expert_bundles(layout, family.expert_rows(ckpt, spec, i), dtype_name), bar.update)
             else:
                 ffn_sha, layer_sha = write_ffn(tmp / ffn_file, layout,
-                                               lambda i: family.ffn_rows(ckpt, spec, i), torch_dtype, bar.update)
+                                               lambda i: family.ffn_rows(ckpt, spec, i), dtype_name, bar.update)
         for f in copied:
             shutil.copyfile(ckpt.root / f, tmp / f)
         write_manifest(tmp, spec, dtype_name, layout, ffn_sha, layer_sha, copied, ffn_file=ffn_file,
@@ -131,9 +128,9 @@ def _check_space(tmp: Path, need: int) -> None:
                             f"{free / 2**30:.2f} GiB are free there")
 
 
-def write_ffn(path: Path, layout: fmt.FFNLayout, rows_of_layer, dtype: torch.dtype,
+def write_ffn(path: Path, layout: fmt.FFNLayout, rows_of_layer, dtype: str,
               on_layer=None) -> tuple[str, list[str]]:
-    """Write every layer's neurons; `rows_of_layer(i)` gives part -> [d_ffn, d] rows.
+    """Write every layer's neurons; `rows_of_layer(i)` gives part -> [d_ffn, d] rows (values, stored as `dtype`).
 
     Returns the sha256 of the whole file and of each layer's byte range (padding included).
     """
@@ -159,11 +156,11 @@ def write_ffn(path: Path, layout: fmt.FFNLayout, rows_of_layer, dtype: torch.dty
     return file_sha.hexdigest(), layer_sha
 
 
-def _part_bytes(rows: torch.Tensor, layout: fmt.FFNLayout, dtype: torch.dtype) -> np.ndarray:
+def _part_bytes(rows: np.ndarray, layout: fmt.FFNLayout, dtype: str) -> np.ndarray:
     """[d_ffn, d] weights -> [d_ffn, part_bytes] uint8 as stored: quantized, or cast to `dtype`."""
     if layout.quant:
-        return layout.quant.quantize(rows.float().numpy())
-    return np.frombuffer(tensor_bytes(rows.to(dtype)), dtype=np.uint8).reshape(layout.d_ffn, -1)
+        return layout.quant.quantize(np.asarray(rows, dtype=np.float32))
+    return storage_bytes(rows, dtype)
 
 
 def write_manifest(root: Path, spec: ArchSpec, dtype_name: str, layout: fmt.FFNLayout, ffn_sha: str,
@@ -198,6 +195,3 @@ def _replace(tmp: Path, out: Path) -> None:
     else:
         os.replace(tmp, out)
 
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")  # Checkpoint.dtype admits storable float dtypes only

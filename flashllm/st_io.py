@@ -109,16 +109,25 @@ class SafetensorsFile:
         return buf
 
 
-def array_bytes(t) -> memoryview:
-    """The raw bytes of a numpy array, or of a CPU tensor whose dtype numpy has (via `.numpy()`)."""
-    a = t if isinstance(t, np.ndarray) else t.detach().cpu().numpy()
-    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+def storage_bytes(values: np.ndarray, dtype: str) -> np.ndarray:
+    """`values` stored as `dtype`: uint8 [..., n * itemsize], little-endian. Floats are rounded to the
+    nearest even value, as torch casts; bfloat16 (which numpy lacks) is rounded from float32's bits
+    (NaN stays a NaN: 0x7FC0)."""
+    if dtype == "bfloat16":
+        f32 = np.ascontiguousarray(values, dtype=np.float32)
+        bits = f32.view(np.uint32)
+        stored = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        stored[np.isnan(f32)] = 0x7FC0
+    else:
+        stored = np.ascontiguousarray(values, dtype=np.dtype(dtype))
+    stored = stored.reshape(stored.shape or (1,))
+    return stored.view(np.uint8).reshape(*stored.shape[:-1], stored.shape[-1] * stored.itemsize)
 
 
 def write_safetensors(path: str, specs: Iterable[tuple[str, object, tuple[int, ...]]], produce: Callable[[str], object],
-                      metadata: dict | None = None, to_bytes: Callable[[object], memoryview] = array_bytes) -> None:
+                      metadata: dict | None = None) -> None:
     """Stream tensors into `path`: the header comes from `specs` (name, dtype, shape), each tensor from
-    `produce(name)` and its bytes from `to_bytes` (bfloat16 tensors: converters.tensors.tensor_bytes)."""
+    `produce(name)`: a numpy array (or CPU tensor) of values, stored as the header's dtype (`storage_bytes`)."""
     specs = [(name, dtype_name(dtype), tuple(shape)) for name, dtype, shape in specs]
     header, offset = {}, 0
     for name, dtype, shape in specs:
@@ -133,7 +142,7 @@ def write_safetensors(path: str, specs: Iterable[tuple[str, object, tuple[int, .
         f.write(struct.pack("<Q", len(blob)) + blob)
         for name, dtype, shape in specs:
             t = produce(name)
-            if dtype_name(t.dtype) != dtype or tuple(t.shape) != shape:
-                raise FlashLLMError(f"internal: tensor {name} is {t.dtype}{tuple(t.shape)}, "
-                                    f"header says {dtype}{shape}")
-            f.write(to_bytes(t))
+            if tuple(t.shape) != shape:
+                raise FlashLLMError(f"internal: tensor {name} has shape {tuple(t.shape)}, header says {shape}")
+            values = t if isinstance(t, np.ndarray) else t.detach().cpu().numpy()
+            f.write(memoryview(storage_bytes(values, dtype).reshape(-1)))

@@ -26,6 +26,28 @@ def hf_logits(hf, ids):
         return hf(torch.tensor([ids])).logits[0].float().numpy()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_storage_bytes_round_as_torch_casts(dtype):
+    """The converter stores values without torch: its rounding (bfloat16 included) is torch's, bit for bit."""
+    from flashllm.st_io import storage_bytes
+
+    rng = np.random.default_rng(0)
+    f32 = np.finfo(np.float32)
+    bits = rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)  # every exponent, subnormals included
+    values = np.concatenate([bits.view(np.float32), np.array(
+        [0.0, -0.0, 1.0, np.inf, -np.inf, np.nan, f32.max, -f32.max, f32.tiny, 65504.0, 65520.0, 1 + 2**-8, 1 + 3 * 2**-8,
+         1 + 2**-11, 1 + 3 * 2**-11, 2**-24, 2**-25, 3 * 2**-26], dtype=np.float32)]).reshape(2, -1)
+    cast = torch.from_numpy(values).to(getattr(torch, dtype))
+    with np.errstate(over="ignore"):  # beyond float16's range: inf, as torch casts
+        got = storage_bytes(values, dtype)
+    assert got.dtype == np.uint8 and got.shape == (2, values.shape[1] * cast.element_size())
+    stored = torch.from_numpy(got.copy()).view(cast.dtype)
+    nan = np.isnan(values)  # NaN payloads differ between casts (torch's own scalar and vector paths too)
+    assert torch.isnan(stored[torch.from_numpy(nan)]).all()
+    as_int = torch.int32 if dtype == "float32" else torch.int16
+    np.testing.assert_array_equal(stored.view(as_int).numpy()[~nan], cast.view(as_int).numpy()[~nan])
+
+
 def test_sharded_safetensors_checkpoint(tmp_path):
     hf = make_hf_model("llama", seed=1)
     ckpt = save_checkpoint(hf, "llama", tmp_path / "hf", max_shard_size="40KB")

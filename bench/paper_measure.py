@@ -1,0 +1,376 @@
+"""The paper benchmark's measurements: one run (load, decode, per-token costs), page-cache eviction,
+a cgroup v1 memory limit, and the runner that puts each run in a child process when asked.
+
+Run as a script, it measures the one run described by a JSON file (the child process of `Runner`):
+    python bench/paper_measure.py RUN.json RESULT.json
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import errno
+import gc
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))  # run from a checkout
+from flashllm import format as fmt  # noqa: E402
+
+GB = 1e9  # decimal, as the paper (13.4 GB = 6.7e9 float16 parameters)
+MiB = 1 << 20
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+
+
+def bench_module(name: str):
+    """A sibling bench script as a module (by path: `trace` would otherwise be the stdlib's)."""
+    key = f"flashllm_bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[key]
+
+
+# -- one measurement ---------------------------------------------------------------------------
+def _vm(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _own_memory_cgroup() -> str | None:
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                return path
+    except OSError:
+        pass
+    return None
+
+
+def measure(run: dict) -> dict:
+    """Load the model as `run` says, decode the prompt, warm-up and measured tokens; per-token costs."""
+    import flashllm
+
+    if run.get("torch_threads"):
+        import torch
+
+        torch.set_num_threads(run["torch_threads"])
+    predictor = run.get("predictor") or "oracle"
+    if predictor == "trace":
+        predictor = bench_module("trace").trace_predictor_factory(run["trace"], run["seed"], run["predictor_rank"])
+    n = 1 + run["warmup"] + run["tokens"]
+    t0 = time.perf_counter()
+    model = flashllm.load(run["model_dir"], backend=run["backend"], mode=run["mode"], predictor=predictor,
+                          dram_budget=run["budget"], window=run.get("window") or 1, threads=run["threads"],
+                          aio_depth=run.get("aio_depth", 0), dtype=run.get("dtype"), context=n + 1)
+    load_s = time.perf_counter() - t0
+    read_acc, predicted_acc = [0.0], [0]
+
+    def on_read(io):  # the engine's wall time of each read
+        read_acc[0] += io.wall_s
+
+    def on_predict(layer, mask):  # neurons each prediction selects
+        predicted_acc[0] += int(mask.sum())
+
+    model.hooks.add("read", on_read)
+    model.hooks.add("predict", on_predict)
+    ids = np.random.default_rng(run["seed"]).integers(3, model.spec.vocab_size, size=n).tolist()
+    read_ms, predicted = [], []
+    prof = None
+    for pos in range(n):
+        if run.get("profile") and pos == 1 + run["warmup"]:  # profile the measured tokens only
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
+        read_acc[0], predicted_acc[0] = 0.0, 0
+        model.forward([ids[pos]], pos)
+        read_ms.append(read_acc[0] * 1e3)
+        predicted.append(predicted_acc[0])
+    if prof is not None:
+        prof.disable()
+    costs = model.token_stats  # the 1-token prompt first, then each decode token
+    decode = costs[1:]
+    for c, r, p in zip(decode, read_ms[1:], predicted[1:]):
+        c["read_ms"], c["predicted"] = r, p
+    measured = decode[run["warmup"]:]
+    k = max(len(measured), 1)
+
+    def mean(key):
+        return sum(c[key] for c in measured) / k
+
+    row_bytes = model.compute_row_bytes()
+    out = {"run": run, "load_s": load_s, "decode_tokens": len(measured), "warmup_tokens": run["warmup"],
+           "model_bytes": model.model_bytes, "dram_budget": model.dram_budget, "dram_bytes": model.dram_bytes(),
+           "compute_dtype": model.backend.dtype_name,
+           "storage_dtype": model.manifest.data["dtype"], "bundled": model.layout.bundled,
+           "context": model.context, "n_layers": model.spec.n_layers, "d_ffn": model.spec.d_ffn, "kv_bytes": _kv_bytes(model), "row_bytes": row_bytes,
+           "prompt": {k2: costs[0][k2] for k2 in ("bytes_read", "io_ms", "total_ms")}}
+    for key in ("bytes_read", "bytes_wasted", "reads", "io_ms", "read_ms", "mem_ms", "compute_ms", "predictor_ms",
+                "total_ms", "neurons_dropped", "predicted"):
+        out[key] = mean(key)
+    if run["mode"] == "sparse":
+        cached = sum(sum(c["neurons_cached"]) for c in measured) / k
+        out["neurons_cached"] = cached
+        out["neurons_loaded"] = sum(sum(c["neurons_loaded"]) for c in measured) / k
+        out["cache_capacity"] = max(model.stats["cache_capacity"])
+        out["predictor_bytes"] = model.predictor.nbytes()
+        out["predictor_kind"] = model.predictor.kind
+        if hasattr(model.predictor, "describe"):
+            out["predictor_method"] = model.predictor.describe()
+        # DRAM holding data: resident weights + KV + predictors + the cache rows in use (not the free ones)
+        out["dram_in_use"] = model.backend.nbytes() + model.predictor.nbytes() + cached * row_bytes
+    else:
+        out["dram_in_use"] = out["dram_bytes"]
+    if run["mode"] == "hybrid":
+        out["resident_neurons"] = model.stats["resident_neurons"]
+    if run.get("per_token"):
+        out["per_token"] = [{key: c[key] for key in ("bytes_read", "reads", "io_ms", "read_ms", "mem_ms", "total_ms",
+                                                     "neurons_dropped")} for c in decode]
+    if prof is not None:
+        out["profile"] = profile_rows(prof, max(run["tokens"], 1))
+    out["rss_peak"] = _vm("VmHWM")
+    out["cgroup"] = _own_memory_cgroup()
+    del model
+    gc.collect()
+    return out
+
+
+def io_engine(manifest, threads: int, aio_depth: int) -> str:
+    """How the flash I/O engine reads this model's FFN file here (native AIO or preadv threads)."""
+    from flashllm.flashio import FlashReader
+
+    with FlashReader(manifest.path("ffn"), threads=threads, aio_depth=aio_depth) as r:
+        if r.engine == "aio":
+            return f"{threads} in flight, native AIO from {-(-threads // r.aio_depth)} thread(s)"
+        return f"{threads} preadv threads ({'O_DIRECT' if r.direct else 'buffered'})"
+
+
+def profile_rows(prof, tokens: int, top: int = 25) -> list[dict]:
+    """The main thread's functions by own time, per measured token (cProfile; I/O threads not included)."""
+    import pstats
+
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (cc, nc, tt, ct, _) in st.stats.items():
+        where = f"{Path(file).name}:{line}({func})" if line else func
+        rows.append({"function": where, "calls_per_token": nc / tokens, "own_ms_per_token": tt * 1e3 / tokens,
+                     "cumulative_ms_per_token": ct * 1e3 / tokens})
+    rows.sort(key=lambda r: -r["own_ms_per_token"])
+    return rows[:top]
+
+
+def _kv_bytes(model) -> int:
+    s = model.spec
+    return 2 * s.n_layers * model.context * s.n_kv_heads * s.head_dim * model.backend.itemsize
+
+
+# -- page cache and memory limit ---------------------------------------------------------------
+def model_files(model_dir) -> list[Path]:
+    m = fmt.read_manifest(model_dir, verify=False)
+    return [m.path(k) for k in m.data["files"]]
+
+
+def drop_page_cache(paths) -> None:
+    """Evict the files' pages from the page cache (flushing first; dirty pages cannot be dropped)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cached_fraction(paths) -> float | None:
+    """Fraction of the files' pages in the page cache (mincore), None where it cannot be asked."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        page = os.sysconf("SC_PAGE_SIZE")
+        cached = total = 0
+        for p in paths:
+            size = os.path.getsize(p)
+            if not size:
+                continue
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+                if addr in (None, ctypes.c_void_p(-1).value):
+                    return None
+                try:
+                    pages = -(-size // page)
+                    vec = (ctypes.c_ubyte * pages)()
+                    if libc.mincore(addr, size, vec) != 0:
+                        return None
+                    cached += int(np.frombuffer(vec, dtype=np.uint8).__and__(1).sum())
+                    total += pages
+                finally:
+                    libc.munmap(addr, size)
+            finally:
+                os.close(fd)
+        return cached / total if total else 0.0
+    except (OSError, AttributeError):
+        return None
+
+
+class MemoryGroup:
+    """One cgroup v1 memory group for the benchmark's child processes; removed by `remove()`/at exit."""
+
+    def __init__(self, limit: int):
+        own = _own_memory_cgroup() or "/"
+        parent = CGROUP_ROOT / own.lstrip("/")
+        if not os.access(parent, os.W_OK):
+            parent = CGROUP_ROOT
+        self.path = parent / f"flashllm-bench-{os.getpid()}"
+        self.path.mkdir()
+        atexit.register(self.remove)
+        try:
+            (self.path / "memory.limit_in_bytes").write_text(str(limit))
+            self.limit = int((self.path / "memory.limit_in_bytes").read_text())
+        except OSError:
+            self.remove()
+            raise
+
+    @staticmethod
+    def available() -> str | None:
+        """None if a group can be made here, else why not."""
+        if not (CGROUP_ROOT / "memory.limit_in_bytes").is_file():
+            return f"no cgroup v1 memory controller at {CGROUP_ROOT}"
+        if os.geteuid() != 0 or not os.access(CGROUP_ROOT, os.W_OK):
+            return f"{CGROUP_ROOT} is not writable (needs root)"
+        return None
+
+    def command(self, argv: list[str]) -> list[str]:
+        """argv run inside the group: a shell moves itself in, then execs (all memory is charged there)."""
+        return ["sh", "-c", f'echo $$ > "{self.path}/cgroup.procs" && exec "$@"', "sh", *argv]
+
+    def reset_peak(self) -> None:
+        for name in ("memory.max_usage_in_bytes", "memory.failcnt"):
+            try:
+                (self.path / name).write_text("0")
+            except OSError:
+                pass
+
+    def usage(self) -> dict:
+        def read(name):
+            try:
+                return int((self.path / name).read_text())
+            except (OSError, ValueError):
+                return None
+        return {"peak_bytes": read("memory.max_usage_in_bytes"), "failcnt": read("memory.failcnt")}
+
+    def remove(self) -> None:
+        for _ in range(100):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                if e.errno != errno.EBUSY:
+                    return
+                time.sleep(0.1)  # the last child's exit is still being accounted
+
+
+def baseline_rss() -> int:
+    """RSS of a Python process that imported what a run imports (torch, numpy, flashllm), before loading."""
+    code = ("import torch, numpy, flashllm, flashllm.backends.torch_backend, flashllm.modes\n"
+            "print([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0].split()[1])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=BENCH.parent).stdout
+    return int(out.strip()) * 1024
+
+
+# -- the runs ----------------------------------------------------------------------------------
+class Runner:
+    """Runs measurements in this process, or each in a child process (inside the memory group)."""
+
+    def __init__(self, isolate: bool, group: MemoryGroup | None, drop_paths: list[Path], log):
+        self.isolate, self.group, self.drop_paths, self.log = isolate or group is not None, group, drop_paths, log
+
+    def __call__(self, run: dict) -> dict:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        before = cached_fraction(self.drop_paths)
+        drop_page_cache(self.drop_paths)
+        after = cached_fraction(self.drop_paths)
+        t0 = time.perf_counter()
+        self.log(f"run {run['label']}: {run['mode']} window {run.get('window')} "
+                 f"{'bundled' if run['bundled'] else 'unbundled'} {run['backend']} "
+                 f"{run['warmup']}+{run['tokens']} tokens")
+        if not self.isolate:
+            try:
+                result = measure(run)
+            except Exception as exc:  # noqa: BLE001 - one failed run must not lose the others
+                result = {"error": f"{type(exc).__name__}: {exc}", "run": run}
+        else:
+            result = self._child(run)
+        result["label"] = run["label"]
+        result["load_average_at_start"] = load
+        result["page_cache_before_drop"], result["page_cache_at_start"] = before, after
+        result["wall_s"] = time.perf_counter() - t0
+        if "error" not in result:
+            self.log(f"  {result['total_ms']:.0f} ms/token, {result['bytes_read'] / GB:.3f} GB/token, "
+                     f"io {result['io_ms']:.0f} ms, mem {result['mem_ms']:.1f} ms, load {result['load_s']:.1f} s, "
+                     f"wall {result['wall_s']:.0f} s")
+        else:
+            self.log(f"  failed: {result['error']}")
+        return result
+
+    def _child(self, run: dict) -> dict:
+        with tempfile.TemporaryDirectory(prefix="flashllm-bench-") as tmp:
+            spec, res = Path(tmp) / "run.json", Path(tmp) / "result.json"
+            spec.write_text(json.dumps(run))
+            argv = [sys.executable, str(Path(__file__).resolve()), str(spec), str(res)]
+            if self.group is not None:
+                self.group.reset_peak()
+                argv = self.group.command(argv)
+            proc = subprocess.Popen(argv, cwd=BENCH.parent)
+            try:
+                rc = proc.wait()
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+            usage = self.group.usage() if self.group is not None else None
+            if rc != 0 or not res.is_file():
+                why = f"exit status {rc}" + (" (killed: out of memory at the cgroup limit?)" if rc in (-9, 137) else "")
+                return {"error": why, "run": run, "cgroup_usage": usage}
+            result = json.loads(res.read_text())
+        if self.group is not None:
+            result["cgroup_usage"] = usage
+            result["cgroup_limit"] = self.group.limit
+            result["cgroup_active"] = result.get("cgroup") is not None and \
+                str(self.group.path).endswith(result["cgroup"].lstrip("/"))
+        return result
+
+
+def run_one(spec_path: str, result_path: str) -> None:
+    """Measure the run described in the JSON file `spec_path`; write the result to `result_path`."""
+    run = json.loads(Path(spec_path).read_text())
+    Path(result_path).write_text(json.dumps(measure(run)))
+
+
+if __name__ == "__main__":
+    run_one(*sys.argv[1:3])

@@ -39,6 +39,7 @@ class Backend:
     itemsize: int  # bytes per value in the compute dtype
     on_gpu: bool  # weights, KV and caches count against the GPU budget (host staging against DRAM)
     w: dict
+    _rope_rows: dict  # rope -> (pos, count, cos, sin) of the current forward call (rope_tables)
 
     # -- backend: arrays ---------------------------------------------------------------------
     def tensor(self, array):
@@ -76,12 +77,41 @@ class Backend:
         """A neuron cache's rows: move(dst, src), fill(read, ids, rows, cost), views(n), nbytes()."""
         raise NotImplementedError
 
-    def staging_bytes(self, stride: int) -> int:
-        """Host bytes of the staging buffers the row stores share (0 when reads land in place)."""
+    STAGING_BUFFERS: int  # staging buffers the row stores share (reads alternate between them)
+
+    def embedding_rows(self, ids: list[int]):
+        """Rows `ids` of the embedding table (dequantized where the table is held quantized)."""
+        raise NotImplementedError
+
+    def scalar(self, value: float, dtype):
+        """A 0-d backend array of `value` in `dtype`."""
+        raise NotImplementedError
+
+    def rope_array(self, table: np.ndarray):
+        """A [count, rope dim] float32 cos or sin table (flashllm.rope) as the backend's rotary operand."""
         raise NotImplementedError
 
     # -- backend: math -----------------------------------------------------------------------
     def linear(self, x, w, b):
+        raise NotImplementedError
+
+    # elementwise primitives the shared activation table and head are built from
+    def relu(self, x):
+        raise NotImplementedError
+
+    def square(self, x):
+        raise NotImplementedError
+
+    def gelu(self, x):
+        raise NotImplementedError
+
+    def gelu_tanh(self, x):
+        raise NotImplementedError
+
+    def silu(self, x):
+        raise NotImplementedError
+
+    def tanh(self, x):
         raise NotImplementedError
 
     def norm(self, name: str, x):
@@ -96,15 +126,42 @@ class Backend:
         with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity)."""
         raise NotImplementedError
 
+    # -- shared --------------------------------------------------------------------------------
+    def activation(self, name: str, threshold: float):
+        """The FFN activation of an ArchSpec by name, built from the backend's primitives."""
+        relu = self.relu
+        return {"relu": relu, "relu2": lambda x: self.square(relu(x)), "fatrelu": lambda x: x * (x > threshold),
+                "gelu": self.gelu, "gelu_tanh": self.gelu_tanh, "silu": self.silu}[name]
+
     def embed(self, ids: list[int], pos: int):
         """Embeddings of tokens `ids` at positions pos.."""
-        raise NotImplementedError
+        x = self.embedding_rows(ids)
+        if self.spec.embed_scale != 1.0:  # Gemma: the scale rounded to the compute dtype, as transformers does
+            x = x * self.scalar(self.spec.embed_scale, x.dtype)
+        if self.spec.positional == "learned":
+            x = x + self.w["pos_embed.weight"][pos:pos + len(ids)]
+        return x
 
     def logits(self, x) -> np.ndarray:
         """[tokens, vocab] float32 logits of the final hidden states."""
-        raise NotImplementedError
+        h = self.norm("final_norm", x)
+        w = self.w["embed.weight"] if self.spec.tied_embeddings else self.w["lm_head.weight"]
+        logits = self.linear(h, w, self.w.get("lm_head.bias"))
+        if self.spec.final_softcap:
+            logits = self.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
+        return self.to_host(logits)
 
-    # -- shared --------------------------------------------------------------------------------
+    def rope_tables(self, rope, pos: int, count: int) -> tuple:
+        """(cos, sin) of `rope` for `count` positions from pos, made once per forward call and rope."""
+        hit = self._rope_rows.get(rope)
+        if hit is None or hit[:2] != (pos, count):
+            hit = self._rope_rows[rope] = (pos, count, *(self.rope_array(a) for a in rope.cos_sin(pos, count)))
+        return hit[2], hit[3]
+
+    def staging_bytes(self, stride: int) -> int:
+        """Host bytes of the staging buffers the row stores share (0 when reads land in place)."""
+        return 0 if self.reads_in_place() else self.STAGING_BUFFERS * self.staging_rows(stride) * stride
+
     def put(self, name: str, array) -> None:
         """Make a resident tensor live in the compute dtype."""
         self.w[name] = self.tensor(array)

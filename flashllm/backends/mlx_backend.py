@@ -29,17 +29,6 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 BYTE_VIEWS = {"float32": (np.float32, None), "float16": (np.float16, None), "bfloat16": (np.uint16, mx.bfloat16)}
 
 
-def _act(name: str, threshold: float):
-    return {
-        "relu": lambda x: mx.maximum(x, 0),
-        "relu2": lambda x: mx.square(mx.maximum(x, 0)),
-        "fatrelu": lambda x: x * (x > threshold),
-        "gelu": lambda x: 0.5 * x * (1 + mx.erf(x * (2 ** -0.5))),
-        "gelu_tanh": lambda x: 0.5 * x * (1 + mx.tanh((2 / np.pi) ** 0.5 * (x + 0.044715 * x ** 3))),
-        "silu": lambda x: x * mx.sigmoid(x),
-    }[name]
-
-
 def _device(device: str | None) -> mx.Device:
     """cpu, gpu (Metal on a Mac), or None/"auto": the GPU where MLX has one, else the CPU."""
     if device in (None, "auto"):
@@ -67,6 +56,7 @@ class MLXBackend(Backend):
 
     name = "mlx"
     STAGING_BYTES = 8 << 20  # the one staging buffer flash reads land in (<= one layer)
+    STAGING_BUFFERS = 1
 
     def __init__(self, spec: ArchSpec, device: str | None, dtype: str | None, storage_dtype: str, context: int,
                  quantized_ffn: bool = False, kv_bits: int = 16):
@@ -85,7 +75,7 @@ class MLXBackend(Backend):
         # assignment: per-layer arrays let MLX update in place (a single [layers, ...] array would be
         # copied whole while an earlier layer's attention still references it in the lazy graph)
         self.kv = MLXKVCache(spec, context, self._mx, kv_bits)
-        self.act = _act(spec.activation, spec.activation_threshold)
+        self.act = self.activation(spec.activation, spec.activation_threshold)
         self._staging = None
         self.ropes = layer_ropes(spec)
         self._rope_rows: dict[Rope, tuple] = {}  # rope -> (pos, count, cos, sin) of the current call
@@ -140,9 +130,6 @@ class MLXBackend(Backend):
         """Flash reads never land in MLX arrays directly: they go through the staging buffer."""
         return False
 
-    def staging_bytes(self, stride: int) -> int:
-        return self.staging_rows(stride) * stride
-
     def staging(self, stride: int) -> np.ndarray:
         """One page-aligned staging buffer shared by every cache of this backend (reads are sequential)."""
         from ..flashio import aligned_empty
@@ -176,6 +163,32 @@ class MLXBackend(Backend):
         """x as a float32 numpy array (evaluates the graph so far: a predictor's scores, the logits)."""
         return np.array(x.astype(mx.float32))
 
+    square, tanh = map(staticmethod, (mx.square, mx.tanh))
+
+    @staticmethod
+    def relu(x: mx.array) -> mx.array:
+        return mx.maximum(x, 0)
+
+    @staticmethod
+    def gelu(x: mx.array) -> mx.array:
+        return 0.5 * x * (1 + mx.erf(x * (2 ** -0.5)))
+
+    @staticmethod
+    def gelu_tanh(x: mx.array) -> mx.array:
+        return 0.5 * x * (1 + mx.tanh((2 / np.pi) ** 0.5 * (x + 0.044715 * x ** 3)))
+
+    @staticmethod
+    def silu(x: mx.array) -> mx.array:
+        return x * mx.sigmoid(x)
+
+    @staticmethod
+    def scalar(value: float, dtype) -> mx.array:
+        return mx.array(value, dtype=dtype)
+
+    @staticmethod
+    def rope_array(table: np.ndarray) -> mx.array:
+        return mx.array(table)
+
 
     def zeros_like(self, x: mx.array) -> mx.array:
         return mx.zeros_like(x)
@@ -193,14 +206,9 @@ class MLXBackend(Backend):
             return mx.fast.layer_norm(x, w, b, eps)
         return mx.fast.rms_norm(x, w, eps)
 
-    def embed(self, ids: list[int], pos: int) -> mx.array:
+    def embedding_rows(self, ids: list[int]) -> mx.array:
         table, idx = self.w["embed.weight"], mx.array(ids, dtype=mx.int32)
-        x = table.rows(idx).dequantize() if isinstance(table, QuantArray) else table[idx]
-        if self.spec.embed_scale != 1.0:  # Gemma: the scale rounded to the compute dtype, as transformers does
-            x = x * mx.array(self.spec.embed_scale, dtype=x.dtype)
-        if self.spec.positional == "learned":
-            x = x + self.w["pos_embed.weight"][pos:pos + len(ids)]
-        return x
+        return table.rows(idx).dequantize() if isinstance(table, QuantArray) else table[idx]
 
     def _linear(self, name: str, x: mx.array) -> mx.array:
         return self.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
@@ -208,10 +216,7 @@ class MLXBackend(Backend):
     def _rope(self, x: mx.array, rope: Rope, pos: int) -> mx.array:
         """HF rotate-half rotary on the first rope_dim dims of [1, heads, T, head_dim], tables from flashllm.rope."""
         rd, T = self.spec.rope_dim, x.shape[2]
-        hit = self._rope_rows.get(rope)
-        if hit is None or hit[:2] != (pos, T):
-            hit = self._rope_rows[rope] = (pos, T, *(mx.array(a) for a in rope.cos_sin(pos, T)))
-        cos, sin = hit[2], hit[3]
+        cos, sin = self.rope_tables(rope, pos, T)
         xr, half = x[..., :rd].astype(mx.float32), rd // 2
         rotated = mx.concatenate((-xr[..., half:], xr[..., :half]), axis=-1)
         out = (xr * cos + rotated * sin).astype(x.dtype)
@@ -277,17 +282,6 @@ class MLXBackend(Backend):
             y = y + (mx.sigmoid(self.linear(x, shared_gate, None)) * out if shared_gate is not None else out)
         return y
 
-    def numpy(self, x: mx.array) -> np.ndarray:
-        """A float32 numpy copy (evaluates the graph so far: e.g. the router's decision)."""
-        return np.array(x.astype(mx.float32))
-
-    def logits(self, x: mx.array) -> np.ndarray:
-        h = self.norm("final_norm", x)
-        w = self.w["embed.weight"] if self.spec.tied_embeddings else self.w["lm_head.weight"]
-        logits = self.linear(h, w, self.w.get("lm_head.bias"))
-        if self.spec.final_softcap:
-            logits = mx.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
-        return np.array(logits.astype(mx.float32))
 
 
 class MLXRowStore:

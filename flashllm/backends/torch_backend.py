@@ -17,22 +17,12 @@ from .torch_quant import KVCache, QuantMatrix
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _act(name: str, threshold: float):
-    return {
-        "relu": F.relu,
-        "relu2": lambda x: torch.square(F.relu(x)),
-        "fatrelu": lambda x: x * (x > threshold),
-        "gelu": F.gelu,
-        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-        "silu": F.silu,
-    }[name]
-
-
 class TorchBackend(Backend):
     """Holds resident weights and the KV cache on one torch device and computes one decoder."""
 
     name = "torch"
-    STAGING_BYTES = 1 << 20  # per staging buffer (two per backend); the I/O engine's largest read
+    STAGING_BYTES = 1 << 20  # per staging buffer; the I/O engine's largest read
+    STAGING_BUFFERS = 2  # a ring: one is read into while the other's copy is in flight
 
     def __init__(self, spec: ArchSpec, device: str, dtype: str | None, storage_dtype: str, context: int,
                  quantized_ffn: bool = False, kv_bits: int = 16):
@@ -47,7 +37,7 @@ class TorchBackend(Backend):
         self.context = context
         self.w: dict[str, torch.Tensor] = {}
         self.kv = KVCache(spec, context, cdt, self.device, kv_bits)
-        self.act = _act(spec.activation, spec.activation_threshold)
+        self.act = self.activation(spec.activation, spec.activation_threshold)
         self.ropes = layer_ropes(spec)
         self._rope_rows: dict[Rope, tuple] = {}  # rope -> (pos, count, cos, sin) of the current call
 
@@ -76,9 +66,6 @@ class TorchBackend(Backend):
     def reads_in_place(self) -> bool:
         return self.device.type == "cpu" and self.dtype == self.storage_dtype and not self.quantized_ffn
 
-    def staging_bytes(self, stride: int) -> int:
-        return 0 if self.reads_in_place() else 2 * self.staging_rows(stride) * stride
-
     def staging(self, stride: int) -> StagingRing:
         """One staging ring shared by every cache of this backend (caches fill one after another)."""
         if getattr(self, "_staging", None) is None or self._staging.buffers[0].shape[1] != stride:
@@ -99,6 +86,19 @@ class TorchBackend(Backend):
     def to_host(self, x: torch.Tensor) -> np.ndarray:
         return x.float().cpu().numpy()
 
+    relu, square, gelu, silu, tanh = map(staticmethod, (F.relu, torch.square, F.gelu, F.silu, torch.tanh))
+
+    @staticmethod
+    def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")
+
+    @staticmethod
+    def scalar(value: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(value, dtype=dtype)
+
+    def rope_array(self, table: np.ndarray) -> torch.Tensor:
+        """[count, 1, rope dim] on the device (broadcast over heads of [T, heads, head_dim])."""
+        return torch.from_numpy(table)[:, None, :].to(self.device)
 
     def zeros_like(self, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)
@@ -115,30 +115,17 @@ class TorchBackend(Backend):
         xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
-    def embed(self, ids: list[int], pos: int) -> torch.Tensor:
+    def embedding_rows(self, ids: list[int]) -> torch.Tensor:
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
         table = self.w["embed.weight"]
-        x = table.rows(idx) if isinstance(table, QuantMatrix) else table[idx]
-        if self.spec.embed_scale != 1.0:  # Gemma: the scale rounded to the compute dtype, as transformers does
-            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
-        if self.spec.positional == "learned":
-            x = x + self.w["pos_embed.weight"][pos:pos + len(ids)]
-        return x
+        return table.rows(idx) if isinstance(table, QuantMatrix) else table[idx]
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
-    def _cos_sin(self, rope: Rope, pos: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[count, 1, rope dim] cos and sin from flashllm.rope, made once per forward call and rope."""
-        hit = self._rope_rows.get(rope)
-        if hit is None or hit[:2] != (pos, count):
-            cos, sin = (torch.from_numpy(a)[:, None, :].to(self.device) for a in rope.cos_sin(pos, count))
-            hit = self._rope_rows[rope] = (pos, count, cos, sin)
-        return hit[2], hit[3]
-
     def _rope(self, x: torch.Tensor, rope: Rope, pos: int) -> torch.Tensor:
         rd = self.spec.rope_dim
-        cos, sin = self._cos_sin(rope, pos, x.shape[0])
+        cos, sin = self.rope_tables(rope, pos, x.shape[0])
         xr, rest = x[..., :rd].float(), x[..., rd:]
         half = rd // 2
         rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
@@ -203,17 +190,6 @@ class TorchBackend(Backend):
             y = y + (torch.sigmoid(F.linear(x, shared_gate)) * out if shared_gate is not None else out)
         return y
 
-    def numpy(self, x: torch.Tensor) -> np.ndarray:
-        """A float32 numpy copy (brings e.g. router logits to the host)."""
-        return x.float().cpu().numpy()
-
-    def logits(self, x: torch.Tensor) -> np.ndarray:
-        h = self.norm("final_norm", x)
-        w = self.w["embed.weight"] if self.spec.tied_embeddings else self.w["lm_head.weight"]
-        logits = self.linear(h, w, self.w.get("lm_head.bias"))
-        if self.spec.final_softcap:
-            logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
-        return logits.float().cpu().numpy()
 
 
 def _device(device: str | None) -> str:

@@ -95,9 +95,9 @@ def lowering_hints(mode: str, itemsize: int, kv_bytes: int, needed: int) -> list
     return hints
 
 
-def counted(host: int, device: int, on_gpu: bool) -> int:
-    """What of (host, device) bytes counts against the budget that sizes the caches: on a GPU only the
-    device side (the host side counts against the DRAM budget separately)."""
+def charged(host: int, device: int, on_gpu: bool) -> int:
+    """The bytes of (host, device) charged to the budget that sizes the caches: on a GPU only the
+    device side (the host side is charged to the DRAM budget separately)."""
     return device if on_gpu else host + device
 
 

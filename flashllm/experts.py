@@ -70,7 +70,7 @@ class Router:
 
     def predict(self, layer: int, x, early: bool = False) -> tuple[np.ndarray, np.ndarray]:
         B = self.backend
-        logits = B.numpy(B.linear(x, B.w[f"layers.{layer}.router.weight"], None))
+        logits = B.to_host(B.linear(x, B.w[f"layers.{layer}.router.weight"], None))
         if self.choose is None:
             return route(logits, self.spec)
         ids = np.asarray(self.choose(layer, logits, early), dtype=np.int64)
@@ -199,7 +199,7 @@ class MoEDensePlan(MoEPlan):
                 self.experts.append([expert_views(ctx, buf[e]) for e in range(E)])
         finally:
             reader.close()
-        ctx.check_fits(ctx.counted(0, self.backend.nbytes() + self.device_bytes()), "all weights and the KV cache")
+        ctx.check_fits(ctx.charged(0, self.backend.nbytes() + self.device_bytes()), "all weights and the KV cache")
 
     def ffn(self, layer: int, x, cost):
         ids, weights = self.route(layer, x, cost)
@@ -231,7 +231,7 @@ class MoESparsePlan(MoEPlan):
         if budget is None:
             capacity = s.n_experts
         else:
-            base = ctx.counted(self.host_bytes(), B.nbytes())
+            base = ctx.charged(self.host_bytes(), B.nbytes())
             capacity = min(s.n_experts, max(0, budget - base) // (s.n_layers * self.slot_bytes))
             if capacity < 1:
                 raise ctx.too_small(base + s.n_layers * self.slot_bytes,

@@ -170,9 +170,9 @@ class Model:
         """(host bytes, device bytes) held: read buffers; resident weights, KV, caches, predictors."""
         return self.plan.host_bytes(), self.backend.nbytes() + self.plan.device_bytes()
 
-    def counted(self, host: int, device: int) -> int:
-        """What of (host, device) bytes counts against the budget that sizes the caches."""
-        return self.plan_context.counted(host, device)
+    def charged(self, host: int, device: int) -> int:
+        """The bytes of (host, device) charged to the budget that sizes the caches."""
+        return self.plan_context.charged(host, device)
 
     @property
     def predictor(self):

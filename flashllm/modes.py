@@ -65,7 +65,7 @@ class DensePlan(Plan):
     def __init__(self, ctx: PlanContext):
         super().__init__(ctx)
         self.rows = [ctx.bundle_rows(ctx.read_layer_block(i), keep_quantized=True) for i in range(ctx.spec.n_layers)]
-        ctx.check_fits(ctx.counted(0, self.backend.nbytes() + self.device_bytes()), "all weights and the KV cache")
+        ctx.check_fits(ctx.charged(0, self.backend.nbytes() + self.device_bytes()), "all weights and the KV cache")
 
     def ffn(self, layer: int, x, cost):
         b = self.ctx.biases(layer)
@@ -110,7 +110,7 @@ class NaivePlan(StreamingPlan):
         self.attn_reader = FlashReader(st.path, threads=ctx.options.threads, aio_depth=ctx.options.aio_depth)
         self.attn_buf = self.backend.host_buffer((max(n for _, n, _ in self.spans),))
         self.ffn_buf = self.backend.host_buffer((self.lay.d_ffn, self.lay.stride))
-        ctx.check_fits(ctx.counted(self.host_bytes(), self.backend.nbytes() + self.device_bytes()),
+        ctx.check_fits(ctx.charged(self.host_bytes(), self.backend.nbytes() + self.device_bytes()),
                        "embeddings, KV cache and one layer's weights")
 
     def before_layer(self, layer: int, cost) -> None:
@@ -154,7 +154,7 @@ class HybridPlan(StreamingPlan):
         super().__init__(ctx)
         lay, L, budget = self.lay, ctx.spec.n_layers, ctx.budget
         row = ctx.row_bytes()
-        base = ctx.counted(lay.d_ffn * lay.stride, self.backend.nbytes())  # + one layer's read buffer
+        base = ctx.charged(lay.d_ffn * lay.stride, self.backend.nbytes())  # + one layer's read buffer
         # L*resident_rows resident rows + the streamed rows of one layer, live while it computes
         avail = None if budget is None else budget - base - lay.d_ffn * row
         if avail is not None and avail < 0 and ctx.options.hybrid_fraction is None:
@@ -207,7 +207,7 @@ class SparsePlan(StreamingPlan):
         self.window, self.on_overflow = options.window, options.on_overflow
         self.predictor = make_predictor(options.predictor, ctx)
         lay, L, B = self.lay, ctx.spec.n_layers, self.backend
-        base = ctx.counted(B.staging_bytes(lay.stride), B.nbytes() + self.predictor.nbytes())
+        base = ctx.charged(B.staging_bytes(lay.stride), B.nbytes() + self.predictor.nbytes())
         row = ctx.row_bytes()
         avail = None if budget is None else budget - base
         if avail is not None and avail < L * row:
@@ -327,13 +327,15 @@ class SparsePlan(StreamingPlan):
             part = self._compute(layer, x, len(chunk), y is None)
             y = part if y is None else B.add(y, part)
         cache.reset()
+        loaded = 0
         for t in range(max(0, len(mask) - self.window), len(mask)):
             active = np.flatnonzero(mask[t])
             if len(active) > cache.capacity:  # cache state only: the output above used every predicted neuron
                 active = active[np.argsort(-scores[t][active], kind="stable")[:cache.capacity]] \
                     if scores is not None else active[:cache.capacity]
-            self._load(layer, np.sort(active), self.window, cost)
-        cost.neurons_loaded.append(len(ids))
+            loaded += self._load(layer, np.sort(active), self.window, cost)
+        cost.neurons_streamed.append(len(ids))
+        cost.neurons_loaded.append(loaded)
         cost.neurons_cached.append(cache.num_used)
         if y is None:  # nothing predicted active: only the bias remains
             y = B.zeros_like(x)

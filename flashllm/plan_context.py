@@ -84,9 +84,9 @@ class PlanContext:
         per_layer = sum(int(np.prod(s)) for n, s in fmt.resident_shapes(self.spec).items() if n.startswith("layers.0."))
         return per_layer * self.backend.itemsize + self.layout.d_ffn * self.row_bytes()
 
-    def counted(self, host: int, device: int) -> int:
-        """What of (host, device) bytes counts against `budget`."""
-        return budget_mod.counted(host, device, self.backend.on_gpu)
+    def charged(self, host: int, device: int) -> int:
+        """The bytes of (host, device) charged to `budget`."""
+        return budget_mod.charged(host, device, self.backend.on_gpu)
 
     @property
     def budget_option(self) -> str:

@@ -28,7 +28,8 @@ class TokenCost:
     compute_ms: float = 0.0
     predictor_ms: float = 0.0
     total_ms: float = 0.0
-    neurons_loaded: list[int] = field(default_factory=list)  # per layer
+    neurons_loaded: list[int] = field(default_factory=list)  # per layer: read from flash into the neuron cache
+    neurons_streamed: list[int] = field(default_factory=list)  # prompt, per layer: read through the cache rows
     neurons_cached: list[int] = field(default_factory=list)  # per layer, after the update
     neurons_dropped: int = 0  # predicted neurons left out because the cache could not hold them
     predicted_mass: float = 0.0  # sum of the predictor's scores over the predicted neurons
@@ -82,6 +83,8 @@ def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None
     if prompt is not None:
         out["prompt"] = {"tokens": prompt.tokens, "bytes_read": prompt.bytes_read, "reads": prompt.reads,
                          "total_ms": prompt.total_ms, "io_ms": prompt.io_ms, "strategy": prompt.prefill_strategy}
+        if prompt.neurons_streamed:
+            out["prompt"]["neurons_streamed_per_layer"] = list(prompt.neurons_streamed)
     out["tokens_per_s"] = 1e3 / out["total_ms"] if decode and out["total_ms"] > 0 else None
     out.update(extra or {})
     return out

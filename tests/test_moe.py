@@ -47,7 +47,7 @@ def _budget_for_slots(model_dir, slots: int, **load) -> int:
     """A DRAM budget in bytes that leaves exactly `slots` expert slots per layer."""
     probe = flashllm.load(model_dir, mode="sparse", dram_budget=None, **load)
     plan, spec = probe.plan, probe.spec
-    base = probe.counted(plan.host_bytes(), probe.backend.nbytes())
+    base = probe.charged(plan.host_bytes(), probe.backend.nbytes())
     return base + spec.n_layers * slots * plan.slot_bytes
 
 

@@ -238,12 +238,12 @@ def cached_fraction(paths) -> float | None:
 class MemoryGroup:
     """One cgroup v1 memory group for the benchmark's child processes; removed by `remove()`/at exit."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, name: str | None = None):
         own = _own_memory_cgroup() or "/"
         parent = CGROUP_ROOT / own.lstrip("/")
         if not os.access(parent, os.W_OK):
             parent = CGROUP_ROOT
-        self.path = parent / f"flashllm-bench-{os.getpid()}"
+        self.path = parent / (name or f"flashllm-bench-{os.getpid()}")
         self.path.mkdir()
         atexit.register(self.remove)
         try:
@@ -279,7 +279,15 @@ class MemoryGroup:
                 return int((self.path / name).read_text())
             except (OSError, ValueError):
                 return None
-        return {"peak_bytes": read("memory.max_usage_in_bytes"), "failcnt": read("memory.failcnt")}
+        oom_kills = None  # memory.oom_control's "oom_kill N" line (kernels >= 4.13)
+        try:
+            for line in (self.path / "memory.oom_control").read_text().splitlines():
+                if line.startswith("oom_kill "):
+                    oom_kills = int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+        return {"peak_bytes": read("memory.max_usage_in_bytes"), "failcnt": read("memory.failcnt"),
+                "oom_kills": oom_kills}
 
     def remove(self) -> None:
         for _ in range(100):

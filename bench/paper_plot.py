@@ -28,11 +28,7 @@ def plot(report: dict, out_dir: Path, prefix: str = "paper_") -> list[str]:
         ax.set_ylabel("seconds per token")
         ax.set_title("Table 3 analogue: time per decode token")
         ax.legend()
-        p = out_dir / f"{prefix}table3.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(str(p))
+        paths.append(_save(plt, fig, out_dir / f"{prefix}table3.png"))
     if report["fig7"]:
         rows = report["fig7"]
         fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -47,11 +43,7 @@ def plot(report: dict, out_dir: Path, prefix: str = "paper_") -> list[str]:
         lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
         ax.legend(lines, [ln.get_label() for ln in lines], loc="upper center")
         ax.set_title("Figure 7 analogue: window size vs DRAM vs latency")
-        fig.tight_layout()
-        p = out_dir / f"{prefix}fig7.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(str(p))
+        paths.append(_save(plt, fig, out_dir / f"{prefix}fig7.png"))
     if report["fig8"]:
         rows = report["fig8"]
         fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -66,9 +58,12 @@ def plot(report: dict, out_dir: Path, prefix: str = "paper_") -> list[str]:
         ax.set_yscale("log")
         ax.set_title("Figure 8 analogue: I/O latency per token")
         ax.legend()
-        fig.tight_layout()
-        p = out_dir / f"{prefix}fig8.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(str(p))
+        paths.append(_save(plt, fig, out_dir / f"{prefix}fig8.png"))
     return paths
+
+
+def _save(plt, fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)

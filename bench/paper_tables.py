@@ -43,9 +43,9 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # run from a checkout
-# drop_page_cache: bench/moe_run.py uses it from here, with MemoryGroup, baseline_rss, model_files, code_version
+# bench/moe_run.py and bench/peers.py use the measuring and describing helpers from here
 from bench.paper_measure import (GB, MiB, MemoryGroup, Runner, baseline_rss, bench_module,  # noqa: E402,F401
-                                 drop_page_cache, io_engine, model_files)
+                                 cached_fraction, drop_page_cache, io_engine, model_files, run_one)
 from bench.paper_plot import plot  # noqa: E402
 from bench.paper_report import (_ok, code_version, fig7_rows, fig8_rows, machine, markdown,  # noqa: E402
                                 model_desc, ratios, table2_rows, table3_rows, targets, trace_report)
@@ -177,11 +177,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot-prefix", default="paper_", help="PNG file names: PREFIX{table3,fig7,fig8}.png")
     p.add_argument("--command", default=None, help="command line to record in the report (default: this one)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)  # one run in this process (bench/peers.py)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return p
 
 
 def main(argv=None) -> dict:
     args = setup_arg_parser().parse_args(argv)
+    if args.run_one:
+        run_one(args.run_one, args.result)
+        return {}
     if not args.model_dir:
         raise SystemExit("MODEL_DIR is required")
     log = (lambda msg: None) if args.quiet else (lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}",

@@ -79,7 +79,8 @@ def measure(run: dict) -> dict:
     t0 = time.perf_counter()
     model = flashllm.load(run["model_dir"], backend=run["backend"], mode=run["mode"], predictor=predictor,
                           dram_budget=run["budget"], window=run.get("window") or 1, threads=run["threads"],
-                          aio_depth=run.get("aio_depth", 0), dtype=run.get("dtype"), context=n + 1)
+                          aio_depth=run.get("aio_depth", 0), gap_bytes=run.get("gap_bytes"), dtype=run.get("dtype"),
+                          context=n + 1)
     load_s = time.perf_counter() - t0
     read_acc, predicted_acc = [0.0], [0]
 
@@ -121,7 +122,7 @@ def measure(run: dict) -> dict:
            "model_bytes": model.model_bytes, "dram_budget": model.dram_budget, "dram_bytes": model.dram_bytes(),
            "compute_dtype": model.backend.dtype_name,
            "storage_dtype": model.manifest.data["dtype"], "bundled": model.layout.bundled,
-           "context": model.context, "n_layers": model.spec.n_layers, "d_ffn": model.spec.d_ffn, "kv_bytes": _kv_bytes(model), "row_bytes": row_bytes,
+           "context": model.context, "gap_bytes": model.stats.get("gap_bytes"), "n_layers": model.spec.n_layers, "d_ffn": model.spec.d_ffn, "kv_bytes": _kv_bytes(model), "row_bytes": row_bytes,
            "prompt": {k2: costs[0][k2] for k2 in ("bytes_read", "io_ms", "total_ms")}}
     for key in ("bytes_read", "bytes_wasted", "reads", "io_ms", "read_ms", "mem_ms", "compute_ms", "predictor_ms",
                 "total_ms", "neurons_dropped", "predicted"):

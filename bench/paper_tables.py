@@ -55,7 +55,8 @@ from flashllm.budget import budget_bytes, parse_budget  # noqa: E402
 
 def plan_runs(args, model_dir: Path, unbundled: Path | None, budget: float, predictor: str) -> dict:
     """Every measurement of the report, by name."""
-    base = dict(backend="torch", budget=budget, threads=args.threads, aio_depth=args.aio_depth, trace=args.trace,
+    base = dict(backend="torch", budget=budget, threads=args.threads, aio_depth=args.aio_depth,
+                gap_bytes=args.gap_bytes, trace=args.trace,
                 seed=args.seed, predictor=predictor, predictor_rank=args.predictor_rank,
                 torch_threads=args.torch_threads)
 
@@ -158,6 +159,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "bfloat16, float16")
     p.add_argument("--threads", type=int, default=32, help="flash reads in flight (reader threads)")
     p.add_argument("--aio-depth", type=int, default=0, help="native AIO reads in flight per thread (0: preadv threads)")
+    p.add_argument("--gap-bytes", type=lambda s: None if s == "auto" else int(s), default=None,
+                   help="read through gaps up to this many bytes (default auto: the disk profile's cost model)")
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--backends", type=lambda s: [b for b in s.split(",") if b], default=["torch"])
     p.add_argument("--mlx-max-gb", type=float, default=3.0, help="skip MLX (CPU build, 10-30x slower) above this size")

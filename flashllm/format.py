@@ -198,6 +198,9 @@ class Manifest:
     def path(self, key: str) -> Path:
         return self.root / self.data["files"][key]["path"]
 
+    def has(self, key: str) -> bool:
+        return key in self.data["files"]
+
     def verify_checksums(self, limit: int | None = None) -> None:
         """Compare sha256 of every listed file (up to `limit` bytes in size) with the manifest."""
         for key, entry in self.data["files"].items():

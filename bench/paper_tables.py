@@ -58,7 +58,7 @@ def plan_runs(args, model_dir: Path, unbundled: Path | None, budget: float, pred
     base = dict(backend="torch", budget=budget, threads=args.threads, aio_depth=args.aio_depth,
                 gap_bytes=args.gap_bytes, trace=args.trace,
                 seed=args.seed, predictor=predictor, predictor_rank=args.predictor_rank,
-                torch_threads=args.torch_threads)
+                torch_threads=args.torch_threads, quantize_resident=args.quantize_resident, kv_bits=args.kv_bits)
 
     def run(label, mode, bundled=True, window=None, tokens=args.tokens, warmup=args.warmup, backend="torch", **kw):
         d = model_dir if bundled else unbundled
@@ -158,6 +158,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (bfloat16 for float16 models), float32, "
                    "bfloat16, float16")
     p.add_argument("--threads", type=int, default=32, help="flash reads in flight (reader threads)")
+    p.add_argument("--quantize-resident", default="none", choices=["none", "int8", "int4"],
+                   help="resident matrices held quantized (flashllm.load's quantize_resident) (default: %(default)s)")
+    p.add_argument("--kv-bits", type=int, default=16, choices=[8, 16], help="KV cache bits (default: %(default)s)")
     p.add_argument("--aio-depth", type=int, default=0, help="native AIO reads in flight per thread (0: preadv threads)")
     p.add_argument("--gap-bytes", type=lambda s: None if s == "auto" else int(s), default=None,
                    help="read through gaps up to this many bytes (default auto: the disk profile's cost model)")
@@ -260,7 +263,9 @@ def main(argv=None) -> dict:
                                                                                *sys.argv]),
                  "machine": f"{machine_desc}, {os.getloadavg()[0]:.1f} at the end", "code": code_version(), "model_dir": str(model_dir), "model_desc": model_desc(manifest, model_bytes),
                  "model_gb": model_bytes / GB, "budget_gb": budget / GB, "budget_arg": args.dram_budget,
-                 "compute": f"torch CPU, {cdt} (storage {manifest.data['dtype']}; --dtype {args.dtype}); "
+                 "compute": f"torch CPU, {cdt} (storage {manifest.data['dtype']}; --dtype {args.dtype}; FFN bundles "
+                            f"{manifest.data.get('quantization', 'none')}, resident matrices {args.quantize_resident}, "
+                            f"KV {args.kv_bits} bits); "
                             f"flash reads: {io_engine(manifest, args.threads, args.aio_depth)}; torch intra-op threads "
                             f"{args.torch_threads or 'default'}",
                  "active_method": method, "memory_limit": memory_limit,

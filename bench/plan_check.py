@@ -69,10 +69,10 @@ def decode_stats(model, ids: list[int], prefill: int) -> dict:
 
 
 def check(model_dir: Path, budget, machine, disk, ids, prefill: int, rounds: int, context: int, data,
-          dtype: str | None, max_dropped: float) -> dict:
+          dtype: str | None, max_dropped: float, sample_tokens: int) -> dict:
     t0 = time.perf_counter()
     plan = planner.make_plan(model_dir, budget, machine, disk, data=data, context=context,
-                             dtypes=[dtype] if dtype else None, max_dropped=max_dropped)
+                             dtypes=[dtype] if dtype else None, max_dropped=max_dropped, sample_tokens=sample_tokens)
     plan_s = time.perf_counter() - t0
     hand_opts = {"mode": "sparse", "dram_budget": budget, "window": 4, "dtype": dtype}
     models = {"plan": flashllm.load(model_dir, context=context, **plan.load_options()),
@@ -129,6 +129,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--max-dropped", type=float, default=0.05,
                    help="share of predicted neurons the plan may drop (the hand defaults drop at small budgets; "
                    "both are reported) (default 0.05)")
+    p.add_argument("--sample-tokens", type=int, default=256, help="tokens the plan replays (default 256)")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
     import torch
@@ -153,7 +154,7 @@ def main(argv=None) -> list[dict]:
             ids = token_ids(model_dir, args.prefill + args.tokens, text)
             for budget in budgets:
                 r = check(model_dir, budget, machine, disk, ids, args.prefill, args.rounds, context, sample, dtype,
-                          args.max_dropped)
+                          args.max_dropped, args.sample_tokens)
                 print(json.dumps({k: r[k] for k in ("model", "budget", "plan", "error", "plan_over_hand")}),
                       file=sys.stderr, flush=True)
                 results.append(r)

@@ -40,35 +40,35 @@ from flashllm.predictors.train import TrainSettings, train_predictors
 PREDICTORS = ("oracle", "gate", "lowrank")
 
 
-def run(hf_dir, calib, heldout, sparsities, rank, max_tokens, eval_tokens, gen_tokens, dtype, budget, work):
-    model_dir = convert(hf_dir, Path(work) / "flash", dtype=dtype, progress=False)
-    options = flashllm.LoadOptions(dram_budget=budget, context=256)
+def run_one(hf_dir, calib, heldout, s, rank, max_tokens, eval_tokens, gen_tokens, dtype, budget) -> dict:
+    """One target sparsity, in its own copy of the converted model."""
+    torch.set_num_threads(1)
     warnings.filterwarnings("once", category=RuntimeWarning)  # each load states the thresholds; once is enough
-    rows = []
-    for s in sparsities:
+    work = tempfile.mkdtemp(prefix="flashllm-silu-")
+    try:
+        model_dir = convert(hf_dir, Path(work) / "flash", dtype=dtype, progress=False)
+        options = flashllm.LoadOptions(dram_budget=budget, context=256)
         t0 = time.perf_counter()
         meta = train_predictors(model_dir, calib, TrainSettings(rank=rank, seed=0), max_tokens=max_tokens,
                                 target=Target("sparsity", s), progress=False)
         sparsity = json.loads((Path(model_dir) / "sparsity.json").read_text())
         ref = ev.dense_reference(model_dir, heldout, options, eval_tokens, gen_tokens, 32, None, progress=False)
-        naive = ev.naive_bytes(model_dir, ref, options)
         row = {"target_sparsity": s, "train_seconds": round(time.perf_counter() - t0, 1),
                "layer_sparsity": [round(la["sparsity"], 4) for la in sparsity["layers"]],
                "layer_ffn_error": [round(la["ffn_error"], 4) for la in sparsity["layers"]],
                "predictor_recall": meta["summary"]["recall"], "predictor_ranks": meta["summary"]["ranks"],
-               "naive_bytes_per_token": naive, "points": {}}
+               "naive_bytes_per_token": ev.naive_bytes(model_dir, ref, options), "points": {}}
         for p in PREDICTORS:
-            point = ev.evaluate_load(model_dir, ref, options, progress=False, predictor=p)
-            row["points"][p] = point
+            row["points"][p] = point = ev.evaluate_load(model_dir, ref, options, progress=False, predictor=p)
             print(f"sparsity {s}: {p}: ppl {point.get('ppl_dense', 0):.3f} -> {point.get('ppl_sparse', 0):.3f}, "
                   f"top-1 {point.get('top1_agreement', 0):.3f}, {point.get('bytes_per_token', 0) / 1024:.1f} KiB/token"
                   f"{' ' + point['refused'] if 'refused' in point else ''}", file=sys.stderr, flush=True)
-        row["ppl_dense"] = row["points"]["oracle"]["ppl_dense"]
         gate = row["points"]["gate"]
         if "refused" not in gate:  # a gated bundle is gate, up, down rows of equal size
             gate["gate_rowless_bytes_per_token"] = gate["bytes_per_token"] * 2 / 3
-        rows.append(row)
-    return rows
+        return row
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def table(rows) -> str:
@@ -104,16 +104,20 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float16", help="storage dtype of the conversion (default float16)")
     ap.add_argument("--dram-budget", type=float, default=None,
                     help="load budget as a fraction of the model (default: unlimited)")
+    ap.add_argument("--jobs", type=int, default=1, help="targets run in this many processes (default 1)")
     ap.add_argument("--out", default=None, help="write PREFIX.json and PREFIX.md")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
     command = "python " + " ".join(shlex.quote(a) for a in ["bench/silu_sparsity.py"] + (argv or sys.argv[1:]))
-    work = tempfile.mkdtemp(prefix="flashllm-silu-")
-    try:
-        rows = run(args.model, args.calib, args.heldout, [float(v) for v in args.sparsity.split(",")], args.rank,
-                   args.max_tokens, args.eval_tokens, args.gen_tokens, args.dtype, args.dram_budget, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    targets = [float(v) for v in args.sparsity.split(",")]
+    work = (args.model, args.calib, args.heldout)
+    settings = (args.rank, args.max_tokens, args.eval_tokens, args.gen_tokens, args.dtype, args.dram_budget)
+    if args.jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(args.jobs, len(targets))) as pool:
+            rows = list(pool.map(run_one, *zip(*[(*work, s, *settings) for s in targets])))
+    else:
+        rows = [run_one(*work, s, *settings) for s in targets]
     text = table(rows)
     print(text)
     if args.out:

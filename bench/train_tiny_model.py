@@ -245,7 +245,7 @@ def train(model, stream, args, heldout_small):
         pre_relu.clear()
         starts = torch.randint(0, len(stream_t) - args.seq_len, (args.batch_size,), generator=gen)
         batch = torch.stack([stream_t[s:s + args.seq_len] for s in starts.tolist()])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
             loss = lm_loss(model, batch)
             total = loss
             if args.l1 > 0:
@@ -367,6 +367,9 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--log-every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--autocast", choices=["bf16", "none"], default="bf16",
+                    help="bf16 autocast for training steps (default); none: float32 (measured 9x faster per step "
+                    "for the Llama model on this CPU, which has no native bfloat16)")
     args = ap.parse_args(argv)
     if args.steps is None and args.minutes <= 0:
         ap.error("--minutes must be positive")
@@ -424,7 +427,7 @@ def main(argv=None):
                      "warmup_steps": args.warmup, "min_lr_ratio": args.min_lr_ratio,
                      "schedule": "linear warmup, cosine decay over the step or time budget",
                      "weight_decay": args.weight_decay, "grad_clip": args.clip,
-                     "l1_activation_penalty": args.l1, "autocast": "bfloat16 (CPU)",
+                     "l1_activation_penalty": args.l1, "autocast": "bfloat16 (CPU)" if args.autocast == "bf16" else "none (float32)",
                      "threads": args.threads, "minutes_budget": None if args.steps else args.minutes,
                      "steps_budget": args.steps, **result},
         "heldout_eval": {"budget": f"{args.eval_seqs} sequences x {args.seq_len} tokens, evenly "

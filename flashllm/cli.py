@@ -242,15 +242,18 @@ def format_stats(stats: dict) -> str:
 
 def cmd_inspect(args) -> None:
     from . import format as fmt
+    from .sparsity import read_sparsity
 
     manifest = fmt.read_manifest(args.model_dir, verify=args.verify)
+    sparsity = read_sparsity(manifest)
     data = manifest.data
     sizes = {key: entry["size"] for key, entry in data["files"].items()}
     info = {"model_dir": str(manifest.root), "format_version": data["format_version"], "dtype": data["dtype"],
             "quantization": data.get("quantization", "none"), **({"quantization_params": data["ffn"]["quantization"]}
                                                                   if manifest.layout.quant else {}),
             "spec": data["spec"], "files": sizes, "bundle_bytes": manifest.layout.bundle_bytes,
-            "bundle_stride": manifest.layout.stride, "checksums_verified": "all" if args.verify else "small files"}
+            "bundle_stride": manifest.layout.stride, "checksums_verified": "all" if args.verify else "small files",
+            **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
     if args.json:
         print(json.dumps(info))
         return
@@ -267,6 +270,8 @@ def cmd_inspect(args) -> None:
     for key, size in sizes.items():
         print(f"  {data['files'][key]['path']:<28} {size / 2**20:10.2f} MiB")
     print("checksums verified: " + info["checksums_verified"])
+    if sparsity:
+        print(sparsity.describe(s.activation))
 
 
 def cmd_demo(args) -> None:

@@ -14,7 +14,8 @@ or no model file given).
   fill the neuron caches, then --tokens are timed). On random-weight models the active neurons are
   replayed from --trace (bench/trace.py): see the caveat printed with every table.
 - llama.cpp: llama-bench (-p 0 -n TOKENS -r 1, one untimed warm-up token), per --llama-config:
-  `default` (mmap, repacking on) and `no-repack` (--repack 0: weights stay in the mmap'd file).
+  `default` (mmap, repacking on), `no-mmap` (-lm none: weights read into process memory) and
+  `no-repack` (--repack 0: quantized weights stay in the mmap'd file; F16 is never repacked).
 - accelerate: bench/accelerate_decode.py, device_map="auto" with max_memory = the same DRAM budget.
 
     python bench/peers.py --flashllm DIR --gguf FILE --hf DIR --trace trace.npz --dram-budget 0.5 \\
@@ -45,7 +46,9 @@ from flashllm.budget import budget_bytes, parse_budget  # noqa: E402
 
 GB, MiB = 1e9, 1 << 20
 DEFAULT_LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "/work/big/llama.cpp-build"))
-LLAMA_CONFIGS = {"default": [], "no-repack": ["--repack", "0"]}
+# llama-bench options per configuration: its default (mmap'd weights, CPU repacking of quantized types
+# allowed); weights read into process memory instead of mmap; no repacking (every weight stays in the mmap).
+LLAMA_CONFIGS = {"default": [], "no-mmap": ["-lm", "none"], "no-repack": ["--repack", "0"]}
 
 
 def bench_module(name: str):

@@ -86,7 +86,7 @@ def test_tiny_run_in_memory_groups_skips_missing_peers(tmp_path):
     by = {r["label"]: r for r in report["runs"]}
     assert by["flashllm (sparse)"]["outcome"] == "ran" and by["flashllm (sparse)"]["tokens"] == 2
     assert by["flashllm (sparse)"]["ms_per_token"] > 0
-    assert {by[k]["outcome"] for k in ("llama.cpp (default)", "llama.cpp (no-repack)")} == {"skipped"}
+    assert {by[f"llama.cpp ({c})"]["outcome"] for c in peers.LLAMA_CONFIGS} == {"skipped"}
     assert "not installed" in by["llama.cpp (default)"]["why"]
     assert "HF accelerate (disk offload)" not in by  # not in --peers
     md = (tmp_path / "p.md").read_text()

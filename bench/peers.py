@@ -75,7 +75,7 @@ def run_child(argv: list[str], limit: int | None, drop: list[Path], timeout: flo
     """Evict `drop` from the page cache, run argv in a fresh memory group (if `limit`), remove the group."""
     pt = paper_tables()
     pt.drop_page_cache(drop)
-    res = {"page_cache_at_start": pt.cached_fraction(drop), "argv": argv}
+    res = {"page_cache_at_start": pt.cached_fraction(drop), "argv": argv, "load_average": os.getloadavg()[0]}
     group = pt.MemoryGroup(limit, name=name) if limit else None
     with tempfile.TemporaryDirectory(prefix="peers-run-") as tmp:
         out, err = open(Path(tmp) / "out", "w+"), open(Path(tmp) / "err", "w+")
@@ -161,7 +161,8 @@ def read_result(run: dict, res: dict) -> dict:
         if run["peer"] == "flashllm" and res["outcome"] == "ran":
             r = json.loads(run["result"].read_text())
             return {"ms_per_token": r["total_ms"], "tokens": r["decode_tokens"], "load_s": r["load_s"],
-                    "io_ms": r["io_ms"], "bytes_read": r["bytes_read"], "dram_bytes": r["dram_bytes"],
+                    "io_ms": r["io_ms"], "mem_ms": r["mem_ms"], "compute_ms": r["compute_ms"],
+                    "predictor_ms": r["predictor_ms"], "bytes_read": r["bytes_read"], "dram_bytes": r["dram_bytes"],
                     "active_fraction": r["predicted"] / (r["n_layers"] * r["d_ffn"]),
                     "dropped_fraction": r["neurons_dropped"] / (r["n_layers"] * r["d_ffn"]),
                     "predictor_method": r.get("predictor_method"), "predictor_kind": r.get("predictor_kind"),

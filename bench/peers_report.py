@@ -138,7 +138,9 @@ def markdown(report: dict) -> str:
               f"accelerate a 1-token prompt + {report['tokens']} timed; random token ids; "
               f"OMP_WAIT_POLICY={report['omp_wait_policy']} for every run"]
     if fl:
-        lines.append(f"- flashllm per token: {fl['bytes_read'] / GB:.3f} GB read from flash, I/O {fl['io_ms']:,.0f} ms; "
+        lines.append(f"- flashllm per token: {fl['bytes_read'] / GB:.3f} GB read from flash; I/O {fl['io_ms']:,.0f} ms, "
+                     f"memory management {fl['mem_ms']:,.0f} ms, compute {fl['compute_ms']:,.0f} ms (predictor "
+                     f"{fl['predictor_ms']:,.0f} ms) of {fl['ms_per_token']:,.0f} ms (first round); "
                      f"DRAM held {fl['dram_bytes'] / GB:.2f} GB; **{fl['dropped_fraction']:.1%} of the FFN neurons dropped per "
                      "token** (predicted active, but the neuron caches at this budget could not hold them: a quality "
                      "cost the peers do not pay, see README)")
@@ -148,12 +150,15 @@ def markdown(report: dict) -> str:
                      "to the offload folder)")
     lines += ["", table(report["rows"], report["ratios"]), "",
               "Peak memory is the group's memory.max_usage_in_bytes (process memory + page cache). Latency ratio "
-              "flashllm/peer below 1: flashllm is faster. Failed runs:"]
+              "flashllm/peer below 1: flashllm is faster. Runs in order (load average at each start: the "
+              "machine's other work competes for its 2 cores):",
+              "; ".join(f"{r['label']} round {r['round'] + 1}: load {r['load_average']:.1f}, {r['wall_s']:.0f} s"
+                        for r in report["runs"] if "wall_s" in r) + "."]
     for r in report["runs"]:
         if r["outcome"] not in ("ran", "skipped"):
+            last = r["stderr_tail"].strip().splitlines()[-1][:200] if r["stderr_tail"].strip() else ""
             lines.append(f"- {r['label']} (round {r['round'] + 1}): {r['outcome']} after {r['wall_s']:.0f} s, exit "
-                         f"{r['returncode']}, oom_kill {r.get('oom_kills')}; stderr: "
-                         f"`{r['stderr_tail'].strip().splitlines()[-1][:200] if r['stderr_tail'].strip() else ''}`")
+                         f"{r['returncode']}, oom_kill {r.get('oom_kills')}; last line on stderr: `{last}`")
         elif r["outcome"] == "skipped":
             lines.append(f"- {r['label']}: skipped: {r['why']}")
     lines += ["", CAVEAT.format(active=active) if report["trace"] else

@@ -43,6 +43,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # run from a checkout
 from flashllm import format as fmt  # noqa: E402
 from flashllm.budget import budget_bytes, parse_budget  # noqa: E402
+from flashllm.errors import FlashLLMError  # noqa: E402
 
 GB, MiB = 1e9, 1 << 20
 DEFAULT_LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "/work/big/llama.cpp-build"))
@@ -211,7 +212,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cgroup", action="store_true", help="run without a memory limit (the table says so)")
     p.add_argument("--trace", default=None, help="activation trace for flashllm on random weights (bench/trace.py)")
     p.add_argument("--tokens", type=int, default=4, help="timed decode tokens per run (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=8, help="flashllm decode tokens before the timed ones "
+    p.add_argument("--warmup", type=int, default=4, help="flashllm decode tokens before the timed ones "
                    "(default: %(default)s)")
     p.add_argument("--window", type=int, default=4, help="flashllm's window (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="compute threads for every peer (default: all cores)")
@@ -241,8 +242,14 @@ def main(argv=None) -> dict:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: kill the child, remove its group
     # Idle OpenMP threads sleep instead of spinning (2 busy cores); every child, llama.cpp's OpenMP included.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    for flag, path in (("--gguf", args.gguf), ("--hf", args.hf), ("--trace", args.trace)):
+        if path and not Path(path).exists():
+            raise SystemExit(f"peers: error: {flag} {path}: does not exist")
     pt = paper_tables()
-    manifest = fmt.read_manifest(args.flashllm, verify=False)
+    try:
+        manifest = fmt.read_manifest(args.flashllm, verify=False)
+    except FlashLLMError as exc:
+        raise SystemExit(f"peers: error: --flashllm: {exc}") from None
     model_bytes = sum(e["size"] for k, e in manifest.data["files"].items() if k in ("resident", "ffn"))
     budget = budget_bytes(args.dram_budget, model_bytes)
     why_not = "--no-cgroup" if args.no_cgroup else pt.MemoryGroup.available()
@@ -273,7 +280,7 @@ def main(argv=None) -> dict:
                     row.update({k2: v for k2, v in res.items() if k2 != "stdout"}, **read_result(run, res))
                 report["runs"].append(row)
     rows = peers_report.summarize(report["runs"])
-    report["rows"], report["ratios"] = rows, peers_report.ratios(rows)
+    report["rows"], report["ratios"] = rows, peers_report.ratios(rows, report["runs"])
     print(peers_report.table(rows, report["ratios"]))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1, default=str))

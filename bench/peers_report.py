@@ -73,11 +73,23 @@ def summarize(runs: list[dict]) -> list[dict]:
     return list(rows.values())
 
 
-def ratios(rows: list[dict]) -> dict:
-    """flashllm's ms/token over each peer's (below 1: flashllm is faster); None where one has no figure."""
+def ratios(rows: list[dict], runs: list[dict] | None = None) -> dict:
+    """flashllm's ms/token over each peer's (below 1: flashllm is faster): of the means, and per round
+    where both measured it (`runs`); None where one has no figure."""
     ours = next((r["ms_per_token"] for r in rows if r["peer"] == "flashllm"), None)
-    return {r["label"]: (ours / r["ms_per_token"] if ours and r["ms_per_token"] else None)
-            for r in rows if r["peer"] != "flashllm"}
+    out = {}
+    for row in rows:
+        if row["peer"] == "flashllm":
+            continue
+        per_round = []
+        for run in runs or []:
+            if run["label"] == row["label"] and run.get("ms_per_token"):
+                mine = [f["ms_per_token"] for f in runs if f["peer"] == "flashllm" and f["round"] == run["round"]
+                        and f.get("ms_per_token")]
+                per_round += [mine[0] / run["ms_per_token"]] if mine else []
+        out[row["label"]] = {"ratio": ours / row["ms_per_token"] if ours and row["ms_per_token"] else None,
+                             "per_round": per_round}
+    return out
 
 
 def table(rows: list[dict], ratio: dict) -> str:
@@ -90,9 +102,12 @@ def table(rows: list[dict], ratio: dict) -> str:
     lines = ["| run | outcome | decode ms/token | peak memory (GB, cgroup) | flashllm/peer latency |",
              "|---|---|---|---|---|"]
     for row in rows:
-        r = ratio.get(row["label"])
+        r = (ratio.get(row["label"]) or {}).get("ratio")
+        per_round = (ratio.get(row["label"]) or {}).get("per_round") or []
         cell = "—" if row["peer"] == "flashllm" else "n/a" if not r else \
-            f"{r:.3f} (flashllm {1 / r:.1f}× faster)" if r < 1 else f"{r:.3f} (flashllm {r:.1f}× slower)"
+            f"{r:.2f} (flashllm {1 / r:.1f}× faster)" if r < 1 else f"{r:.2f} (flashllm {r:.1f}× slower)"
+        if len(per_round) > 1:
+            cell += f"; per round {min(per_round):.2f}–{max(per_round):.2f}"
         peak = f"{row['peak_bytes'] / GB:.2f}" if row["peak_bytes"] else "—"
         lines.append(f"| {row['label']} | {', '.join(row['outcomes'])} | {ms(row)} | {peak} | {cell} |")
     return "\n".join(lines)
@@ -158,10 +173,28 @@ def markdown(report: dict) -> str:
         if r["outcome"] not in ("ran", "skipped"):
             last = r["stderr_tail"].strip().splitlines()[-1][:200] if r["stderr_tail"].strip() else ""
             lines.append(f"- {r['label']} (round {r['round'] + 1}): {r['outcome']} after {r['wall_s']:.0f} s, exit "
-                         f"{r['returncode']}, oom_kill {r.get('oom_kills')}; last line on stderr: `{last}`")
+                         f"{r['returncode']}, oom_kill {r.get('oom_kills')}; "
+                         + (f"last line on stderr: `{last}`" if last else "nothing on stderr (killed without a message)"))
         elif r["outcome"] == "skipped":
             lines.append(f"- {r['label']}: skipped: {r['why']}")
     lines += ["", CAVEAT.format(active=active) if report["trace"] else
               f"flashllm's active neurons: {active} (predictor {fl.get('predictor_kind', '?')}); llama.cpp and "
               "accelerate compute every neuron (dense).", "", ""]
     return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    """Render a saved report again: python bench/peers_report.py REPORT.json (markdown on stdout)."""
+    import argparse
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("report", help="JSON written by bench/peers.py --json-out")
+    report = json.loads(Path(p.parse_args(argv).report).read_text())
+    report["rows"] = summarize(report["runs"])
+    report["ratios"] = ratios(report["rows"], report["runs"])
+    print(markdown(report), end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -55,23 +55,27 @@ def test_outcome(rc, timed_out, oom, expected):
 
 def test_summary_ratios_and_table():
     peers = bench("peers_report")
-    runs = [dict(peer="flashllm", label="flashllm", outcome="ran", ms_per_token=1000.0, cgroup_peak=7e9),
-            dict(peer="llama.cpp", label="llama.cpp", outcome="ran", ms_per_token=4000.0, cgroup_peak=8e9),
-            dict(peer="flashllm", label="flashllm", outcome="ran", ms_per_token=3000.0, cgroup_peak=6e9),
-            dict(peer="llama.cpp", label="llama.cpp", outcome="OOM-killed", cgroup_peak=8.1e9),
-            dict(peer="accelerate", label="accelerate", outcome="timeout", ms_per_token=500.0, tokens=1)]
+    runs = [dict(peer="flashllm", label="flashllm", round=0, outcome="ran", ms_per_token=1000.0, cgroup_peak=7e9),
+            dict(peer="llama.cpp", label="llama.cpp", round=0, outcome="ran", ms_per_token=4000.0, cgroup_peak=8e9),
+            dict(peer="flashllm", label="flashllm", round=1, outcome="ran", ms_per_token=3000.0, cgroup_peak=6e9),
+            dict(peer="llama.cpp", label="llama.cpp", round=1, outcome="ran", ms_per_token=2000.0, cgroup_peak=8.1e9),
+            dict(peer="llama.cpp", label="llama.cpp", round=2, outcome="OOM-killed", cgroup_peak=8.2e9),
+            dict(peer="accelerate", label="accelerate", round=0, outcome="timeout", ms_per_token=500.0, tokens=1)]
     rows = peers.summarize(runs)
     fl, ll, acc = rows
     assert fl["ms_per_token"] == 2000.0 and fl["range"] == (1000.0, 3000.0) and fl["peak_bytes"] == 7e9
-    assert ll["ms_per_token"] == 4000.0 and ll["outcomes"] == ["ran", "OOM-killed"] and ll["peak_bytes"] == 8.1e9
+    assert ll["ms_per_token"] == 3000.0 and ll["outcomes"] == ["ran", "ran", "OOM-killed"] and ll["peak_bytes"] == 8.2e9
     assert acc["outcomes"] == ["timeout (1 tokens)"]
-    r = peers.ratios(rows)
-    assert r == {"llama.cpp": 0.5, "accelerate": 4.0}
+    r = peers.ratios(rows, runs)
+    assert r["llama.cpp"]["ratio"] == pytest.approx(2 / 3) and r["llama.cpp"]["per_round"] == [0.25, 1.5]
+    assert r["accelerate"] == {"ratio": 4.0, "per_round": [2.0]}
     text = peers.table(rows, r)
-    assert "| llama.cpp | ran, OOM-killed | 4,000 | 8.10 | 0.500 (flashllm 2.0× faster) |" in text
+    assert "| llama.cpp | ran, ran, OOM-killed | 3,000 (2,000–4,000) | 8.20 | 0.67 (flashllm 1.5× faster); " \
+           "per round 0.25–1.50 |" in text
     assert "| flashllm | ran, ran | 2,000 (1,000–3,000) | 7.00 | — |" in text
-    assert "4.000 (flashllm 4.0× slower)" in text
-    assert peers.ratios([dict(peer="llama.cpp", label="l", ms_per_token=None)]) == {"l": None}
+    assert "| accelerate | timeout (1 tokens) | 500 | — | 4.00 (flashllm 4.0× slower) |" in text
+    assert peers.ratios([dict(peer="llama.cpp", label="l", ms_per_token=None)]) == {"l": {"ratio": None,
+                                                                                        "per_round": []}}
 
 
 def test_tiny_run_in_memory_groups_skips_missing_peers(tmp_path):
@@ -98,3 +102,11 @@ def test_tiny_run_in_memory_groups_skips_missing_peers(tmp_path):
         assert not group.exists()
     else:
         assert "memory limit: none" in md
+
+
+@pytest.mark.parametrize("flag", ["--flashllm", "--gguf"])
+def test_missing_inputs_are_one_line_errors(tmp_path, flag):
+    argv = ["--flashllm", str(tmp_path / "nope")] if flag == "--flashllm" else \
+        ["--flashllm", str(tmp_path), "--gguf", str(tmp_path / "x.gguf")]
+    with pytest.raises(SystemExit, match=f"peers: error: {flag}"):
+        bench("peers").main(argv)

@@ -78,8 +78,7 @@ def run_child(argv: list[str], limit: int | None, drop: list[Path], timeout: flo
     pt.drop_page_cache(drop)
     res = {"page_cache_at_start": pt.cached_fraction(drop), "argv": argv, "load_average": os.getloadavg()[0]}
     group = pt.MemoryGroup(limit, name=name) if limit else None
-    with tempfile.TemporaryDirectory(prefix="peers-run-") as tmp:
-        out, err = open(Path(tmp) / "out", "w+"), open(Path(tmp) / "err", "w+")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(group.command(argv) if group else argv, stdout=out, stderr=err,
                                 start_new_session=True, cwd=BENCH.parent)
@@ -89,14 +88,14 @@ def run_child(argv: list[str], limit: int | None, drop: list[Path], timeout: flo
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            if proc.poll() is None:
+            if proc.poll() is None:  # timed out, or we are being stopped: end the child's whole session
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        res["wall_s"] = time.perf_counter() - t0
-        usage = group.usage() if group else {}
-        if group:
-            res["cgroup"], res["cgroup_limit"] = str(group.path), group.limit
-            group.remove()
+            res["wall_s"] = time.perf_counter() - t0
+            usage = group.usage() if group else {}
+            if group:
+                res["cgroup"], res["cgroup_limit"] = str(group.path), group.limit
+                group.remove()
         out.seek(0)
         err.seek(0)
         res["stdout"], res["stderr_tail"] = out.read(), err.read()[-1500:]

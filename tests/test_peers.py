@@ -110,3 +110,24 @@ def test_missing_inputs_are_one_line_errors(tmp_path, flag):
         ["--flashllm", str(tmp_path), "--gguf", str(tmp_path / "x.gguf")]
     with pytest.raises(SystemExit, match=f"peers: error: {flag}"):
         bench("peers").main(argv)
+
+
+def _group_or_skip():
+    why = bench("paper_tables").MemoryGroup.available()
+    if why:
+        pytest.skip(why)
+
+
+def test_a_run_over_the_limit_is_oom_killed_and_its_group_removed(tmp_path):
+    _group_or_skip()
+    grow = "b = []\nwhile True: b.append(bytearray(1 << 20))"  # 1 MiB at a time, touched
+    res = bench("peers").run_child([sys.executable, "-c", grow], 64 << 20, [], 120, "flashllm-peers-test-oom",
+                                   lambda m: None)
+    assert res["outcome"] == "OOM-killed" and res["oom_kills"] >= 1 and res["cgroup_peak"] <= 64 << 20
+    assert not Path(res["cgroup"]).exists()
+
+
+def test_a_run_past_its_time_is_killed_as_timeout(tmp_path):
+    _group_or_skip()
+    res = bench("peers").run_child(["sleep", "60"], 64 << 20, [], 1, "flashllm-peers-test-timeout", lambda m: None)
+    assert res["outcome"] == "timeout" and res["wall_s"] < 30 and not Path(res["cgroup"]).exists()

@@ -238,7 +238,15 @@ def main(argv=None) -> dict:
         raise SystemExit(f"peers: error: --llama-config {','.join(unknown)}: choose from {', '.join(LLAMA_CONFIGS)}")
     log = (lambda m: None) if args.quiet else (lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr,
                                                                flush=True))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: kill the child, remove its group
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: kill the child, remove its group
+    try:
+        return _run(args, argv, log)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args, argv, log) -> dict:
+    """main() after its argument checks: the rounds of runs, the table, the report files."""
     # Idle OpenMP threads sleep instead of spinning (2 busy cores); every child, llama.cpp's OpenMP included.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     for flag, path in (("--gguf", args.gguf), ("--hf", args.hf), ("--trace", args.trace)):

@@ -30,10 +30,10 @@ DEFAULT_CONTEXT = 4096
 
 
 def make_backend(name: str, spec, device: str, dtype: str | None, storage_dtype, context: int,
-                 quantized_ffn: bool = False, kv_bits: int = 16):
+                 quantized_ffn: bool = False, kv_bits: int = 16, kernels: str = "tuned"):
     if name == "torch":
         from .backends.torch_backend import TorchBackend
-        return TorchBackend(spec, device, dtype, storage_dtype, context, quantized_ffn, kv_bits)
+        return TorchBackend(spec, device, dtype, storage_dtype, context, quantized_ffn, kv_bits, kernels)
     if name == "mlx":
         from .backends.mlx_backend import MLXBackend
         return MLXBackend(spec, device, dtype, storage_dtype, context, quantized_ffn, kv_bits)
@@ -51,7 +51,7 @@ class Model:
         self.spec, self.layout, self.mode = self.manifest.spec, self.manifest.layout, opts.mode
         self.context = min(opts.context or DEFAULT_CONTEXT, self.spec.context_limit)
         self.backend = make_backend(opts.backend, self.spec, opts.device, opts.dtype, self.manifest.dtype, self.context,
-                                    self.manifest.data.get("quantization", "none") != "none", opts.kv_bits)
+                                    self.manifest.data.get("quantization", "none") != "none", opts.kv_bits, opts.kernels)
         self._tokenizer = None
         self._chat_template = None
         self._warned_overflow = False
@@ -61,6 +61,7 @@ class Model:
         self.last_generation = Generation()
         self._load_resident(skip_layers=opts.mode == "naive")
         self.backend.quantize_resident(opts.quantize_resident)  # naive mode: its layers as it reads them
+        self.backend.fuse_resident()  # after quantizing: quantized q/k/v stay as they are
         self.model_bytes = sum(e["size"] for k, e in self.manifest.data["files"].items() if k in ("resident", "ffn"))
         self.dram_budget = budget_bytes(opts.dram_budget, self.model_bytes)
         self.gpu_budget = budget_bytes(opts.gpu_budget, self.model_bytes)

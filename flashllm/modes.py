@@ -64,7 +64,8 @@ class DensePlan(Plan):
 
     def __init__(self, ctx: PlanContext):
         super().__init__(ctx)
-        self.rows = [ctx.bundle_rows(ctx.read_layer_block(i), keep_quantized=True) for i in range(ctx.spec.n_layers)]
+        pack = ctx.backend.pack_ffn
+        self.rows = [pack(ctx.bundle_rows(ctx.read_layer_block(i), keep_quantized=True)) for i in range(ctx.spec.n_layers)]
         ctx.check_fits(ctx.charged(0, self.backend.nbytes() + self.device_bytes()), "all weights and the KV cache")
 
     def ffn(self, layer: int, x, cost):
@@ -161,7 +162,8 @@ class HybridPlan(StreamingPlan):
             raise ctx.too_small(base + lay.d_ffn * row, "resident weights, KV cache and one layer's streamed FFN")
         self.resident_rows = budget_mod.hybrid_resident_rows(avail, row, L, lay.d_ffn, ctx.options.hybrid_fraction)
         h = self.resident_rows
-        self.resident = [ctx.bundle_rows(ctx.read_layer_block(i)[:h], keep_quantized=True) for i in range(L)] if h else []
+        pack = ctx.backend.pack_ffn
+        self.resident = [pack(ctx.bundle_rows(ctx.read_layer_block(i)[:h], keep_quantized=True)) for i in range(L)] if h else []
         self.buf = self.backend.host_buffer((lay.d_ffn - h, lay.stride)) if h < lay.d_ffn else None
 
     def ffn(self, layer: int, x, cost):

@@ -12,6 +12,7 @@ from .errors import FlashLLMError
 BACKENDS = ("torch", "mlx")
 DTYPES = ("float32", "float16", "bfloat16")
 ON_OVERFLOW = ("drop", "error")
+KERNELS = ("tuned", "plain")
 QUANTIZE_RESIDENT = ("none", "int8", "int4")
 KV_BITS = (8, 16)
 
@@ -44,6 +45,9 @@ class LoadOptions:
     # MoE: (layer, router logits [T, n_experts], early) -> expert ids [T, top_k] chosen instead of the router's
     # top-k (e.g. routing replayed from a trace; `early`: a prefetch guess); None: the router decides
     expert_routing: Callable | None = None
+    # tuned: projections fused at load and the kernel per dtype that bench/compute_roofline.py measured
+    # fastest (same math); plain: the file's tensors as they are with torch's default kernels (reference)
+    kernels: str = "tuned"
     quantize_resident: str = "none"  # hold attention, embedding and lm_head matrices as int8/int4 (at load)
     kv_bits: int = 16  # 8: KV cache in int8 groups along the head dim; 16: the compute dtype
 
@@ -67,6 +71,7 @@ class LoadOptions:
         check(self.quantize_resident in QUANTIZE_RESIDENT,
               f"quantize_resident {self.quantize_resident!r}: expected one of {', '.join(QUANTIZE_RESIDENT)}")
         check(self.kv_bits in KV_BITS, f"kv_bits {self.kv_bits!r}: expected 8 (int8 KV cache) or 16 (compute dtype)")
+        check(self.kernels in KERNELS, f"kernels {self.kernels!r}: expected tuned or plain")
         check(self.on_overflow in ON_OVERFLOW, f"on_overflow {self.on_overflow!r}: expected drop or error")
         check(isinstance(self.window, int) and self.window >= 1,
               f"window {self.window}: must be at least 1 (tokens whose neurons stay cached)")

@@ -57,6 +57,26 @@ class TokenCost:
         self.reads += io.reads
 
 
+class PartTimer:
+    """Profiler-style timer of a backend's compute parts (see Backend.parts): milliseconds summed per
+    part since the last `reset`. `sync(out)` waits for an asynchronous device or a lazy graph."""
+
+    PARTS = ("embed", "norms", "attn_proj", "attention", "ffn", "logits")
+
+    def __init__(self, sync=lambda out: None):
+        self.sync = sync
+        self.reset()
+
+    def reset(self) -> None:
+        self.ms = dict.fromkeys(self.PARTS, 0.0)
+        self.calls = dict.fromkeys(self.PARTS, 0)
+
+    def add(self, part: str, t0: float, out) -> None:
+        self.sync(out)
+        self.ms[part] += (time.perf_counter() - t0) * 1e3
+        self.calls[part] += 1
+
+
 def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None) -> dict:
     """The stats dict of one call: decode-token averages, the prompt separately, peak DRAM."""
     prompt, decode = (costs[0], costs[1:]) if costs else (None, [])

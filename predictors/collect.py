@@ -250,7 +250,7 @@ def _rule_rows(model, layer: int, part: str):
     tensors: resident in dense mode, else read."""
     rows = getattr(model.plan, "rows", None)
     if rows is not None:
-        return rows[layer][part]
+        return model.backend.ffn_part(rows[layer], part)
     ctx = model.plan_context
     return ctx.bundle_rows(ctx.read_layer_block(layer), parts=(part,))[part]
 

@@ -9,6 +9,7 @@ flash bytes cross as uint8 numpy arrays.
 from __future__ import annotations
 
 import re
+import time
 
 import numpy as np
 
@@ -40,6 +41,7 @@ class Backend:
     on_gpu: bool  # weights, KV and caches count against the GPU budget (host staging against DRAM)
     w: dict
     _rope_rows: dict  # rope -> (pos, count, cos, sin) of the current forward call (rope_tables)
+    parts = None  # a stats.PartTimer while a benchmark times the compute parts, else None (free)
 
     # -- backend: arrays ---------------------------------------------------------------------
     def tensor(self, array):
@@ -126,7 +128,31 @@ class Backend:
         with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity)."""
         raise NotImplementedError
 
+    def fuse_resident(self) -> None:
+        """At load, once the resident tensors are in: fuse what one call can compute (optional)."""
+
+    def pack_ffn(self, rows: dict) -> dict:
+        """A resident FFN's rows in the layout `ffn` computes fastest (optional; default as they are)."""
+        return rows
+
+    def ffn_part(self, rows: dict, part: str):
+        """One part's [n, d] rows ("up", "gate" or "down") of FFN rows, packed by `pack_ffn` or not."""
+        return rows[part]
+
+    def sync(self, out) -> None:
+        """Wait until `out` is computed (the part timer's clock; nothing to do on a synchronous CPU)."""
+
     # -- shared --------------------------------------------------------------------------------
+    def _tic(self) -> float:
+        """Start timing a compute part (free when no part timer is set)."""
+        return time.perf_counter() if self.parts is not None else 0.0
+
+    def _toc(self, part: str, t0: float, out):
+        """Charge the time since `t0` to `part` once `out` is computed; returns `out`."""
+        if self.parts is not None:
+            self.parts.add(part, t0, out)
+        return out
+
     def activation(self, name: str, threshold: float):
         """The FFN activation of an ArchSpec by name, built from the backend's primitives."""
         relu = self.relu
@@ -135,21 +161,21 @@ class Backend:
 
     def embed(self, ids: list[int], pos: int):
         """Embeddings of tokens `ids` at positions pos.."""
-        x = self.embedding_rows(ids)
+        t0, x = self._tic(), self.embedding_rows(ids)
         if self.spec.embed_scale != 1.0:  # Gemma: the scale rounded to the compute dtype, as transformers does
             x = x * self.scalar(self.spec.embed_scale, x.dtype)
         if self.spec.positional == "learned":
             x = x + self.w["pos_embed.weight"][pos:pos + len(ids)]
-        return x
+        return self._toc("embed", t0, x)
 
     def logits(self, x) -> np.ndarray:
         """[tokens, vocab] float32 logits of the final hidden states."""
         h = self.norm("final_norm", x)
-        w = self.w["embed.weight"] if self.spec.tied_embeddings else self.w["lm_head.weight"]
+        t0, w = self._tic(), self.w["embed.weight"] if self.spec.tied_embeddings else self.w["lm_head.weight"]
         logits = self.linear(h, w, self.w.get("lm_head.bias"))
         if self.spec.final_softcap:
             logits = self.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
-        return self.to_host(logits)
+        return self.to_host(self._toc("logits", t0, logits))
 
     def rope_tables(self, rope, pos: int, count: int) -> tuple:
         """(cos, sin) of `rope` for `count` positions from pos, made once per forward call and rope."""

@@ -17,6 +17,13 @@ from .torch_quant import KVCache, QuantMatrix
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+# How one token's down projection h[1, n] @ rows[n, d] (rows = cache rows, any row stride) runs on
+# the CPU, per compute dtype, chosen by bench/compute_roofline.py: torch 2.13's float16/bfloat16
+# vector-matrix `h @ rows` takes a scalar path (~0.2 GB/s here), its matrix-vector `mv(rows.t(), h)`
+# streams the rows; float32 goes to BLAS either way. "matmul" is torch's default (the "plain" kernels).
+DOWN_KERNEL = {"float32": "matmul", "bfloat16": "mv", "float16": "mv"}
+
+
 class TorchBackend(Backend):
     """Holds resident weights and the KV cache on one torch device and computes one decoder."""
 
@@ -25,7 +32,7 @@ class TorchBackend(Backend):
     STAGING_BUFFERS = 2  # a ring: one is read into while the other's copy is in flight
 
     def __init__(self, spec: ArchSpec, device: str, dtype: str | None, storage_dtype: str, context: int,
-                 quantized_ffn: bool = False, kv_bits: int = 16):
+                 quantized_ffn: bool = False, kv_bits: int = 16, kernels: str = "tuned"):
         self.spec = spec
         self.device = torch.device(_device(device))
         self.dtype_name = default_compute_dtype(dtype, storage_dtype, self.device.type == "cpu")
@@ -34,6 +41,8 @@ class TorchBackend(Backend):
         self.storage_dtype = DTYPES[storage_dtype]
         self.itemsize = cdt.itemsize
         self.quantized_ffn = quantized_ffn  # FFN rows are dequantized on insert, never read in place
+        self.tuned = kernels == "tuned"  # fused projections and per-dtype kernels (see fuse_resident, _down)
+        self.down_kernel = DOWN_KERNEL[self.dtype_name] if self.device.type == "cpu" and self.tuned else "matmul"
         self.context = context
         self.w: dict[str, torch.Tensor] = {}
         self.kv = KVCache(spec, context, cdt, self.device, kv_bits)
@@ -86,6 +95,10 @@ class TorchBackend(Backend):
     def to_host(self, x: torch.Tensor) -> np.ndarray:
         return x.float().cpu().numpy()
 
+    def sync(self, out) -> None:
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+
     relu, square, gelu, silu, tanh = map(staticmethod, (F.relu, torch.square, F.gelu, F.silu, torch.tanh))
 
     @staticmethod
@@ -109,11 +122,11 @@ class TorchBackend(Backend):
 
     # -- forward pieces ------------------------------------------------------------------------
     def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        w, b, eps = self.w[name + ".weight"], self.w.get(name + ".bias"), self.spec.norm_eps
+        t0, w, b, eps = self._tic(), self.w[name + ".weight"], self.w.get(name + ".bias"), self.spec.norm_eps
         if self.spec.norm == "layernorm":
-            return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+            return self._toc("norms", t0, F.layer_norm(x, (x.shape[-1],), w, b, eps))
         xf = x.float()
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return self._toc("norms", t0, w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
 
     def embedding_rows(self, ids: list[int]) -> torch.Tensor:
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -135,26 +148,31 @@ class TorchBackend(Backend):
         """Self-attention of block `layer` for tokens at positions pos..; returns (output, normed input)."""
         s, p, T = self.spec, f"layers.{layer}.", x.shape[0]
         h = self.norm(p + "attn_norm", x)
-        q, k, v = (self._linear(p + n, h) for n in "qkv")
+        t0 = self._tic()
+        q, k, v = self._toc("attn_proj", t0, self._qkv(p, h))
         if s.qk_norm and s.qk_norm_full:
             q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
         q = q.view(T, s.n_heads, s.head_dim)
         k, v = k.view(T, s.n_kv_heads, s.head_dim), v.view(T, s.n_kv_heads, s.head_dim)
         if s.qk_norm and not s.qk_norm_full:
             q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
+        t0 = self._tic()
         if s.positional == "rotary":
             q, k = self._rope(q, self.ropes[layer], pos), self._rope(k, self.ropes[layer], pos)
         S, window = pos + T, s.window(layer)
         lo = max(0, pos - window + 1) if window else 0  # earliest key any of the new queries sees
         keys, vals = self.kv.update(layer, pos, k, v, lo)
         group = s.n_heads // s.n_kv_heads
-        if group > 1:
+        gqa = group > 1 and self.tuned and not s.attn_softcap  # SDPA shares each kv head itself (no copies)
+        if group > 1 and not gqa:
             keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)
-        qpos = torch.arange(pos, S, device=self.device)[:, None]
-        kpos = torch.arange(lo, S, device=self.device)[None, :]
-        mask = kpos <= qpos
-        if window:
-            mask &= (qpos - kpos) < window
+        mask = None
+        if T > 1 or s.attn_softcap or not self.tuned:  # one new token sees every key from lo on
+            qpos = torch.arange(pos, S, device=self.device)[:, None]
+            kpos = torch.arange(lo, S, device=self.device)[None, :]
+            mask = kpos <= qpos
+            if window:
+                mask &= (qpos - kpos) < window
         q, keys, vals = q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1)
         scale = s.attn_scale or s.head_dim ** -0.5
         if s.attn_softcap:  # Gemma 2: cap * tanh(scores / cap) before the mask; SDPA has no soft-capping
@@ -162,20 +180,89 @@ class TorchBackend(Backend):
             weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
             out = weights.to(vals.dtype) @ vals
         else:
-            out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale)
-        return self._linear(p + "o", out.transpose(0, 1).reshape(T, s.n_heads * s.head_dim)), h
+            out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out = self._toc("attention", t0, out.transpose(0, 1).reshape(T, s.n_heads * s.head_dim))
+        t0 = self._tic()
+        return self._toc("attn_proj", t0, self._linear(p + "o", out)), h
+
+    def _qkv(self, p: str, h: torch.Tensor):
+        """The q, k, v projections of block prefix `p`: one call where `fuse_resident` fused them."""
+        fused = self.w.get(p + "qkv.weight")
+        if fused is None:
+            return [self._linear(p + n, h) for n in "qkv"]
+        s = self.spec
+        kv = s.n_kv_heads * s.head_dim
+        return F.linear(h, fused, self.w.get(p + "qkv.bias")).split((s.n_heads * s.head_dim, kv, kv), dim=-1)
+
+    def fuse_resident(self) -> None:
+        """At load: each layer's q, k, v weights (and biases) as one matrix, so a token's projections
+        are one call streaming one matrix. Same math; skipped for layers whose q/k/v are not plain
+        tensors of the compute dtype (e.g. quantized) and with the "plain" kernels."""
+        if not self.tuned:
+            return
+        for layer in range(self.spec.n_layers):
+            p = f"layers.{layer}."
+            names = [p + n + ".weight" for n in "qkv"]
+            if not all(type(self.w.get(n)) is torch.Tensor and self.w[n].dtype == self.dtype for n in names):
+                continue
+            for kind in ("weight", "bias"):
+                parts = [self.w.get(f"{p}{n}.{kind}") for n in "qkv"]
+                if all(t is not None for t in parts):
+                    self.w[f"{p}qkv.{kind}"] = torch.cat(parts)
+                    for n in "qkv":
+                        del self.w[f"{p}{n}.{kind}"]
 
     def ffn(self, x: torch.Tensor, rows: dict[str, torch.Tensor], up_bias, gate_bias, down_bias,
             threshold: float | None = None) -> torch.Tensor:
-        """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns);
-        with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity)."""
-        gated = self.spec.gated_ffn
-        a = self.act(F.linear(x, rows["gate"], gate_bias) if gated else F.linear(x, rows["up"], up_bias))
+        """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns),
+        or packed by `pack_ffn`; with `threshold`, neurons with |act(pre)| <= threshold contribute
+        zero (calibrated sparsity)."""
+        t0, gated, packed = self._tic(), self.spec.gated_ffn, "down_t" in rows
+        if packed:  # one up(+gate) product; down as a contiguous [d, n] matrix
+            z = F.linear(x, rows["up_gate"] if gated else rows["up"])
+            up, pre = z.chunk(2, dim=-1) if gated else (z, z)
+            up = up if up_bias is None else up + up_bias
+            pre = (pre if gate_bias is None else pre + gate_bias) if gated else up
+        else:
+            up = F.linear(x, rows["up"], up_bias)
+            pre = F.linear(x, rows["gate"], gate_bias) if gated else up
+        a = self.act(pre)
         if threshold is not None:
             a = a * (a.abs() > threshold)
-        h = a * F.linear(x, rows["up"], up_bias) if gated else a
-        y = h @ rows["down"]
-        return y + down_bias if down_bias is not None else y
+        h = a * up if gated else a
+        if packed:
+            return self._toc("ffn", t0, F.linear(h, rows["down_t"], down_bias))
+        y = self._down(h, rows["down"])
+        return self._toc("ffn", t0, y + down_bias if down_bias is not None else y)
+
+    def _down(self, h: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """h [T, n] @ down [n, d] with the kernel DOWN_KERNEL chose for the compute dtype."""
+        if self.down_kernel == "matmul":
+            return h @ down
+        if h.shape[0] == 1:
+            return torch.mv(down.t(), h[0])[None]
+        return (h.float() @ down.float()).to(h.dtype)  # several tokens: BLAS in float32 (prefill)
+
+    def pack_ffn(self, rows: dict) -> dict:
+        """A resident FFN's rows packed at load (dense and hybrid plans): up and gate as one [2n, d]
+        matrix, down transposed to a contiguous [d, n] matrix; every token's FFN is then two
+        contiguous matrix-vector products. Same math; rows that are not plain tensors of the compute
+        dtype (quantized) and the "plain" kernels keep the rows as they are."""
+        if not self.tuned or not all(type(t) is torch.Tensor and t.dtype == self.dtype for t in rows.values()):
+            return rows
+        packed = {"down_t": rows["down"].t().contiguous()}
+        if self.spec.gated_ffn:
+            packed["up_gate"] = torch.cat((rows["up"], rows["gate"]))
+        else:
+            packed["up"] = rows["up"].contiguous()
+        return packed
+
+    def ffn_part(self, rows: dict, part: str):
+        if part in rows:
+            return rows[part]
+        if part == "down":
+            return rows["down_t"].t()
+        return rows["up"] if "up" in rows else rows["up_gate"].chunk(2)[part == "gate"]
 
     def moe_ffn(self, x: torch.Tensor, groups: list, shared: dict | None = None, shared_gate=None) -> torch.Tensor:
         """Routed experts: for each (rows, token ids, float32 weights) group, weights * expert(x[tokens])

@@ -1,0 +1,422 @@
+"""Per-token compute against this machine's weight-streaming roofline (issue #23).
+
+    python bench/compute_roofline.py MODEL_DIR [--mode sparse --dram-budget 0.5 --trace T.npz]
+        [--dtype bfloat16] [--configs before after ...] [--rounds 2] [--tokens 8]
+        [--roofline-dtypes bfloat16 float16 float32 int8 int4] [--backends torch mlx] [--out FILE.md] [--json]
+
+1. Roofline: for each backend (torch CPU, MLX CPU) and dtype, the best rate at which one token's
+   matrix-vector products stream the weights of this model's own matrix shapes (fused q/k/v, o,
+   up+gate, down, head), each rotated through copies larger than the last-level cache so that
+   weights come from DRAM as in a forward pass. int8/int4: torch's weight-only kernels
+   (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu) and MLX's quantized_matmul
+   (groups of 64), counting the codes and scales streamed. Torch at 1 and 2 intra-op threads.
+   The down-projection kernels over bundle rows (the survey behind torch_backend.DOWN_KERNEL).
+2. Runtime: the model's own decode tokens, each configuration (--configs, below) in a child
+   process, rounds interleaved; per part (backend.parts, a PartTimer) ms per token, bytes it
+   touches (resident q/k/v/o, KV read, the FFN rows it multiplies, the head) and GB/s as a share
+   of the roofline of its backend and dtype. "python/other" is compute_ms minus the timed parts.
+
+Configurations: before (kernels="plain": the file's tensors with torch's default kernels), after
+(kernels="tuned"), after-1t (torch.set_num_threads(1)), after-passive (OMP_WAIT_POLICY=PASSIVE), mlx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))  # run from a checkout
+
+GB = 1e9
+CONFIGS = {  # name -> (load options, torch threads or None, extra environment)
+    "before": (dict(kernels="plain"), None, {}),
+    "after": (dict(kernels="tuned"), None, {}),
+    "after-1t": (dict(kernels="tuned"), 1, {}),
+    "after-passive": (dict(kernels="tuned"), None, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "mlx": (dict(backend="mlx"), None, {}),
+}
+QUANT_GROUP = 64
+
+
+def llc_bytes() -> int:
+    """The last-level cache size (Linux sysfs), 32 MiB if unknown."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"), reverse=True):
+        try:
+            size = (index / "size").read_text().strip()
+            return int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20}[size[-1]]
+        except (OSError, ValueError, KeyError):
+            continue
+    return 32 << 20
+
+
+def matrix_shapes(spec) -> dict[str, tuple[int, int]]:
+    """[out, in] of one token's weight products in the tuned forward pass."""
+    hd, d, f = spec.head_dim, spec.d_model, spec.d_ffn
+    return {"qkv": ((spec.n_heads + 2 * spec.n_kv_heads) * hd, d), "o": (d, spec.n_heads * hd),
+            "up+gate" if spec.gated_ffn else "up": ((2 if spec.gated_ffn else 1) * f, d), "down": (d, f),
+            "head": (spec.vocab_size, d)}
+
+
+# -- 1. roofline ----------------------------------------------------------------------------------
+def torch_case(dtype: str, shape, copies: int):
+    """(bytes per product, [one product per weight copy]) for torch CPU."""
+    import torch
+    import torch.nn.functional as F
+
+    out, k = shape
+    g = torch.Generator().manual_seed(0)
+    if dtype in ("int8", "int4"):
+        x = torch.randn(1, k, generator=g, dtype=torch.bfloat16)
+        fns, nbytes = [], 0
+        for _ in range(copies):
+            codes = torch.randint(-128, 128, (out, k), generator=g, dtype=torch.int8)
+            if dtype == "int8":
+                scales = torch.rand(out, generator=g, dtype=torch.bfloat16)
+                fns.append(lambda w=codes, s=scales: torch.ops.aten._weight_int8pack_mm(x, w, s))
+                nbytes = out * k + out * 2
+            else:
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                    (codes.to(torch.int32) & 15).contiguous(), 1)
+                sz = torch.rand(k // QUANT_GROUP, out, 2, generator=g, dtype=torch.bfloat16)
+                fns.append(lambda w=packed, s=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, QUANT_GROUP, s))
+                nbytes = out * k // 2 + sz.numel() * 2
+        return nbytes, fns
+    dt = getattr(torch, dtype)
+    x = torch.randn(1, k, generator=g).to(dt)
+    ws = [torch.randn(out, k, generator=g).to(dt) for _ in range(copies)]
+    return out * k * dt.itemsize, [lambda w=w: F.linear(x, w) for w in ws]
+
+
+def mlx_case(dtype: str, shape, copies: int):
+    import mlx.core as mx
+
+    out, k = shape
+    mx.random.seed(0)
+    x = mx.random.normal((1, k))
+    fns, nbytes = [], 0
+    for _ in range(copies):
+        w = mx.random.normal((out, k))
+        if dtype in ("int8", "int4"):
+            bits = 8 if dtype == "int8" else 4
+            q = mx.quantize(w, group_size=QUANT_GROUP, bits=bits)
+            mx.eval(q)
+            nbytes = sum(a.nbytes for a in q)
+            fns.append(lambda q=q, b=bits: mx.eval(mx.quantized_matmul(x.astype(mx.bfloat16), *q, transpose=True,
+                                                                       group_size=QUANT_GROUP, bits=b)))
+        else:
+            w = w.astype(getattr(mx, dtype))
+            xd = x.astype(w.dtype)
+            mx.eval(w, xd)
+            nbytes = w.nbytes
+            fns.append(lambda w=w, xd=xd: mx.eval(xd @ w.T))
+    return nbytes, fns
+
+
+def set_torch_threads(n: int | None) -> None:
+    import torch
+    if n:
+        torch.set_num_threads(n)
+
+
+def roofline(spec, backends, dtypes, rounds: int, torch_threads=(1, 2)) -> list[dict]:
+    """Best and median GB/s per (backend, dtype, threads, shape); rounds interleave shapes and threads."""
+    import torch
+    default_threads = torch.get_num_threads()
+    rows = []
+    for backend in backends:
+        for dtype in dtypes:
+            if backend == "mlx" and dtype == "float16":
+                continue  # MLX's CPU build has no float16 matmul fast path worth listing; bfloat16 covers it
+            cases = {}
+            for name, shape in matrix_shapes(spec).items():
+                probe = (shape[0] * shape[1] * (4 if dtype == "float32" else 1 if dtype == "int8" else 2))
+                copies = min(16, max(2, math.ceil(3 * llc_bytes() / probe)))
+                try:
+                    cases[name] = (torch_case if backend == "torch" else mlx_case)(dtype, shape, copies)
+                except (RuntimeError, ValueError, AttributeError) as e:  # a kernel this build lacks
+                    print(f"roofline: {backend} {dtype} {name}: skipped ({str(e).splitlines()[0]})", file=sys.stderr)
+            threads = torch_threads if backend == "torch" else (None,)
+            times = {}
+            for _ in range(rounds + 1):  # the first round warms up and is dropped
+                for name, (nbytes, fns) in cases.items():
+                    for n in threads:
+                        set_torch_threads(n)
+                        t0 = time.perf_counter()
+                        for fn in fns:
+                            fn()
+                        times.setdefault((name, n), []).append((time.perf_counter() - t0) / len(fns))
+            for (name, n), ts in times.items():
+                nbytes = cases[name][0]
+                ts = ts[1:]
+                rows.append(dict(backend=backend, dtype=dtype, threads=n, shape=name, bytes=nbytes,
+                                 best_gbps=nbytes / min(ts) / GB, median_gbps=nbytes / statistics.median(ts) / GB))
+            del cases
+    torch.set_num_threads(default_threads)
+    return rows
+
+
+def rates(rows) -> dict[tuple[str, str], float]:
+    """The roofline: best rate per (backend, dtype) over shapes and thread counts."""
+    out = {}
+    for r in rows:
+        key = (r["backend"], r["dtype"])
+        out[key] = max(out.get(key, 0.0), r["best_gbps"])
+    return out
+
+
+def down_survey(spec, dtypes, rounds: int) -> list[dict]:
+    """One token's down projection over bundle rows [n, stride] (n = d_ffn / 2) per kernel."""
+    import torch
+
+    d, n = spec.d_model, spec.d_ffn // 2
+    rows = []
+    for dtype in [t for t in dtypes if t in ("float32", "float16", "bfloat16")]:
+        dt = getattr(torch, dtype)
+        copies = min(16, max(2, math.ceil(3 * llc_bytes() / (n * 3 * d * dt.itemsize))))
+        mats = [torch.randn(n, 3 * d + 64).to(dt) for _ in range(copies)]
+        h = torch.randn(1, n).to(dt)
+        kernels = {"matmul": lambda m: h @ m[:, 2 * d:3 * d], "mv": lambda m: torch.mv(m[:, 2 * d:3 * d].t(), h[0]),
+                   "upcast": lambda m: h.float() @ m[:, 2 * d:3 * d].float()}
+        times = {}
+        for _ in range(rounds + 1):
+            for name, fn in kernels.items():
+                t0 = time.perf_counter()
+                for m in mats:
+                    fn(m)
+                times.setdefault(name, []).append((time.perf_counter() - t0) / len(mats))
+        for name, ts in times.items():
+            rows.append(dict(dtype=dtype, kernel=name, ms=min(ts[1:]) * 1e3,
+                             best_gbps=n * d * dt.itemsize / min(ts[1:]) / GB))
+    return rows
+
+
+# -- 2. the runtime's own tokens --------------------------------------------------------------------
+def part_bytes(model, cost, pos: int) -> dict[str, int]:
+    """Bytes one decode token at position `pos` touches, per compute part."""
+    s, B = model.spec, model.backend
+    proj = sum(B.nbytes_of(t) for name, t in B.w.items()
+               if name.startswith("layers.") and name.split(".")[2] in ("q", "k", "v", "o", "qkv"))
+    kv = 0
+    for layer in range(s.n_layers):
+        w = s.window(layer)
+        kv += 2 * min(pos + 1, w or pos + 1) * s.n_kv_heads * s.head_dim * B.itemsize
+    if model.mode == "sparse":
+        ffn = sum(cost.neurons_cached) * len(model.layout.parts) * s.d_model * B.itemsize
+    else:
+        ffn = model.plan.device_bytes()
+    head = B.w["embed.weight"] if s.tied_embeddings else B.w["lm_head.weight"]
+    return {"attn_proj": proj, "attention": kv, "ffn": ffn, "logits": B.nbytes_of(head)}
+
+
+def child(args) -> dict:
+    """One configuration: load, warm up, time --tokens decode tokens; per-token averages as a dict."""
+    import flashllm
+    from flashllm.stats import PartTimer
+
+    options, threads, _ = CONFIGS[args.config]
+    set_torch_threads(threads)
+    predictor = args.predictor
+    if args.trace:
+        sys.path.insert(0, str(BENCH))
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("flashllm_bench_trace", BENCH / "trace.py")
+        trace = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(trace)
+        predictor = trace.trace_predictor_factory(args.trace, 0, args.predictor_rank)
+    load = dict(mode=args.mode, dtype=args.dtype, dram_budget=args.dram_budget, window=args.window, **options)
+    if args.mode == "sparse":
+        load["predictor"] = predictor
+    t0 = time.perf_counter()
+    model = flashllm.load(args.model_dir, **load)
+    load_s = time.perf_counter() - t0
+    B = model.backend
+    timer = PartTimer(B.sync)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, model.spec.vocab_size, args.warmup + args.tokens + 1).tolist()
+    model._costs = []
+    model.forward(ids[:1], 0)
+    per_token = []
+    for i, t in enumerate(ids[1:]):
+        measured = i >= args.warmup
+        B.parts = timer if measured else None
+        timer.reset()
+        model.forward([t], i + 1)
+        if measured:
+            cost = model._costs[-1]
+            parts = dict(timer.ms)
+            parts["python/other"] = cost.compute_ms - sum(timer.ms.values())
+            per_token.append(dict(parts=parts, bytes=part_bytes(model, cost, i + 1), compute_ms=cost.compute_ms,
+                                  total_ms=cost.total_ms, io_ms=cost.io_ms, mem_ms=cost.mem_ms,
+                                  predictor_ms=cost.predictor_ms))
+    B.parts = None
+    mean = lambda key: statistics.fmean(p[key] for p in per_token)  # noqa: E731
+    return dict(config=args.config, backend=B.name, dtype=B.dtype_name, load_s=load_s,
+                threads=_torch_threads(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+                parts={k: statistics.fmean(p["parts"][k] for p in per_token) for k in per_token[0]["parts"]},
+                bytes={k: statistics.fmean(p["bytes"][k] for p in per_token) for k in per_token[0]["bytes"]},
+                **{k: mean(k) for k in ("compute_ms", "total_ms", "io_ms", "mem_ms", "predictor_ms")})
+
+
+def _torch_threads() -> int | None:
+    import torch
+    return torch.get_num_threads()
+
+
+def run_child(args, config: str) -> dict:
+    argv = [sys.executable, __file__, args.model_dir, "--child", config] + _forward_args(args)
+    env = dict(os.environ, **CONFIGS[config][2])
+    out = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"compute_roofline: config {config} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _forward_args(args) -> list[str]:
+    out = ["--mode", args.mode, "--tokens", str(args.tokens), "--warmup", str(args.warmup),
+           "--window", str(args.window), "--predictor", args.predictor, "--predictor-rank", str(args.predictor_rank)]
+    for key in ("dtype", "dram_budget", "trace"):
+        if getattr(args, key) is not None:
+            out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return out
+
+
+# -- report ---------------------------------------------------------------------------------------
+def spread(values, fmt="{:.1f}") -> str:
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}–{fmt.format(hi)}"
+
+
+def report(meta, roof_rows, survey, runs) -> str:
+    roof = rates(roof_rows)
+    lines = [f"# Compute vs the weight-streaming roofline: {meta['model']}", "",
+             f"- machine: {meta['machine']}; load average at start {meta['load']:.1f}; torch {meta['torch']}",
+             f"- command: `{meta['command']}`",
+             f"- decode tokens: {meta['tokens']} measured per run after {meta['warmup']} warm-up tokens; "
+             f"{meta['rounds']} rounds, configurations interleaved; ranges are min–max over rounds", "",
+             "## Roofline: best GB/s of one token's matrix-vector product on this model's shapes", "",
+             "| backend | dtype | threads | " + " | ".join(matrix_shapes(meta["spec"])) + " |",
+             "|---|---|---|" + "---|" * len(matrix_shapes(meta["spec"]))]
+    keys = sorted({(r["backend"], r["dtype"], r["threads"]) for r in roof_rows}, key=str)
+    for key in keys:
+        cells = {r["shape"]: r for r in roof_rows if (r["backend"], r["dtype"], r["threads"]) == key}
+        lines.append(f"| {key[0]} | {key[1]} | {key[2] or '-'} | " + " | ".join(
+            f"{cells[s]['best_gbps']:.1f} (med {cells[s]['median_gbps']:.1f})" if s in cells else "-"
+            for s in matrix_shapes(meta["spec"])) + " |")
+    lines += ["", "Roofline per backend and dtype (best of the above): " +
+              ", ".join(f"{b} {d} {v:.1f} GB/s" for (b, d), v in sorted(roof.items())), ""]
+    if survey:
+        lines += ["## Down projection over bundle rows (one token, n = d_ffn/2 rows with the bundle's row stride)", "",
+                  "| dtype | h @ rows (matmul) | mv(rows.t(), h) | float32 upcast |", "|---|---|---|---|"]
+        for dtype in dict.fromkeys(r["dtype"] for r in survey):
+            cell = {r["kernel"]: r for r in survey if r["dtype"] == dtype}
+            lines.append(f"| {dtype} | " + " | ".join(f"{cell[k]['ms']:.2f} ms ({cell[k]['best_gbps']:.1f} GB/s)"
+                                                      for k in ("matmul", "mv", "upcast")) + " |")
+        lines.append("")
+    if runs:
+        parts = list(runs[0]["parts"]) if runs else []
+        lines += [f"## The runtime's decode token, per part ({meta['mode_desc']})", "",
+                  "| config | backend dtype threads | part | ms/token | GB touched | GB/s | share of roofline |",
+                  "|---|---|---|---|---|---|---|"]
+        by = {}
+        for r in runs:
+            by.setdefault(r["config"], []).append(r)
+        for config, rs in by.items():
+            r0 = rs[0]
+            rate = roof.get((r0["backend"], r0["dtype"]))
+            who = f"{r0['backend']} {r0['dtype']} {r0['threads'] or '-'}" + \
+                (f" {r0['omp_wait_policy']}" if r0["omp_wait_policy"] else "")
+            for part in parts + ["compute (all parts)"]:
+                ms = [r["compute_ms"] if part.startswith("compute") else r["parts"][part] for r in rs]
+                nb = r0["bytes"].get(part) if not part.startswith("compute") else sum(r0["bytes"].values())
+                gbps = [nb / (m / 1e3) / GB for m in ms if m > 0] if nb else []
+                share = spread([g / rate for g in gbps], "{:.0%}") if gbps and rate else "-"
+                lines.append(f"| {config} | {who} | {part} | {spread(ms)} | {nb / GB:.3f} | "
+                             f"{spread(gbps) if gbps else '-'} | {share} |" if nb else
+                             f"| {config} | {who} | {part} | {spread(ms)} | - | - | - |")
+            bound = sum(r0["bytes"].values()) / GB / rate * 1e3 if rate else None
+            if bound:
+                lines.append(f"| {config} | | **compute / (bytes / roofline)** | "
+                             f"{spread([r['compute_ms'] / bound for r in rs], '{:.2f}x')} (bound {bound:.0f} ms) | | | |")
+        lines += ["", "Other per-token costs (not compute): " + "; ".join(
+            f"{c}: io {spread([r['io_ms'] for r in rs])} ms, mem {spread([r['mem_ms'] for r in rs])} ms, "
+            f"predictor {spread([r['predictor_ms'] for r in rs])} ms, total {spread([r['total_ms'] for r in rs])} ms"
+            for c, rs in by.items()), ""]
+    return "\n".join(lines)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", help="a flashllm model directory (e.g. from bench/make_model.py)")
+    p.add_argument("--mode", default="sparse", choices=["dense", "sparse"], help="(default: %(default)s)")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the runtime's choice)")
+    p.add_argument("--dram-budget", default=None, help="sparse mode: e.g. 0.5 (default: unlimited)")
+    p.add_argument("--window", type=int, default=4, help="(default: %(default)s)")
+    p.add_argument("--predictor", default="oracle", help="sparse without --trace (default: %(default)s)")
+    p.add_argument("--trace", default=None, help="bench/trace.py trace: its active sets (the 'all' token)")
+    p.add_argument("--predictor-rank", type=int, default=128, help="trace predictor's cost stand-in rank")
+    p.add_argument("--configs", nargs="+", default=["before", "after", "after-1t", "after-passive"],
+                   choices=list(CONFIGS), help="(default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=2, help="(default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=6, help="measured decode tokens per run (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=4, help="decode tokens before measuring (default: %(default)s)")
+    p.add_argument("--backends", nargs="+", default=["torch", "mlx"], help="roofline backends (default: %(default)s)")
+    p.add_argument("--roofline-dtypes", nargs="+", default=["bfloat16", "float16", "float32", "int8", "int4"],
+                   help="(default: %(default)s)")
+    p.add_argument("--roofline-rounds", type=int, default=3, help="(default: %(default)s)")
+    p.add_argument("--out", default=None, help="write the Markdown report here too")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+    if args.child:
+        args.config = args.child
+        print(json.dumps(child(args)))
+        return 0
+    import torch
+    from flashllm import format as fmt
+
+    manifest = fmt.read_manifest(args.model_dir, verify=False)
+    spec = manifest.spec
+    meta = dict(model=f"{Path(args.model_dir).name} ({spec.family}, d_model {spec.d_model}, {spec.n_layers} layers, "
+                      f"d_ffn {spec.d_ffn}, {manifest.dtype})",
+                machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                load=os.getloadavg()[0], torch=torch.__version__, tokens=args.tokens, warmup=args.warmup,
+                rounds=args.rounds, command="python bench/compute_roofline.py " + " ".join(argv or sys.argv[1:]),
+                mode_desc=f"{args.mode}" + (f", budget {args.dram_budget}" if args.dram_budget else "") +
+                (f", window {args.window}, active sets from {'the trace' if args.trace else args.predictor}"
+                 if args.mode == "sparse" else ""), spec=spec)
+    print("roofline ...", file=sys.stderr)
+    roof = roofline(spec, args.backends, args.roofline_dtypes, args.roofline_rounds)
+    survey = down_survey(spec, args.roofline_dtypes, args.roofline_rounds)
+    runs = []
+    for r in range(args.rounds):
+        for config in args.configs:
+            print(f"round {r + 1}/{args.rounds}: {config} ...", file=sys.stderr)
+            runs.append(run_child(args, config))
+    text = report(meta, roof, survey, runs)
+    if args.json:
+        meta.pop("spec")
+        print(json.dumps(dict(meta=meta, roofline=roof, down_survey=survey, runs=runs)))
+    else:
+        print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

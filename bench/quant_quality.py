@@ -37,18 +37,21 @@ from flashllm.predictors import collect  # noqa: E402
 from flashllm.predictors.evaluate import _greedy as greedy, _nll as nll  # noqa: E402  (the same measures)
 
 
-def measure(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, budget, budget_tokens: int) -> dict:
+def measure(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, budget, budget_tokens: int,
+            with_bytes: bool = True) -> dict:
+    """Dense perplexity and top-1 agreement; flash bytes per token for stored variants (load options do
+    not change what is read); sparse perplexity at `budget` if given."""
     dense = flashllm.load(model_dir, **opts)
     losses = np.concatenate([nll(dense.logits(c)[:-1], c[1:]) for c in chunks])
     seq = prompt + gen
     follow = np.argmax(dense.logits(seq[:-1])[len(prompt) - 1:], axis=1) == np.array(gen)
-    sparse = flashllm.load(model_dir, mode="sparse", predictor="oracle", window=window, **opts)
-    sparse.logits(seq, prefill=len(prompt))
-    st = sparse.stats
     out = {"ppl": float(math.exp(losses.mean())), "top1_agreement": float(follow.mean()),
-           "bytes_per_token": st["bytes_read"], "ffn_file_bytes": (model_dir / "ffn.bin").stat().st_size,
-           "scored_tokens": int(len(losses)), "decode_tokens": st["decode_tokens"],
+           "ffn_file_bytes": (model_dir / "ffn.bin").stat().st_size, "scored_tokens": int(len(losses)),
            "dram_bytes_dense": dense.stats["dram_bytes"]}
+    if not opts and with_bytes:
+        sparse = flashllm.load(model_dir, mode="sparse", predictor="oracle", window=window)
+        sparse.logits(seq, prefill=len(prompt))
+        out.update(bytes_per_token=sparse.stats["bytes_read"], decode_tokens=sparse.stats["decode_tokens"])
     if budget is not None:  # sparse, oracle, at the user's budget and dtype: token by token
         at = flashllm.load(model_dir, mode="sparse", predictor="oracle", window=window, dram_budget=budget,
                            dtype="bfloat16", **opts)
@@ -76,8 +79,9 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=4, help="sparse window (default: %(default)s)")
     ap.add_argument("--budget", type=float, default=None, help="also measure sparse mode (oracle) at this DRAM "
                     "budget in bfloat16, as the demo runs (e.g. 0.5) (default: off)")
-    ap.add_argument("--budget-tokens", type=int, default=1024, help="held-out tokens scored at --budget "
+    ap.add_argument("--budget-tokens", type=int, default=256, help="held-out tokens scored at --budget "
                     "(default: %(default)s)")
+    ap.add_argument("--no-bytes", action="store_true", help="skip the flash-bytes measurement (default: off)")
     ap.add_argument("--out", type=Path, help="write the markdown table here (and JSON beside it)")
     args = ap.parse_args(argv)
 
@@ -101,16 +105,20 @@ def main(argv=None):
         prompt = chunks[0][:args.prompt_tokens]
         gen = greedy(ref, prompt, min(args.gen_tokens, ref.context - len(prompt)))
         budget = int(args.budget * ref.model_bytes) if args.budget else None  # the same bytes for every row
+        at_budget = {"float32", f"int4 g{g}", f"int4 g{g} + resident int4", f"int4 g{g} + resident int4 + KV int8"}
         results = {}
         for name, (d, opts) in variants.items():
             print(f"measuring {name}", file=sys.stderr, flush=True)
-            results[name] = measure(d, chunks, prompt, gen, args.window, opts, budget, args.budget_tokens)
+            results[name] = measure(d, chunks, prompt, gen, args.window, opts, budget if name in at_budget else None,
+                                    args.budget_tokens, not args.no_bytes)
+            print(f"{name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     base, f16 = results["float32"], results["float16"]
     at = f" | ppl at budget {args.budget} (bf16, oracle) | vs float32 there | dropped/token" if args.budget else ""
     lines = [f"{args.model.name}: {base['scored_tokens']} held-out tokens ({args.data.name}), greedy agreement over "
-             f"{len(gen)} tokens, sparse oracle window {args.window} over {base['decode_tokens']} decode tokens"
+             f"{len(gen)} tokens" + (f", sparse oracle window {args.window} over {base['decode_tokens']} decode tokens"
+                                     if "decode_tokens" in base else "")
              + (f"; at budget {args.budget} of the float32 model ({budget / 2**20:.2f} MiB for every row): "
                 f"{base['budget_tokens']} tokens decoded one by one" if args.budget else ""),
              "", "| storage (+ load options) | ffn.bin MiB | DRAM dense MiB | perplexity | ppl vs float32 | top-1 "
@@ -118,14 +126,19 @@ def main(argv=None):
              "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.budget else "")]
     for name, r in results.items():
         r["ppl_ratio"] = r["ppl"] / base["ppl"]
-        r["bytes_vs_float16"] = r["bytes_per_token"] / f16["bytes_per_token"]
         cells = [name, f"{r['ffn_file_bytes'] / 2**20:.2f}", f"{r['dram_bytes_dense'] / 2**20:.2f}", f"{r['ppl']:.4f}",
-                 f"{(r['ppl_ratio'] - 1) * 100:+.2f}%", f"{r['top1_agreement']:.3f}",
-                 f"{r['bytes_per_token'] / 1024:.1f} KiB", f"{r['bytes_vs_float16']:.3f}"]
-        if args.budget:
+                 f"{(r['ppl_ratio'] - 1) * 100:+.2f}%", f"{r['top1_agreement']:.3f}"]
+        if "bytes_per_token" in r and "bytes_per_token" in f16:
+            r["bytes_vs_float16"] = r["bytes_per_token"] / f16["bytes_per_token"]
+            cells += [f"{r['bytes_per_token'] / 1024:.1f} KiB", f"{r['bytes_vs_float16']:.3f}"]
+        else:
+            cells += ["as stored" if not args.no_bytes else "not measured", ""]
+        if args.budget and "budget_ppl" in r:
             r["budget_ppl_ratio"] = r["budget_ppl"] / base["budget_ppl"]
             cells += [f"{r['budget_ppl']:.4f}", f"{(r['budget_ppl_ratio'] - 1) * 100:+.2f}%",
                       f"{r['budget_dropped_per_token']:.0f}"]
+        elif args.budget:
+            cells += ["", "", ""]
         lines.append("| " + " | ".join(cells) + " |")
     print("\n".join(lines))
     if args.out:

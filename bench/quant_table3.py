@@ -4,8 +4,8 @@ matrices, side by side in one run, at the same DRAM budget fraction.
     python bench/quant_table3.py [--shape opt-1.3b] [--work-dir /tmp/flashllm-quant3] [--out bench/results/quant_table3.md]
 
 1. held-out text and an activation trace of the embedded model (as bench/paper_run.py makes them);
-2. the random model of `--shape` twice (bench/make_model.py, same seed): float16 bundles, and int4
-   bundles (groups of 64; resident tensors float16 on flash in both);
+2. the random model of `--shape` twice (bench/make_model.py, same seed), one on disk at a time:
+   float16 bundles, and int4 bundles (groups of 64; resident tensors float16 on flash in both);
 3. bench/paper_tables.py on each (naive, hybrid and the sparse "all" row; each run in a child
    process inside a cgroup v1 memory limit, page cache evicted before each run), the third variant
    loading the int4 model with `--quantize-resident int4`;
@@ -124,24 +124,24 @@ def main(argv=None) -> None:
     work, out = Path(args.work_dir), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     py, trace = sys.executable, trace_file(work)
-    models = {q: work / f"{args.shape}-{'float16' if q == 'none' else q}" for q in {v[1] for v in VARIANTS}}
     rows, reports, machine_desc = [], {}, machine()
-    try:
-        for q, d in models.items():
+    for q in dict.fromkeys(v[1] for v in VARIANTS):  # one model on disk at a time
+        d = work / f"{args.shape}-{'float16' if q == 'none' else q}"
+        try:
             if not (d / "flashllm.json").is_file():
                 sh([py, "bench/make_model.py", "--shape", args.shape, "--dtype", "float16", "--out", d,
                     "--quantize", q, "--quiet"])
-        for label, q, resident in VARIANTS:
-            js = work / f"{label.replace(' ', '_').replace('+', 'and')}.json"
-            sh([py, "bench/paper_tables.py", models[q], "--dram-budget", args.dram_budget, "--tokens", args.tokens,
-                "--warmup", args.warmup, "--naive-tokens", args.naive_tokens, "--hybrid-tokens", args.hybrid_tokens,
-                "--only", "naive,hybrid,all", "--fig8-tokens", "0", "--trace", trace, "--isolate", "--cgroup",
-                "--torch-threads", args.torch_threads, "--quantize-resident", resident, "--json-out", js, "--quiet"])
-            reports[label] = json.loads(js.read_text())
-            rows += rows_of(reports[label], label)
-    finally:
-        if not args.keep_models:
-            for d in models.values():
+            for label, _, resident in [v for v in VARIANTS if v[1] == q]:
+                js = work / f"{label.replace(' ', '_').replace('+', 'and')}.json"
+                sh([py, "bench/paper_tables.py", d, "--dram-budget", args.dram_budget, "--tokens", args.tokens,
+                    "--warmup", args.warmup, "--naive-tokens", args.naive_tokens, "--hybrid-tokens",
+                    args.hybrid_tokens, "--only", "naive,hybrid,all", "--fig8-tokens", "0", "--trace", trace,
+                    "--isolate", "--cgroup", "--torch-threads", args.torch_threads, "--quantize-resident", resident,
+                    "--json-out", js, "--quiet"])
+                reports[label] = json.loads(js.read_text())
+                rows += rows_of(reports[label], label)
+        finally:
+            if not args.keep_models:
                 shutil.rmtree(d, ignore_errors=True)
     first = next(iter(reports.values()))["meta"]
     sizes = ", ".join(f"{label}: {rows_of(reports[label], label)[0].get('model_gb', 0):.2f} GB"

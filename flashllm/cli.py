@@ -126,6 +126,10 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                    help="read through gaps of up to this many bytes between needed bundles instead of issuing "
                         "another read (default: from the disk's measured per-read cost and bandwidth, see "
                         "flashllm.disk_profile; 0: off)")
+    g.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=d.prefetch,
+                   help="read layer l+1's weights while layer l computes (sparse: the neurons layer l+1's "
+                        "predictor picks from layer l's residual stream; misses are read when l+1 runs) "
+                        "(default: on)")
     g.add_argument("--context", type=int, default=d.context,
                    help="KV cache length (default: min(model, 4096))")
     g.add_argument("--quantize-resident", default=d.quantize_resident, choices=QUANTIZE_RESIDENT,

@@ -54,6 +54,34 @@ class LayerChecksums:
         self.verified.add(layer)
 
 
+class PendingNeurons:
+    """A submitted neuron read: `wait()` returns its IOStats once every part has arrived (checksummed and
+    reported to the hooks once); `done()` does not block."""
+
+    def __init__(self, reader: "FFNReader", layer: int, ids, dest, dest_rows, calls):
+        self.reader, self.layer, self.ids, self.dest, self.dest_rows, self.calls = \
+            reader, layer, ids, dest, dest_rows, calls
+        self.stats: IOStats | None = None
+
+    def done(self) -> bool:
+        return all(c.done() for c in self.calls)
+
+    def wait(self) -> IOStats:
+        if self.stats is None:
+            parts = [c.wait() for c in self.calls]
+            total = IOStats()
+            for p in parts:
+                total = total + p
+            total.wall_s = max((p.wall_s for p in parts), default=0.0)
+            r = self.reader
+            if r.checksums is not None:
+                r.checksums.observe(self.layer, self.ids, self.dest, self.dest_rows)
+            if r.hooks is not None:
+                r.hooks.emit("read", total)
+            self.stats = total
+        return self.stats
+
+
 class FFNReader:
     """One read per neuron (bundled layout) or per neuron and part (unbundled), coalesced by the engine."""
 
@@ -69,14 +97,13 @@ class FFNReader:
 
     def read(self, layer: int, ids: np.ndarray, dest: np.ndarray, dest_rows: np.ndarray) -> IOStats:
         """Neuron ids[k] of `layer` into row dest_rows[k] of `dest` (uint8, >= stride bytes per row)."""
-        total = IOStats()
-        for base, stride, nbytes, col in self.layout.segments(layer):
-            total = total + self.io.read_rows(base, stride, nbytes, ids, dest[:, col:col + nbytes], dest_rows)
-        if self.checksums is not None:
-            self.checksums.observe(layer, ids, dest, dest_rows)
-        if self.hooks is not None:
-            self.hooks.emit("read", total)
-        return total
+        return self.submit(layer, ids, dest, dest_rows).wait()
+
+    def submit(self, layer: int, ids: np.ndarray, dest: np.ndarray, dest_rows: np.ndarray) -> "PendingNeurons":
+        """Start `read` and return at once (all parts of an unbundled layout in flight together)."""
+        calls = [self.io.submit_rows(base, stride, nbytes, ids, dest[:, col:col + nbytes], dest_rows)
+                 for base, stride, nbytes, col in self.layout.segments(layer)]
+        return PendingNeurons(self, layer, ids, dest, dest_rows, calls)
 
     def reader_for(self, layer: int):
         """read(ids, dest, dest_rows) bound to one layer: what a backend's row store fills from."""

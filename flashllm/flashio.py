@@ -46,7 +46,8 @@ class FlashIOError(FlashLLMError):
 
 @dataclass
 class IOStats:
-    """What one call cost: bytes asked for, bytes transferred (incl. alignment waste), syscalls, time."""
+    """What one call cost: bytes asked for, bytes transferred (incl. alignment waste and gaps), syscalls, and
+    the time from submitting the call to its last read finishing."""
 
     bytes_requested: int = 0
     bytes_read: int = 0
@@ -92,6 +93,7 @@ class PendingRead:
 
     def __init__(self, path: str, pending: int, requested: int, t0: float, fadvise=None):
         self.path, self.pending, self._requested, self._t0, self._fadvise = path, pending, requested, t0, fadvise
+        self._t1 = t0  # when the last read finished
         self.lock, self.event = threading.Lock(), threading.Event()
         self.bytes_read = self.reads = 0
         self.error: BaseException | None = None
@@ -109,6 +111,7 @@ class PendingRead:
             self.pending -= 1
             if self.pending:
                 return
+            self._t1 = time.perf_counter()
         if self._fadvise is not None:  # buffered fallback: drop what this call read from the page cache
             try:
                 os.posix_fadvise(*self._fadvise, os.POSIX_FADV_DONTNEED)
@@ -125,7 +128,7 @@ class PendingRead:
         if self.error is not None:
             raise self.error
         if self._stats is None:
-            self._stats = IOStats(self._requested, self.bytes_read, self.reads, time.perf_counter() - self._t0)
+            self._stats = IOStats(self._requested, self.bytes_read, self.reads, self._t1 - self._t0)
         return self._stats
 
 

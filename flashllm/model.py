@@ -112,14 +112,14 @@ class Model:
             attn, h = B.attention(layer, x, pos)
             if s.parallel_attn:  # attention and FFN both read the block's input
                 f_in = B.norm(f"layers.{layer}.ffn_norm", x) if s.ffn_norm else h
-                x = x + attn + self._ffn(layer, f_in, cost)
+                x = x + attn + self._ffn(layer, f_in, cost, x)
             elif s.post_norms:  # Gemma 2/3: each sublayer's output is normed before its residual add
                 x = x + B.norm(f"layers.{layer}.post_attn_norm", attn)
-                y = self._ffn(layer, B.norm(f"layers.{layer}.ffn_norm", x), cost)
+                y = self._ffn(layer, B.norm(f"layers.{layer}.ffn_norm", x), cost, x)
                 x = x + B.norm(f"layers.{layer}.post_ffn_norm", y)
             else:
                 x = x + attn
-                x = x + self._ffn(layer, B.norm(f"layers.{layer}.ffn_norm", x), cost)
+                x = x + self._ffn(layer, B.norm(f"layers.{layer}.ffn_norm", x), cost, x)
             self.plan.after_layer(layer)
         logits = B.logits(x)
         cost.total_ms = (time.perf_counter() - t0) * 1e3
@@ -134,8 +134,10 @@ class Model:
                   f"reports the per-token average)", file=sys.stderr)
         return logits
 
-    def _ffn(self, layer: int, x, cost):
-        """The FFN of `layer`, computed by the plan (the only part that differs between modes)."""
+    def _ffn(self, layer: int, x, cost, residual):
+        """The FFN of `layer` on its input `x`, computed by the plan (the only part that differs between
+        modes); the plan also sees the residual stream it was normed from (to predict the next layer)."""
+        self.plan.before_ffn(layer, residual, cost)
         self.hooks.emit("ffn_input", layer, x)
         y = self.plan.ffn(layer, x, cost)
         self.hooks.emit("ffn_output", layer, y)

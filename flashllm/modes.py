@@ -35,6 +35,9 @@ class Plan:
     def before_layer(self, layer: int, cost) -> None:
         """Called before the layer's attention."""
 
+    def before_ffn(self, layer: int, residual, cost) -> None:
+        """Called before `ffn` with the residual stream the FFN input is normed from."""
+
     def after_layer(self, layer: int) -> None:
         """Called once the layer's output is complete (its post-FFN norm applied)."""
 
@@ -84,13 +87,22 @@ class StreamingPlan(Plan):
     def __init__(self, ctx: PlanContext):
         super().__init__(ctx)
         self.reader = ctx.ffn_reader(gap_filling=self.gap_filling)
+        # dense plans: read layer l+1 while layer l computes (two buffers), never across tokens
+        self.buffers = 2 if ctx.options.prefetch and ctx.spec.n_layers > 1 else 1
+        self._inflight: dict = {}  # layer -> reads started for it
 
-    def read_rows(self, layer: int, lo: int, hi: int, buf: np.ndarray, cost) -> dict:
-        """Neurons lo..hi-1 of `layer` read in one sequential range into `buf`, as backend rows."""
+    def wait_rows(self, pending, buf: np.ndarray, n: int, cost) -> dict:
+        """The first `n` neuron rows of `buf` as backend rows, once the read `pending` has filled them."""
         with cost.timed("io_ms"):
-            cost.add_io(self.reader.read_block(layer, lo, hi, buf))
+            cost.add_io(pending.wait())
         with cost.timed("mem_ms"):
-            return self.ctx.bundle_rows(buf[:hi - lo], keep_quantized=True)
+            return self.ctx.bundle_rows(buf[:n], keep_quantized=True)
+
+    def reset(self) -> None:
+        for reads in self._inflight.values():
+            for r in reads:
+                r.wait()
+        self._inflight.clear()
 
 
 class NaivePlan(StreamingPlan):
@@ -109,28 +121,45 @@ class NaivePlan(StreamingPlan):
             self.spans.append((st.data_start + begin, end - begin, names))
         self.st = st
         self.attn_reader = FlashReader(st.path, threads=ctx.options.threads, aio_depth=ctx.options.aio_depth)
-        self.attn_buf = self.backend.host_buffer((max(n for _, n, _ in self.spans),))
-        self.ffn_buf = self.backend.host_buffer((self.lay.d_ffn, self.lay.stride))
-        ctx.check_fits(ctx.charged(self.host_bytes(), self.backend.nbytes() + self.device_bytes()),
-                       "embeddings, KV cache and one layer's weights")
+        attn_bytes = max(n for _, n, _ in self.spans)
+        self.attn_bufs = [self.backend.host_buffer((attn_bytes,)) for _ in range(self.buffers)]
+        self.ffn_bufs = [self.backend.host_buffer((self.lay.d_ffn, self.lay.stride)) for _ in range(self.buffers)]
+        what = "embeddings, KV cache and " + ("two layers' weights (one read ahead)" if self.buffers > 1 else
+                                              "one layer's weights")
+        ctx.check_fits(ctx.charged(self.host_bytes(), self.backend.nbytes() + self.device_bytes()), what)
+
+    def _start(self, layer: int) -> None:
+        """Start reading `layer`'s resident tensors and FFN into its buffers (once)."""
+        if layer in self._inflight or layer >= len(self.spans):
+            return
+        offset, nbytes, _ = self.spans[layer]
+        i, n = layer % self.buffers, self.lay.d_ffn
+        self._inflight[layer] = (self.attn_reader.submit_range(offset, nbytes, self.attn_bufs[i]),
+                                 self.reader.submit(layer, np.arange(n), self.ffn_bufs[i], np.arange(n)))
 
     def before_layer(self, layer: int, cost) -> None:
-        """Read this layer's resident tensors (attention, norms, biases) and make them live."""
+        """Make this layer's resident tensors (attention, norms, biases) live; start reading the next layer."""
+        self._start(layer)
         offset, nbytes, names = self.spans[layer]
         with cost.timed("io_ms"):
-            io = self.attn_reader.read_range(offset, nbytes, self.attn_buf)
+            io = self._inflight[layer][0].wait()
             cost.add_io(io)
             self.ctx.hooks.emit("read", io)
+        if self.buffers > 1:
+            self._start(layer + 1)
+        buf = self.attn_bufs[layer % self.buffers]
         with cost.timed("mem_ms"):
             base = offset - self.st.data_start
             for name in names:
                 e = self.st.entries[name]
                 b, en = e["data_offsets"]
-                self.backend.put_bytes(name, self.attn_buf[b - base:en - base], self.st.dtype(name), e["shape"])
+                self.backend.put_bytes(name, buf[b - base:en - base], self.st.dtype(name), e["shape"])
             self.backend.quantize_resident(self.ctx.options.quantize_resident, names)  # as in every mode
 
     def ffn(self, layer: int, x, cost):
-        rows = self.read_rows(layer, 0, self.lay.d_ffn, self.ffn_buf, cost)
+        self._start(layer)
+        _, ffn_read = self._inflight.pop(layer)
+        rows = self.wait_rows(ffn_read, self.ffn_bufs[layer % self.buffers], self.lay.d_ffn, cost)
         b = self.ctx.biases(layer)
         return self.backend.ffn(x, rows, b["up"], b["gate"], b["down"])
 
@@ -139,7 +168,7 @@ class NaivePlan(StreamingPlan):
             self.backend.w.pop(name, None)
 
     def host_bytes(self) -> int:
-        return self.attn_buf.nbytes + self.ffn_buf.nbytes
+        return sum(b.nbytes for b in self.attn_bufs + self.ffn_bufs)
 
     def device_bytes(self) -> int:
         """The one layer whose weights are live at a time."""
@@ -155,7 +184,7 @@ class HybridPlan(StreamingPlan):
         super().__init__(ctx)
         lay, L, budget = self.lay, ctx.spec.n_layers, ctx.budget
         row = ctx.row_bytes()
-        base = ctx.charged(lay.d_ffn * lay.stride, self.backend.nbytes())  # + one layer's read buffer
+        base = ctx.charged(self.buffers * lay.d_ffn * lay.stride, self.backend.nbytes())  # + read buffers
         # L*resident_rows resident rows + the streamed rows of one layer, live while it computes
         avail = None if budget is None else budget - base - lay.d_ffn * row
         if avail is not None and avail < 0 and ctx.options.hybrid_fraction is None:
@@ -164,7 +193,15 @@ class HybridPlan(StreamingPlan):
         h = self.resident_rows
         pack = ctx.backend.pack_ffn
         self.resident = [pack(ctx.bundle_rows(ctx.read_layer_block(i)[:h], keep_quantized=True)) for i in range(L)] if h else []
-        self.buf = self.backend.host_buffer((lay.d_ffn - h, lay.stride)) if h < lay.d_ffn else None
+        self.bufs = [self.backend.host_buffer((lay.d_ffn - h, lay.stride)) for _ in range(self.buffers)] \
+            if h < lay.d_ffn else []
+
+    def _start(self, layer: int) -> None:
+        """Start reading `layer`'s streamed neurons into its buffer (once)."""
+        h, n = self.resident_rows, self.lay.d_ffn
+        if self.bufs and layer not in self._inflight and layer < len(self.lay.layer_offsets):
+            self._inflight[layer] = (self.reader.submit(layer, np.arange(h, n), self.bufs[layer % self.buffers],
+                                                        np.arange(n - h)),)
 
     def ffn(self, layer: int, x, cost):
         B = self.backend
@@ -177,13 +214,17 @@ class HybridPlan(StreamingPlan):
 
         y = B.ffn(x, self.resident[layer], part(up_b, 0, h), part(gate_b, 0, h), down_b) if h else None
         if h < n:
-            rows = self.read_rows(layer, h, n, self.buf, cost)
+            self._start(layer)
+            pending, = self._inflight.pop(layer)
+            if self.buffers > 1:
+                self._start(layer + 1)
+            rows = self.wait_rows(pending, self.bufs[layer % self.buffers], n - h, cost)
             rest = B.ffn(x, rows, part(up_b, h, n), part(gate_b, h, n), None if y is not None else down_b)
             y = rest if y is None else y + rest
         return y
 
     def host_bytes(self) -> int:
-        return self.buf.nbytes if self.buf is not None else 0
+        return sum(b.nbytes for b in self.bufs)
 
     def describe(self) -> dict:
         return {"resident_neurons": self.resident_rows}
@@ -209,15 +250,23 @@ class SparsePlan(StreamingPlan):
         self.window, self.on_overflow = options.window, options.on_overflow
         self.predictor = make_predictor(options.predictor, ctx)
         lay, L, B = self.lay, ctx.spec.n_layers, self.backend
+        need = getattr(self.predictor, "expected_fraction", lambda: None)()
         base = ctx.charged(B.staging_bytes(lay.stride), B.nbytes() + self.predictor.nbytes())
         row = ctx.row_bytes()
         avail = None if budget is None else budget - base
         if avail is not None and avail < L * row:
             raise ctx.too_small(base + L * row,
                                 "resident weights, KV cache, staging, predictors and one cached neuron per layer")
-        need = getattr(self.predictor, "expected_fraction", lambda: None)()
+        self.prefetch_rows = self._prefetch_rows(avail, row, need) if options.prefetch and L > 1 else 0
+        if avail is not None:
+            avail -= ctx.charged(self.prefetch_rows * lay.stride, 0)
         self.capacities = budget_mod.sparse_capacities(avail, row, L, lay.d_ffn, need) if options.cache_rows is None \
             else budget_mod.given_capacities(options.cache_rows, avail, row, L, lay.d_ffn)
+        self.prefetch_buf = B.host_buffer((self.prefetch_rows, lay.stride)) if self.prefetch_rows else None
+        self._residual = None  # the residual stream the current layer's FFN input came from (decode)
+        self._pending = None  # (layer, neuron ids in prefetch_buf rows 0.., lookahead set, read in flight)
+        par = ctx.spec.parallel_attn and not ctx.spec.ffn_norm
+        self._norm = "attn_norm" if par else "ffn_norm"  # the norm that makes a layer's FFN input
         if not getattr(self.predictor, "selective", True) and min(self.capacities) < lay.d_ffn:
             raise FlashLLMError(
                 f"predictor {self.predictor.kind!r} marks every neuron of this {ctx.spec.activation} FFN active "
@@ -236,6 +285,18 @@ class SparsePlan(StreamingPlan):
             b = ctx.biases(i)
             store = B.row_store(capacity, lay, {"up": b["up"], "gate": b["gate"]})
             self.caches.append(NeuronCache(capacity, lay.d_ffn, store))
+
+    def _prefetch_rows(self, avail: int | None, row: int, need: list[float] | None) -> int:
+        """Rows of the lookahead's read buffer: the largest per-layer predicted set when the predictor
+        knows it, from what is left once every cache holds its layer's predicted set (the caches come
+        first: a smaller cache drops neurons); else one layer's share of the cache budget."""
+        lay, L = self.lay, len(self.ctx.layout.layer_offsets)
+        if need:
+            want = [min(lay.d_ffn, math.ceil(f * lay.d_ffn)) for f in need]
+            return max(want) if avail is None else min(max(want), max(0, avail - sum(want) * row) // lay.stride)
+        if avail is None:
+            return lay.d_ffn
+        return min(budget_mod.sparse_capacities(avail, row, L + 1, lay.d_ffn, None)) * row // lay.stride
 
     def _warn_if_short(self, base: int, row: int, need: list[float]) -> None:
         """At load: caches smaller than their layer's mean predicted set per token drop predicted
@@ -256,7 +317,7 @@ class SparsePlan(StreamingPlan):
     def describe(self) -> dict:
         sparsity = self.ctx.sparsity
         return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind,
-                "gap_bytes": self.reader.io.gap_bytes,
+                "gap_bytes": self.reader.io.gap_bytes, "prefetch_rows": self.prefetch_rows,
                 **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
 
     @property
@@ -265,18 +326,72 @@ class SparsePlan(StreamingPlan):
         return max(self.capacities)
 
     def reset(self) -> None:
+        self._drop_prefetch()
         for c in self.caches:
             c.reset()
 
+    def before_ffn(self, layer: int, residual, cost) -> None:
+        self._residual = residual if residual.shape[0] == 1 else None
+
     def _load(self, layer: int, active: np.ndarray, window: int, cost) -> int:
-        """One cache step: evict outside the window, then read the missing bundles into free rows."""
+        """One cache step: evict outside the window, then read the missing bundles into free rows
+        (those the lookahead already read are placed from the prefetch buffer)."""
         cache = self.caches[layer]
         with cost.timed("mem_ms"):
             missing, _, _ = cache.evict(active, window)
-        io = cache.insert(missing, self.reader.reader_for(layer), cost)
+        rest = self._use_prefetch(layer, active, missing, cost)
+        io = cache.insert(rest, self.reader.reader_for(layer), cost)
         if io is not None:
             cost.add_io(io)
         return len(missing)
+
+    def _lookahead(self, layer: int, cost) -> None:
+        """Predict `layer`'s neurons from the previous layer's residual stream (normed as `layer` norms
+        its FFN input) and start reading those not cached; `_load` of `layer` waits and corrects."""
+        if self.prefetch_buf is None or self._residual is None or layer >= len(self.caches):
+            return
+        self._drop_prefetch()
+        with cost.timed("predictor_ms"):
+            x = self.backend.norm(f"layers.{layer}.{self._norm}", self._residual)
+            mask, scores = predict_scored(self.predictor, layer, x)
+        predicted = np.flatnonzero(mask[0])
+        ids = predicted[self.caches[layer].row_of[predicted] < 0]
+        if len(ids) > self.prefetch_rows:  # the highest-scored ones fit
+            keep = np.argsort(-scores[0][ids], kind="stable")[:self.prefetch_rows] if scores is not None else \
+                np.arange(self.prefetch_rows)
+            ids = np.sort(ids[keep])
+        pending = self.reader.submit(layer, ids, self.prefetch_buf, np.arange(len(ids)))
+        self._pending = (layer, ids, predicted, pending)
+        cost.neurons_prefetched += len(ids)
+
+    def _use_prefetch(self, layer: int, active: np.ndarray, missing: np.ndarray, cost) -> np.ndarray:
+        """Place the prefetched bundles of `missing` neurons; the rest of `missing` is still to read."""
+        if self._pending is None or self._pending[0] != layer:
+            self._drop_prefetch()
+            return missing
+        _, ids, predicted, pending = self._pending
+        self._pending = None
+        with cost.timed("io_ms"):
+            cost.add_io(pending.wait())
+        if len(cost.lookahead_active) > layer:  # decode: the recall of the lookahead vs this prediction
+            cost.lookahead_found[layer] = int(np.isin(active, predicted, assume_unique=True).sum())
+            cost.lookahead_active[layer] = len(active)
+        pos = np.searchsorted(ids, missing)
+        hit = (pos < len(ids)) & (ids[np.minimum(pos, len(ids) - 1)] == missing) if len(ids) else \
+            np.zeros(len(missing), dtype=bool)
+        cache = self.caches[layer]
+        n = int(hit.sum())
+        cache.store.place(self.prefetch_buf, pos[hit], missing[hit], cache.free_rows(n), cost)
+        cache.append(missing[hit])
+        cost.prefetch_unused += len(ids) - n
+        cost.bytes_wasted += (len(ids) - n) * self.lay.stride  # read ahead for nothing
+        return missing[~hit]
+
+    def _drop_prefetch(self) -> None:
+        """Wait for a read ahead that will not be used (its buffer is about to be reused)."""
+        if self._pending is not None:
+            self._pending[3].wait()
+            self._pending = None
 
     def _fit(self, layer: int, active: np.ndarray, scores: np.ndarray | None, cost) -> np.ndarray:
         """The active set cut to the cache's capacity, keeping the highest-scored neurons; the dropped
@@ -307,8 +422,11 @@ class SparsePlan(StreamingPlan):
         self.ctx.hooks.emit("predict", layer, mask)
         if mask.shape[0] == 1:
             active = self._fit(layer, np.flatnonzero(mask[0]), None if scores is None else scores[0], cost)
+            cost.lookahead_found.append(0)
+            cost.lookahead_active.append(0)
             cost.neurons_loaded.append(self._load(layer, active, self.window, cost))
             cost.neurons_cached.append(self.caches[layer].num_used)
+            self._lookahead(layer + 1, cost)  # in flight while this layer and the next attention compute
             return self._compute(layer, x, self.caches[layer].num_used, True)
         return self._prefill(layer, x, mask, scores, cost)
 
@@ -347,7 +465,7 @@ class SparsePlan(StreamingPlan):
         return y
 
     def host_bytes(self) -> int:
-        return self.backend.staging_bytes(self.lay.stride)
+        return self.backend.staging_bytes(self.lay.stride) + self.prefetch_rows * self.lay.stride
 
     def device_bytes(self) -> int:
         return sum(c.store.nbytes() for c in self.caches) + self.predictor.nbytes()

@@ -6,6 +6,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
+
 TIMED = ("io_ms", "mem_ms", "compute_ms", "predictor_ms")
 
 
@@ -21,9 +23,10 @@ class TokenCost:
 
     tokens: int = 0
     bytes_read: int = 0
-    bytes_wasted: int = 0  # read only because of alignment or gap filling (bytes_read includes it)
+    bytes_wasted: int = 0  # read but not used: alignment, gap filling, unused prefetch (bytes_read includes it)
     reads: int = 0
-    io_ms: float = 0.0
+    io_ms: float = 0.0  # waiting for reads (reads overlapped with compute cost nothing here)
+    read_ms: float = 0.0  # the I/O engine's own time of this token's reads, overlapped or not
     mem_ms: float = 0.0
     compute_ms: float = 0.0
     predictor_ms: float = 0.0
@@ -32,6 +35,10 @@ class TokenCost:
     neurons_streamed: list[int] = field(default_factory=list)  # prompt, per layer: read through the cache rows
     neurons_cached: list[int] = field(default_factory=list)  # per layer, after the update
     neurons_dropped: int = 0  # predicted neurons left out because the cache could not hold them
+    lookahead_found: list[int] = field(default_factory=list)  # per layer: predicted neurons the lookahead named
+    lookahead_active: list[int] = field(default_factory=list)  # per layer: predicted neurons (layers with one)
+    neurons_prefetched: int = 0  # bundles read ahead from the lookahead prediction
+    prefetch_unused: int = 0  # ... of which the layer did not need
     predicted_mass: float = 0.0  # sum of the predictor's scores over the predicted neurons
     dropped_mass: float = 0.0  # ... over those dropped (lowest-scored first)
     prefill_strategy: str = ""
@@ -55,6 +62,7 @@ class TokenCost:
         self.bytes_read += io.bytes_read
         self.bytes_wasted += io.bytes_read - io.bytes_requested
         self.reads += io.reads
+        self.read_ms += io.wall_s * 1e3
 
 
 class PartTimer:
@@ -82,7 +90,7 @@ def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None
     prompt, decode = (costs[0], costs[1:]) if costs else (None, [])
     n = max(len(decode), 1)
     out = {"decode_tokens": len(decode), "dram_bytes": dram_bytes}
-    for key in ("bytes_read", "bytes_wasted", "reads", "neurons_dropped") + TIMED + ("total_ms",):
+    for key in ("bytes_read", "bytes_wasted", "reads", "neurons_dropped", "read_ms") + TIMED + ("total_ms",):
         out[key] = sum(getattr(c, key) for c in decode) / n
     predicted = sum(c.predicted_mass for c in decode)
     out["dropped_mass_share"] = sum(c.dropped_mass for c in decode) / predicted if predicted > 0 else \
@@ -91,6 +99,13 @@ def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None
         layers = len(decode[-1].neurons_cached)
         out["neurons_loaded_per_layer"] = [sum(c.neurons_loaded[i] for c in decode) / n for i in range(layers)]
         out["neurons_cached_per_layer"] = list(decode[-1].neurons_cached)
+    if any(sum(c.lookahead_active) for c in decode):
+        found = np.sum([c.lookahead_found for c in decode if c.lookahead_active], axis=0)
+        active = np.sum([c.lookahead_active for c in decode if c.lookahead_active], axis=0)
+        out["lookahead_recall_per_layer"] = [float(f / a) if a else None for f, a in zip(found, active)]
+        out["lookahead_recall"] = float(found.sum() / active.sum()) if active.sum() else None
+        out["neurons_prefetched"] = sum(c.neurons_prefetched for c in decode) / n
+        out["prefetch_unused"] = sum(c.prefetch_unused for c in decode) / n
     if any(c.experts_hit or c.experts_missed for c in costs):
         hit, missed = (sum(getattr(c, k) for c in decode) for k in ("experts_hit", "experts_missed"))
         out.update(expert_hits=hit / n, expert_misses=missed / n,

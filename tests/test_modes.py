@@ -55,7 +55,8 @@ def test_bytes_per_token_by_mode(tiny_models):
     hybrid.logits(IDS[:12], prefill=4)
     streamed = lay.d_ffn - int(0.25 * lay.d_ffn)
     assert hybrid.stats["bytes_read"] - hybrid.stats["bytes_wasted"] == m.spec.n_layers * streamed * lay.stride
-    sparse = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", threads=2)
+    # exactly the predicted neurons: no gap filling, no read-ahead (both trade bytes for time)
+    sparse = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", threads=2, gap_bytes=0, prefetch=False)
     sparse.logits(IDS[:12], prefill=4)
     assert sparse.stats["bytes_read"] < hybrid.stats["bytes_read"] < naive.stats["bytes_read"]
     assert files["ffn"]["size"] == lay.file_size
@@ -65,8 +66,13 @@ def test_budget_sizes_the_caches_and_is_reported(tiny_models):
     tiny = tiny_models("opt")
     full = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle")
     budget = full.backend.nbytes() + 2 * 40 * full.compute_row_bytes()  # 40 rows per layer
-    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8)
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8,
+                          prefetch=False)
     assert model.plan.capacities == [40, 40]
+    with_buffer = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8)
+    assert 0 < with_buffer.plan.prefetch_rows and max(with_buffer.plan.capacities) < 40  # the read-ahead buffer
+    with_buffer.logits(IDS, prefill=PREFILL)  # counts against the same budget
+    assert with_buffer.stats["dram_bytes"] <= budget and with_buffer.stats["lookahead_recall"] > 0
     model.logits(IDS, prefill=PREFILL)
     stats = model.stats
     assert stats["dram_bytes"] <= budget

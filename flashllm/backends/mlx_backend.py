@@ -346,37 +346,52 @@ class MLXRowStore:
         """Bundles of neurons `ids` into rows `rows` via `read(ids, dest, dest_rows)`; IOStats (None if no
         ids). Reading is timed as `io_ms`; placing (copy out of staging, cast, scatter) as `mem_ms`."""
         timed = cost.timed if cost is not None else untimed
-        io, step, dt = None, self.staging.shape[0], self.backend.dtype
+        io, step = None, self.staging.shape[0]
         for k in range(0, len(ids), step):
             chunk = ids[k:k + step]
             with timed("io_ms"):
                 part = read(chunk, self.staging, np.arange(len(chunk)))
             io = part if io is None else io + part
             with timed("mem_ms"):
-                r = mx.array(rows[k:k + step].astype(np.int32))
-                # mx.array copies now, so the staging buffer is free for the next chunk at once
-                if self.quantized:  # codes, scales and mins as they are: no dequantization
-                    for p, a in self.parts.items():
-                        new = quant_rows(self.staging[:len(chunk)], self.layout, p, dt)
-                        for dst, src in zip(a[:3], new[:3]):
-                            dst[r] = src
-                else:
-                    if self.layout.quant:  # a scheme MLX has no kernel for: dequantized on insert (numpy)
-                        vals = mx.array(self.layout.dequantize(self.staging[:len(chunk)]))
-                    else:
-                        vals = mx.array(self.staging[:len(chunk), :self.layout.bundle_bytes].view(self._np_view))
-                        if self._mx_view is not None:
-                            vals = vals.view(self._mx_view)
-                    for p, a in self.parts.items():
-                        a[r] = vals[:, self.layout.part_slice(p)].astype(dt)
+                self._scatter(self.staging[:len(chunk)], rows[k:k + step])
                 mx.async_eval(self._row_arrays())  # scatter this chunk while the next one is read
         with timed("mem_ms"):
-            if len(ids):
-                r, i = mx.array(rows.astype(np.int32)), mx.array(ids.astype(np.int32))
-                for key, b in self.bias.items():
-                    b[r] = self.full_bias[key][i]
-            mx.eval(self._arrays())
+            self._set_biases(ids, rows)
         return io
+
+    def _scatter(self, block: np.ndarray, rows: np.ndarray) -> None:
+        """Host bundle rows `block` (uint8) into part rows `rows`; mx.array copies at once, so the
+        host buffer is free again on return."""
+        r, dt = mx.array(rows.astype(np.int32)), self.backend.dtype
+        if self.quantized:  # codes, scales and mins as they are: no dequantization
+            for p, a in self.parts.items():
+                new = quant_rows(block, self.layout, p, dt)
+                for dst, src in zip(a[:3], new[:3]):
+                    dst[r] = src
+            return
+        if self.layout.quant:  # a scheme MLX has no kernel for: dequantized on insert (numpy)
+            vals = mx.array(self.layout.dequantize(block))
+        else:
+            vals = mx.array(block[:, :self.layout.bundle_bytes].view(self._np_view))
+            if self._mx_view is not None:
+                vals = vals.view(self._mx_view)
+        for p, a in self.parts.items():
+            a[r] = vals[:, self.layout.part_slice(p)].astype(dt)
+
+    def _set_biases(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        if len(ids):
+            r, i = mx.array(rows.astype(np.int32)), mx.array(ids.astype(np.int32))
+            for key, b in self.bias.items():
+                b[r] = self.full_bias[key][i]
+        mx.eval(self._arrays())
+
+    def place(self, block: np.ndarray, src: np.ndarray, ids: np.ndarray, rows: np.ndarray, cost=None) -> None:
+        """Bundles already read into host rows block[src] become rows `rows` (neurons `ids`): the placing
+        half of `fill` (for reads that were started earlier), timed as `mem_ms`."""
+        if len(ids):
+            with (cost.timed if cost is not None else untimed)("mem_ms"):
+                self._scatter(block[src], rows)
+                self._set_biases(ids, rows)
 
     def views(self, n: int) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
         """Per-part [n, d] weight views of rows :n, and per-row biases."""

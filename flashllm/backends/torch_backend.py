@@ -343,11 +343,28 @@ class TorchRowStore:
                     ring.copy_rows(b, values, self.matrix, rows[k:k + ring.rows])
         if len(ids):
             with timed("mem_ms"):
-                r = torch.from_numpy(rows).to(self.backend.device)
-                i = torch.from_numpy(ids).to(self.backend.device)
-                for key, b in self.bias.items():
-                    b[r] = self.full_bias[key][i]
+                self._set_biases(ids, rows)
         return io
+
+    def place(self, block: np.ndarray, src: np.ndarray, ids: np.ndarray, rows: np.ndarray, cost=None) -> None:
+        """Bundles already read into host rows block[src] (uint8) become matrix rows `rows` (neurons `ids`):
+        the placing half of `fill` (for reads that were started earlier), timed as `mem_ms`."""
+        if not len(ids):
+            return
+        with (cost.timed if cost is not None else untimed)("mem_ms"):
+            if self.staging is None:
+                self.raw[rows] = block[src, :self.raw.shape[1]]
+            else:
+                values = bundle_values(self.layout, block[src], self.storage_dtype)
+                idx = torch.from_numpy(rows).to(self.backend.device)
+                self.matrix[idx] = values.to(device=self.backend.device, dtype=self.matrix.dtype)
+            self._set_biases(ids, rows)
+
+    def _set_biases(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        r = torch.from_numpy(rows).to(self.backend.device)
+        i = torch.from_numpy(ids).to(self.backend.device)
+        for key, b in self.bias.items():
+            b[r] = self.full_bias[key][i]
 
     def views(self, n: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Per-part [n, d] weight views of rows :n, and per-row biases."""

@@ -162,8 +162,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="resident matrices held quantized (flashllm.load's quantize_resident) (default: %(default)s)")
     p.add_argument("--kv-bits", type=int, default=16, choices=[8, 16], help="KV cache bits (default: %(default)s)")
     p.add_argument("--aio-depth", type=int, default=0, help="native AIO reads in flight per thread (0: preadv threads)")
-    p.add_argument("--gap-bytes", type=lambda s: None if s == "auto" else int(s), default=None,
-                   help="read through gaps up to this many bytes (default auto: the disk profile's cost model)")
+    p.add_argument("--gap-bytes", type=lambda s: None if s == "auto" else int(s), default=0,
+                   help="read through gaps up to this many bytes; auto: the disk profile's cost model (default: 0)")
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--backends", type=lambda s: [b for b in s.split(",") if b], default=["torch"])
     p.add_argument("--mlx-max-gb", type=float, default=3.0, help="skip MLX (CPU build, 10-30x slower) above this size")

@@ -122,14 +122,15 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--aio-depth", type=int, default=d.aio_depth,
                    help="Linux, direct I/O: serve the reads with native AIO, this many in flight per thread "
                         "(less CPU per read; 0: one blocking read per thread) (default: %(default)s)")
-    g.add_argument("--gap-bytes", type=int, default=d.gap_bytes,
-                   help="read through gaps of up to this many bytes between needed bundles instead of issuing "
-                        "another read (default: from the disk's measured per-read cost and bandwidth, see "
-                        "flashllm.disk_profile; 0: off)")
+    g.add_argument("--gap-bytes", type=_gap_bytes, default=d.gap_bytes,
+                   help="sparse mode: read through gaps of up to this many bytes between needed bundles instead "
+                        "of issuing another read; 'auto': from the disk's measured per-read cost and bandwidth "
+                        "(flashllm.disk_profile) (default: %(default)s, off: measured slower here, see "
+                        "bench/results/io_pipeline.md)")
     g.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=d.prefetch,
                    help="read layer l+1's weights while layer l computes (sparse: the neurons layer l+1's "
                         "predictor picks from layer l's residual stream; misses are read when l+1 runs) "
-                        "(default: on)")
+                        "(default: naive and hybrid only, where it measured faster)")
     g.add_argument("--context", type=int, default=d.context,
                    help="KV cache length (default: min(model, 4096))")
     g.add_argument("--quantize-resident", default=d.quantize_resident, choices=QUANTIZE_RESIDENT,
@@ -158,6 +159,18 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling: sample from the smallest set "
                    "of tokens whose probability reaches P; 1 keeps all (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: %(default)s)")
+
+
+def _gap_bytes(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a byte count >= 0 or auto")
+    return value
 
 
 def load_options(args: argparse.Namespace):

@@ -88,7 +88,7 @@ class StreamingPlan(Plan):
         super().__init__(ctx)
         self.reader = ctx.ffn_reader(gap_filling=self.gap_filling)
         # dense plans: read layer l+1 while layer l computes (two buffers), never across tokens
-        self.buffers = 2 if ctx.options.prefetch and ctx.spec.n_layers > 1 else 1
+        self.buffers = 2 if ctx.options.prefetch is not False and ctx.spec.n_layers > 1 else 1
         self._inflight: dict = {}  # layer -> reads started for it
 
     def wait_rows(self, pending, buf: np.ndarray, n: int, cost) -> dict:
@@ -257,7 +257,7 @@ class SparsePlan(StreamingPlan):
         if avail is not None and avail < L * row:
             raise ctx.too_small(base + L * row,
                                 "resident weights, KV cache, staging, predictors and one cached neuron per layer")
-        self.prefetch_rows = self._prefetch_rows(avail, row, need) if options.prefetch and L > 1 else 0
+        self.prefetch_rows = self._prefetch_rows(avail, row, need) if options.prefetch is True and L > 1 else 0
         if avail is not None:
             avail -= ctx.charged(self.prefetch_rows * lay.stride, 0)
         self.capacities = budget_mod.sparse_capacities(avail, row, L, lay.d_ffn, need) if options.cache_rows is None \

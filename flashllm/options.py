@@ -33,8 +33,10 @@ class LoadOptions:
     window: int = 4  # sparse: tokens whose neurons stay cached
     threads: int = 32  # flash reads in flight
     aio_depth: int = 0  # > 0: native AIO with this many reads in flight per thread
-    gap_bytes: int | None = None  # read through file gaps up to this size (None: the disk profile's cost model)
-    prefetch: bool = True  # read layer l+1's weights (sparse: its lookahead-predicted neurons) while l computes
+    gap_bytes: int | None = 0  # read through file gaps up to this size (None: the disk profile's cost model)
+    # read layer l+1's weights (sparse: its lookahead-predicted neurons) while l computes; None: where it
+    # measured faster here (naive and hybrid; not sparse, see bench/results/io_pipeline.md)
+    prefetch: bool | None = None
     dtype: str | None = None  # compute dtype; None: the storage dtype
     context: int | None = None  # KV cache length; None: min(model, 4096)
     verify: bool | None = None  # checksums at load: None small files (FFN layers verified on first full read)

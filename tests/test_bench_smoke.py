@@ -84,8 +84,7 @@ def test_paper_tables_json(tiny_random, capsys):
     report = bench("paper_tables").main([
         str(out), "--dram-budget", "0.5", "--tokens", "3", "--warmup", "2", "--naive-tokens", "2",
         "--hybrid-tokens", "2", "--fig7-windows", "1,4", "--fig8-tokens", "6", "--predictor-rank", "8",
-        "--threads", "4", "--torch-threads", "1", "--work-dir", str(root), "--json", "--quiet",
-        "--gap-bytes", "0"])  # gap-filling trades bytes for fewer reads: the byte order below is without it
+        "--threads", "4", "--torch-threads", "1", "--work-dir", str(root), "--json", "--quiet"])
     printed = json.loads(capsys.readouterr().out)
     assert set(printed) >= {"table2", "table3", "fig7", "fig8", "meta", "ratios"}
     assert [r["config"] for r in printed["table2"]] == ["naive", "hybrid", "hybrid+predictor", "+windowing",

@@ -77,7 +77,7 @@ def test_mlx_small_cache_swaps_and_chunks_exactly(tiny_models):
             budget = full.backend.nbytes() + full.backend.staging_bytes(full.layout.stride) + \
                 2 * capacity * full.compute_row_bytes()
             model = flashllm.load(tiny.model_dir, backend=backend, mode="sparse", predictor="oracle",
-                                  dram_budget=budget, window=8, threads=2, prefetch=False)  # all rows to caches
+                                  dram_budget=budget, window=8, threads=2)
             assert model.plan.capacity == capacity
             runs[backend] = (model.logits(IDS, prefill=PREFILL), model.stats)
             assert model.stats["dram_bytes"] <= budget

@@ -37,6 +37,16 @@ def test_sparse_oracle_matches_dense(tiny, dense_logits, window, aio_depth):
     assert stats["bytes_read"] - stats["bytes_wasted"] == pytest.approx(loaded * lay.stride)
 
 
+@pytest.mark.parametrize("aio_depth", [0, 2])
+def test_sparse_oracle_with_read_ahead_and_gap_filling_matches_dense(tiny, dense_logits, aio_depth):
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=4,
+                          aio_depth=aio_depth, prefetch=True, gap_bytes=3 * fmt.read_manifest(tiny.model_dir).layout.stride)
+    np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
+    stats = model.stats
+    recall = stats["lookahead_recall_per_layer"]
+    assert recall[0] is None and all(0 <= r <= 1 for r in recall[1:]) and stats["neurons_prefetched"] > 0
+
+
 @pytest.mark.parametrize("mode, aio_depth", [("naive", 2), ("hybrid", 0)])
 def test_streaming_modes_match_dense(tiny, dense_logits, mode, aio_depth):
     model = flashllm.load(tiny.model_dir, mode=mode, threads=4, aio_depth=aio_depth)
@@ -55,8 +65,7 @@ def test_bytes_per_token_by_mode(tiny_models):
     hybrid.logits(IDS[:12], prefill=4)
     streamed = lay.d_ffn - int(0.25 * lay.d_ffn)
     assert hybrid.stats["bytes_read"] - hybrid.stats["bytes_wasted"] == m.spec.n_layers * streamed * lay.stride
-    # exactly the predicted neurons: no gap filling, no read-ahead (both trade bytes for time)
-    sparse = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", threads=2, gap_bytes=0, prefetch=False)
+    sparse = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", threads=2)
     sparse.logits(IDS[:12], prefill=4)
     assert sparse.stats["bytes_read"] < hybrid.stats["bytes_read"] < naive.stats["bytes_read"]
     assert files["ffn"]["size"] == lay.file_size
@@ -69,7 +78,8 @@ def test_budget_sizes_the_caches_and_is_reported(tiny_models):
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8,
                           prefetch=False)
     assert model.plan.capacities == [40, 40]
-    with_buffer = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8)
+    with_buffer = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8,
+                                prefetch=True)
     assert 0 < with_buffer.plan.prefetch_rows and max(with_buffer.plan.capacities) < 40  # the read-ahead buffer
     with_buffer.logits(IDS, prefill=PREFILL)  # counts against the same budget
     assert with_buffer.stats["dram_bytes"] <= budget and with_buffer.stats["lookahead_recall"] > 0

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flashllm.aio import IOVEC, AioContext, gathered_iocbs, make_iocbs
+from flashllm.read_plan import Reads, split
 from flashllm.errors import FlashLLMError
 
 _STATX_DIOALIGN = 0x2000
@@ -232,17 +233,6 @@ def _short(path: str, off: int, n: int, got: int) -> FlashIOError:
     return FlashIOError(f"{path}: short read at offset {off}: got {got} of {n} bytes (file truncated?)")
 
 
-def _split(file_offs: np.ndarray, dest_offs: np.ndarray, lens: np.ndarray, max_chunk: int):
-    """Cut every (file offset, dest offset, length) piece longer than ``max_chunk`` into max_chunk pieces."""
-    pieces = -(-lens // max_chunk)
-    if np.all(pieces == 1):
-        return file_offs, dest_offs, lens
-    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-    within = (np.arange(int(pieces.sum())) - first) * max_chunk
-    lens = np.minimum(np.repeat(lens, pieces) - within, max_chunk)
-    return np.repeat(file_offs, pieces) + within, np.repeat(dest_offs, pieces) + within, lens
-
-
 def _shutdown(fd: int, queues: list, threads: list, aios: list) -> None:
     for q in queues:
         q.put(None)
@@ -417,12 +407,12 @@ class FlashReader:
         span = (dest.shape[0] - 1) * pitch + dest.shape[1] * dest.itemsize
         flat = np.lib.stride_tricks.as_strided(dest.view(np.uint8), shape=(span,), strides=(1,))
         if self.max_chunk_bytes < 2 * row_bytes:  # rows alone (cut into max_chunk pieces)
-            pieces = _split(offs, doffs, np.full(len(offs), row_bytes, dtype=np.int64), self.max_chunk_bytes)
-            return self._submit(flat, _Reads.simple(*pieces), len(indices) * row_bytes, t0)
-        reads = _Reads.plan(offs, doffs, row_bytes, self.gap_bytes, self.max_chunk_bytes, gather=True)
+            pieces = split(offs, doffs, np.full(len(offs), row_bytes, dtype=np.int64), self.max_chunk_bytes)
+            return self._submit(flat, Reads.simple(*pieces), len(indices) * row_bytes, t0)
+        reads = Reads.plan(offs, doffs, row_bytes, self.gap_bytes, self.max_chunk_bytes, gather=True)
         if self.direct and self.alignment > 1 and reads.gathered and not reads.aligned(
                 flat.ctypes.data, self.alignment, self.mem_alignment, gathered_only=True):
-            reads = _Reads.plan(offs, doffs, row_bytes, 0, self.max_chunk_bytes, gather=False)
+            reads = Reads.plan(offs, doffs, row_bytes, 0, self.max_chunk_bytes, gather=False)
         return self._submit(flat, reads, len(indices) * row_bytes, t0)
 
     def submit_range(self, offset: int, nbytes: int, dest: np.ndarray) -> PendingRead:
@@ -441,10 +431,10 @@ class FlashReader:
             return PendingRead(self.path, 0, 0, t0)
         flat = dest.reshape(-1).view(np.uint8)
         one = np.array([0], dtype=np.int64)
-        pieces = _split(one + offset, one, one + nbytes, self.max_chunk_bytes)
-        return self._submit(flat, _Reads.simple(*pieces), nbytes, t0)
+        pieces = split(one + offset, one, one + nbytes, self.max_chunk_bytes)
+        return self._submit(flat, Reads.simple(*pieces), nbytes, t0)
 
-    def _submit(self, flat: np.ndarray, reads: "_Reads", requested: int, t0: float) -> PendingRead:
+    def _submit(self, flat: np.ndarray, reads: "Reads", requested: int, t0: float) -> PendingRead:
         """Queue the reads (sorted by file offset) for the workers; the returned handle waits for them."""
         if self.direct and self.alignment > 1:
             inplace = reads.inplace(flat.ctypes.data, self.alignment, self.mem_alignment)
@@ -478,7 +468,7 @@ class FlashReader:
         self._next = (self._next + nw) % self.threads
         return call
 
-    def _submit_aio(self, flat: np.ndarray, reads: "_Reads", requested: int, t0: float) -> PendingRead:
+    def _submit_aio(self, flat: np.ndarray, reads: "Reads", requested: int, t0: float) -> PendingRead:
         """Queue the reads as groups that the AIO workers take in turn, each keeping ``aio_depth`` in flight."""
         base = flat.ctypes.data
         iocbs = make_iocbs(self._fd, base + reads.doff.astype(np.uint64), reads.off, reads.len)
@@ -498,94 +488,3 @@ class FlashReader:
             share = shared if _GIL else iter(starts[w::nw])
             self._queues[w].put((call, iocbs, reads.len, share, group, (flat, iovecs)))
         return call
-
-
-class _Reads:
-    """The reads of one call: file range (off, len) each, landing at dest offset doff, or (gathered reads,
-    piece_count > 1) split into pieces p_start[r]:p_start[r+1] of (p_doff, p_len); p_doff -1 is a gap read
-    into the junk buffer. Sorted by file offset."""
-
-    MAX_PIECES = 1000  # below IOV_MAX (1024) iovecs per preadv
-
-    def __init__(self, off, doff, lens, p_start=None, p_doff=None, p_len=None):
-        self.off, self.doff, self.len = off, doff, lens
-        n = len(off)
-        self.p_start = np.arange(n + 1) if p_start is None else p_start
-        self.p_doff = doff if p_doff is None else p_doff
-        self.p_len = lens if p_len is None else p_len
-        self.p_off = off if p_start is None else None
-        self.gathered = p_start is not None and len(self.p_len) > n
-
-    def __len__(self) -> int:
-        return len(self.off)
-
-    @classmethod
-    def simple(cls, off, doff, lens) -> "_Reads":
-        return cls(off, doff, lens)
-
-    @classmethod
-    def plan(cls, offs, doffs, row_bytes: int, gap: int, max_chunk: int, gather: bool) -> "_Reads":
-        """Reads covering rows at sorted file offsets ``offs`` (``row_bytes`` each) bound for ``doffs``.
-
-        A row joins the previous one's read when the file gap between them is at most ``gap`` bytes
-        (read through into junk) and, without ``gather``, only when it follows it in the file and in
-        dest; a read spans at most ``max_chunk`` bytes and MAX_PIECES // 2 rows."""
-        n = len(offs)
-        ends = offs + row_bytes
-        g = offs[1:] - ends[:-1]
-        join = (g >= 0) & (g <= gap) if gather else (g == 0) & (np.diff(doffs) == row_bytes)
-        brk = np.ones(n, dtype=bool)
-        brk[1:] = ~join
-        run_start = np.flatnonzero(brk)
-        run = np.cumsum(brk) - 1
-        step = max_chunk - row_bytes + 1  # rows starting within one step of their read's start fit max_chunk
-        key = (offs - offs[run_start][run]) // step
-        pos = (np.arange(n) - run_start[run]) // (cls.MAX_PIECES // 2)
-        brk[1:] |= (key[1:] != key[:-1]) | (pos[1:] != pos[:-1])
-        starts = np.flatnonzero(brk)
-        last = np.append(starts[1:], n) - 1
-        read_of = np.cumsum(brk) - 1
-        off, lens = offs[starts], ends[last] - offs[starts]
-        if not gather:
-            return cls(off, doffs[starts], lens)
-        gap_before = np.zeros(n, dtype=np.int64)
-        gap_before[1:] = g
-        gap_before[brk] = 0
-        new_piece = brk.copy()
-        new_piece[1:] |= (gap_before[1:] > 0) | (np.diff(doffs) != row_bytes)
-        rp = np.flatnonzero(new_piece)
-        gp = np.flatnonzero(gap_before > 0)
-        p_off = np.concatenate([offs[rp], ends[gp - 1]])
-        p_len = np.concatenate([np.diff(np.append(rp, n)) * row_bytes, gap_before[gp]])
-        p_doff = np.concatenate([doffs[rp], np.full(len(gp), -1, dtype=np.int64)])
-        p_read = np.concatenate([read_of[rp], read_of[gp]])
-        order = np.lexsort((p_off, p_read))
-        p_off, p_len, p_doff, p_read = p_off[order], p_len[order], p_doff[order], p_read[order]
-        p_start = np.searchsorted(p_read, np.arange(len(starts) + 1))
-        reads = cls(off, doffs[starts], lens, p_start, p_doff, p_len)
-        reads.p_off = p_off
-        return reads
-
-    def piece_count(self) -> np.ndarray:
-        return np.diff(self.p_start)
-
-    def pieces_of(self, r: int) -> tuple:
-        a, b = self.p_start[r], self.p_start[r + 1]
-        return tuple(zip(self.p_doff[a:b].tolist(), self.p_len[a:b].tolist()))
-
-    def inplace(self, addr: int, align: int, mem_align: int) -> np.ndarray:
-        """Per read: can it go straight into dest with direct I/O (every piece aligned)?"""
-        ok = self._piece_ok(addr, align, mem_align)
-        return np.minimum.reduceat(ok, self.p_start[:-1]).astype(bool) if len(ok) else ok
-
-    def aligned(self, addr: int, align: int, mem_align: int, gathered_only: bool = False) -> bool:
-        """Whether every piece (of the gathered reads only, if asked) suits direct I/O."""
-        ok = self.inplace(addr, align, mem_align)
-        return bool(ok[self.piece_count() > 1].all() if gathered_only else ok.all())
-
-    def _piece_ok(self, addr: int, align: int, mem_align: int) -> np.ndarray:
-        p_off = self.p_off
-        if p_off is None:
-            p_off = self.off
-        dest_ok = (self.p_doff < 0) | ((addr + np.maximum(self.p_doff, 0)) % mem_align == 0)
-        return (((p_off | self.p_len) % align == 0) & dest_ok).astype(np.uint8)

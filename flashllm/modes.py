@@ -122,6 +122,10 @@ class NaivePlan(StreamingPlan):
         self.st = st
         self.attn_reader = FlashReader(st.path, threads=ctx.options.threads, aio_depth=ctx.options.aio_depth)
         attn_bytes = max(n for _, n, _ in self.spans)
+        one_layer = attn_bytes + self.lay.d_ffn * self.lay.stride
+        if self.buffers > 1 and ctx.budget is not None and ctx.charged(2 * one_layer, self.backend.nbytes() +
+                                                                       self.device_bytes()) > ctx.budget:
+            self.buffers = 1  # no room to read a layer ahead: one buffer, as without read-ahead
         self.attn_bufs = [self.backend.host_buffer((attn_bytes,)) for _ in range(self.buffers)]
         self.ffn_bufs = [self.backend.host_buffer((self.lay.d_ffn, self.lay.stride)) for _ in range(self.buffers)]
         what = "embeddings, KV cache and " + ("two layers' weights (one read ahead)" if self.buffers > 1 else
@@ -184,11 +188,16 @@ class HybridPlan(StreamingPlan):
         super().__init__(ctx)
         lay, L, budget = self.lay, ctx.spec.n_layers, ctx.budget
         row = ctx.row_bytes()
-        base = ctx.charged(self.buffers * lay.d_ffn * lay.stride, self.backend.nbytes())  # + read buffers
+        base = ctx.charged(lay.d_ffn * lay.stride, self.backend.nbytes())  # + one layer's read buffer
         # L*resident_rows resident rows + the streamed rows of one layer, live while it computes
         avail = None if budget is None else budget - base - lay.d_ffn * row
         if avail is not None and avail < 0 and ctx.options.hybrid_fraction is None:
             raise ctx.too_small(base + lay.d_ffn * row, "resident weights, KV cache and one layer's streamed FFN")
+        ahead = ctx.charged(lay.d_ffn * lay.stride, 0)  # a second read buffer, to read a layer ahead
+        if self.buffers > 1 and avail is not None and avail - ahead < 0:
+            self.buffers = 1
+        elif self.buffers > 1 and avail is not None:
+            avail -= ahead
         self.resident_rows = budget_mod.hybrid_resident_rows(avail, row, L, lay.d_ffn, ctx.options.hybrid_fraction)
         h = self.resident_rows
         pack = ctx.backend.pack_ffn

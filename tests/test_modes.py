@@ -44,7 +44,9 @@ def test_sparse_oracle_with_read_ahead_and_gap_filling_matches_dense(tiny, dense
     np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
     stats = model.stats
     recall = stats["lookahead_recall_per_layer"]
-    assert recall[0] is None and all(0 <= r <= 1 for r in recall[1:]) and stats["neurons_prefetched"] > 0
+    assert recall[0] is None and all(0 <= r <= 1 for r in recall[1:])
+    if model.predictor.selective:  # a dense activation has every neuron cached after the first token
+        assert stats["neurons_prefetched"] > 0
 
 
 @pytest.mark.parametrize("mode, aio_depth", [("naive", 2), ("hybrid", 0)])

@@ -1,20 +1,25 @@
 """Mixture-of-experts streaming at a memory limit: tokens/s, bytes/token, expert-cache and prefetch hit rates.
 
-Writes an MoE model with bench/make_model.py (random weights, so the router's choices amount to
-random routing: no trained MoE exists in this project yet) unless --model-dir is given, then
-decodes in sparse mode at --budget of the model's size, once per expert-cache policy and once
-with prefetch, each run a child process inside a cgroup v1 memory group limited to the budget plus
-the measured interpreter/torch baseline and --cgroup-slack (page cache is charged to the group, so
-it cannot hold the model). Model files are dropped from the page cache before each run. The model
-this script wrote is removed at the end (--keep keeps it).
+Writes an MoE model with bench/make_model.py (random weights; --layers cuts the shape's layer
+count, --quantize stores the experts int8/int4) unless --model-dir is given, then decodes in sparse
+mode at --budget of the model's size, once per expert-cache policy and once with prefetch, for each
+routing: `model` (the model's own router: random on random weights), `uniform` (k experts drawn
+uniformly per token and layer) or `replay:TRACE.npz` (the trained small MoE's recorded routing,
+mapped onto this model by bench/moe_trace.py's ReplayRouting; the method is in its docstring).
+Routing is given through `flashllm.load(..., expert_routing=...)`; nothing is patched. Each run is
+a child process inside a cgroup v1 memory group limited to the budget plus the measured
+interpreter/torch baseline and --cgroup-slack (page cache is charged to the group, so it cannot
+hold the model). Model files are dropped from the page cache before each run. The model this
+script wrote is removed at the end (--keep keeps it).
 
-    python bench/moe_run.py --shape qwen3-30b-a3b-4l --work /tmp/moe-bench --budget 0.25 --tokens 24 \\
-        [--model-dir DIR] [--json] [--out bench/results/moe_run.md]
+    python bench/moe_run.py --shape qwen3-30b-a3b --layers 20 --quantize int4 --work /tmp/moe-bench \\
+        --budget 0.25 --routing replay:bench/results/tiny_moe_routing.npz,uniform [--json] [--out FILE.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -54,8 +59,15 @@ def uniform_routing(n_experts: int, top_k: int, seed: int):
 def routing_for(run: dict):
     """The run's `expert_routing`: None (the model's router), uniform, or a replayed trace."""
     manifest = fmt.read_manifest(run["model_dir"], verify=False)
+    s = manifest.spec
     if run["routing"] == "uniform":
-        return uniform_routing(manifest.spec.n_experts, manifest.spec.top_k, run["seed"] + 1)
+        return uniform_routing(s.n_experts, s.top_k, run["seed"] + 1)
+    if run["routing"].startswith("replay:"):
+        trace_mod = bench_module("moe_trace")
+        trace = trace_mod.load(Path(run["routing"].split(":", 1)[1]))
+        return trace_mod.ReplayRouting(trace, s.n_layers, s.n_experts, s.top_k, run["seed"])
+    if run["routing"] != "model":
+        raise SystemExit(f"--routing {run['routing']!r}: expected model, uniform or replay:TRACE.npz")
     return None
 
 
@@ -74,7 +86,7 @@ def run_one(run: dict) -> dict:
     st = model.stats
     keys = ("total_ms", "io_ms", "mem_ms", "compute_ms", "predictor_ms", "bytes_read", "reads", "expert_hits",
             "expert_misses", "expert_hit_rate", "prefetch_recall", "experts_prefetched", "prefetch_wasted",
-            "dram_bytes", "cache_capacity", "tokens_per_s")
+            "dram_bytes", "cache_capacity", "tokens_per_s", "expert_slots")
     return {**{k: st.get(k) for k in keys}, "prompt": st["prompt"], "load_s": load_s, "label": run["label"]}
 
 
@@ -97,7 +109,7 @@ def markdown(report: dict) -> str:
     lines = [f"# MoE streaming: {report['model']}", "", f"Command: `{report['command']}`", "",
              f"- model: {report['model_bytes'] / GB:.2f} GB on flash ({report['dtype']}); budget "
              f"{report['budget']:.0%} = {report['budget_bytes'] / GB:.2f} GB; expert slots per layer "
-             f"{report['slots']} of {report['n_experts']} (top-{report['top_k']})",
+             f"{report['slots']} of {report['n_experts']} (top-{report['top_k']}), {report['expert_slots']}",
              f"- memory limit: {report['memory_limit']}",
              f"- routing: {report['routing']}",
              f"- tokens: {report['prompt']}-token prompt, then {report['tokens']} decode tokens averaged; "
@@ -122,6 +134,9 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-30b-a3b-4l", help="bench/make_model.py shape (default: %(default)s)")
     p.add_argument("--model-dir", help="an existing MoE model directory instead of writing one")
+    p.add_argument("--layers", type=int, help="cut the shape to this many layers (default: the shape's)")
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                   help="store the experts quantized (default: %(default)s)")
     p.add_argument("--work", default=None, help="where to write the model (default: a temporary directory)")
     p.add_argument("--budget", type=float, default=0.25, help="DRAM budget, fraction of the model (default: %(default)s)")
     p.add_argument("--dtype", default="float16", help="storage and compute dtype (default: %(default)s)")
@@ -132,7 +147,8 @@ def main(argv=None) -> dict:
     p.add_argument("--policies", default="lru,lfu,window", help="expert-cache policies (default: %(default)s)")
     p.add_argument("--routing", default="model,uniform",
                    help="model: the model's own router; uniform: k experts drawn uniformly per token and layer, "
-                   "the worst case for a cache (default: %(default)s)")
+                   "the worst case for a cache; replay:TRACE.npz: a recorded trace (bench/moe_trace.py) "
+                   "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cgroup", action="store_true", help="no memory group (the budget is then only accounting)")
     p.add_argument("--cgroup-slack", type=int, default=512, help="MiB above budget + baseline (default: %(default)s)")
@@ -161,7 +177,11 @@ def main(argv=None) -> dict:
             else:
                 mm = bench_module("make_model")
                 t0 = time.perf_counter()
-                wrote = mm.write_model(mm.spec_for(args.shape), model_dir, args.dtype, args.seed, shape_name=args.shape)
+                spec = mm.spec_for(args.shape)
+                if args.layers:
+                    spec = dataclasses.replace(spec, n_layers=args.layers)
+                wrote = mm.write_model(spec, model_dir, args.dtype, args.seed, shape_name=args.shape,
+                                       quantize=args.quantize)
                 log(f"wrote {model_dir} in {time.perf_counter() - t0:.0f} s")
         manifest = fmt.read_manifest(model_dir, verify=False)
         spec = manifest.spec
@@ -185,9 +205,10 @@ def main(argv=None) -> dict:
                         threads=args.threads, seed=args.seed, prompt=args.prompt, tokens=args.tokens)
         runs = []
         for routing in args.routing.split(","):
-            runs += [dict(base_run, routing=routing, policy=pol, prefetch=False, label=f"{routing}: {pol}")
+            name = routing.split(":", 1)[0]
+            runs += [dict(base_run, routing=routing, policy=pol, prefetch=False, label=f"{name}: {pol}")
                      for pol in args.policies.split(",")]
-            runs.append(dict(base_run, routing=routing, policy="lru", prefetch=True, label=f"{routing}: lru + prefetch"))
+            runs.append(dict(base_run, routing=routing, policy="lru", prefetch=True, label=f"{name}: lru + prefetch"))
         results = []
         for run in runs:
             tables.drop_page_cache(tables.model_files(model_dir))
@@ -195,12 +216,21 @@ def main(argv=None) -> dict:
             results.append(child(run, group))
             log(f"  {json.dumps({k: results[-1].get(k) for k in ('total_ms', 'bytes_read', 'expert_hit_rate', 'error')})}")
         slots = next((r["cache_capacity"][0] for r in results if r.get("cache_capacity")), None)
-        report = {"model": f"{manifest.data['source'].get('path', model_dir)}", "model_bytes": model_bytes,
-                  "dtype": args.dtype, "budget": args.budget, "budget_bytes": budget_bytes, "slots": slots,
+        routings = {"model": "`model`: the model's own router (random weights, random token ids: random routing)",
+                    "uniform": "`uniform`: top-k drawn uniformly at random per token and layer",
+                    "replay": "`replay`: the trained small MoE's routing on held-out stdlib text "
+                              f"({', '.join(r.split(':', 1)[1] for r in args.routing.split(',') if r.startswith('replay:'))}"
+                              "), replayed by bench/moe_trace.py's ReplayRouting: layer j follows small layer j mod 4 "
+                              "(trace shifted 131 tokens per block of 4 layers), each small expert becomes k/2 fixed "
+                              "big experts (so 16 * k/2 of a layer's experts are ever routed to), prefetch guesses are "
+                              "the small router's recorded guesses (its router on the previous layer's FFN input)"}
+        report = {"model": f"{manifest.data['source'].get('path', model_dir)} ({spec.n_layers} layers)",
+                  "model_bytes": model_bytes, "dtype": args.dtype + ("" if manifest.data.get("quantization", "none") ==
+                                                                   "none" else f", experts {manifest.data['quantization']}"),
+                  "budget": args.budget, "budget_bytes": budget_bytes, "slots": slots,
+                  "expert_slots": next((r["expert_slots"] for r in results if r.get("expert_slots")), None),
                   "n_experts": spec.n_experts, "top_k": spec.top_k, "memory_limit": memory_limit,
-                  "routing": "`model`: the model's own router on its random weights and random token ids (not a "
-                             "trained router: replaying a trained MoE's routing traces needs a trained MoE, not yet in "
-                             "this project); `uniform`: top-k drawn uniformly at random per token and layer",
+                  "routing": "; ".join(routings[r.split(":", 1)[0]] for r in args.routing.split(",")),
                   "prompt": args.prompt, "tokens": args.tokens, "load_average": os.getloadavg()[0],
                   "omp_wait_policy": OMP_WAIT_POLICY, "code": tables.code_version(),
                   "command": "python bench/moe_run.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -219,15 +219,21 @@ class MoESparsePlan(MoEPlan):
         B, lay, s, options, budget = self.backend, self.lay, self.spec, ctx.options, ctx.budget
         window, policy = options.window, options.expert_policy
         self.window, self.policy = window, policy
-        self.in_place = B.reads_in_place()  # False for quantized experts: they are dequantized on insert
         # prefetch: while layer l computes, read the experts layer l+1's router picks for layer l's input
         self.prefetch = options.expert_prefetch
         self.pending: dict[int, tuple] = {}  # layer -> (predicted experts, experts read, PendingRead)
-        # reads land in the slots themselves, or in a staging buffer holding one token's experts (and, with
-        # prefetch, a second one for the next layer's guesses)
-        staged = 0 if self.in_place else (2 if self.prefetch else 1)
-        self.staging = [B.host_buffer((s.top_k, lay.stride)) for _ in range(staged)]
-        self.slot_bytes = lay.stride if self.in_place else len(lay.parts) * lay.d_ffn * lay.d_model * B.itemsize
+        # slots hold experts as stored (reads land in them: CPU in the storage dtype, or quantized experts
+        # when fewer than top-k dequantized ones would fit per layer, dequantized at each use), or
+        # converted/dequantized to the compute dtype on insert, through a staging buffer holding one
+        # token's experts (and, with prefetch, a second one for the next layer's guesses)
+        self.in_place = B.reads_in_place()
+        converted = len(lay.parts) * lay.d_ffn * lay.d_model * B.itemsize
+        staging_bytes = (2 if self.prefetch else 1) * s.top_k * lay.stride
+        self.as_stored = self.in_place or (lay.quant is not None and budget is not None and
+                                           budget - ctx.counted(staging_bytes, B.nbytes()) < s.n_layers * s.top_k * converted)
+        self.staging = [] if self.as_stored else \
+            [B.host_buffer((s.top_k, lay.stride)) for _ in range(2 if self.prefetch else 1)]
+        self.slot_bytes = lay.stride if self.as_stored else converted
         if budget is None:
             capacity = s.n_experts
         else:
@@ -238,9 +244,10 @@ class MoESparsePlan(MoEPlan):
                                     "resident weights, KV cache and 1 expert slot per layer")
         self.capacities = [capacity] * s.n_layers
         self.caches = [ExpertCache(capacity, s.n_experts, window, policy) for _ in range(s.n_layers)]
-        if self.in_place:
+        if self.as_stored:
             self.raw = [B.host_buffer((capacity, lay.stride)) for _ in range(s.n_layers)]
-            self.views = [[expert_views(ctx, r[i]) for i in range(capacity)] for r in self.raw]
+            if self.in_place:  # zero-copy views, made once
+                self.views = [[expert_views(ctx, r[i]) for i in range(capacity)] for r in self.raw]
         else:  # preallocated once; inserting an expert writes its slot
             self.arrays = [B.zeros((capacity, len(lay.parts), lay.d_ffn, lay.d_model)) for _ in range(s.n_layers)]
         self.reader = ctx.ffn_reader(verify=False)
@@ -248,6 +255,7 @@ class MoESparsePlan(MoEPlan):
     def describe(self) -> dict:
         return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind,
                 "expert_slots": "in place (as stored)" if self.in_place else
+                "quantized as stored (dequantized at each use)" if self.as_stored else
                 "dequantized on insert" if self.lay.quant else "converted on insert"}
 
     def reset(self) -> None:
@@ -258,9 +266,11 @@ class MoESparsePlan(MoEPlan):
             c.reset()
 
     def slot(self, layer: int, slot: int) -> dict:
-        """Part -> [d_ffn, d_model] views of one slot."""
+        """Part -> [d_ffn, d_model] views of one slot (quantized slots: dequantized now)."""
         if self.in_place:
             return self.views[layer][slot]
+        if self.as_stored:
+            return expert_views(self.ctx, self.raw[layer][slot])
         a = self.arrays[layer]
         return {p: a[slot, k] for k, p in enumerate(self.lay.parts)}
 
@@ -278,7 +288,7 @@ class MoESparsePlan(MoEPlan):
         todo = predicted[cache.slot_of[predicted] < 0]
         with cost.timed("io_ms"):
             base, stride, _, _ = self.lay.segments(layer)[0]
-            if self.in_place:
+            if self.as_stored:
                 todo = todo[:cache.capacity - np.isin(cache.expert_in, predicted).sum()]
                 where = cache.place(todo, keep=predicted)
                 cache.commit(todo, where)  # the read is waited for before this layer computes
@@ -299,9 +309,9 @@ class MoESparsePlan(MoEPlan):
         return {int(e): j for j, e in enumerate(todo)}
 
     def _read(self, layer: int, experts: np.ndarray, slots: np.ndarray, ahead: dict, cost) -> None:
-        """Experts into slots: one submission (in place), or through the staging buffer, then inserted
-        (experts already read ahead are inserted from the prefetch buffer)."""
-        if self.in_place:
+        """Experts into slots: one submission (slots as stored), or through the staging buffer, then
+        inserted (experts already read ahead are inserted from the prefetch buffer)."""
+        if self.as_stored:
             with cost.timed("io_ms"):
                 cost.add_io(self.reader.read(layer, experts, self.raw[layer], slots))
             return
@@ -335,7 +345,9 @@ class MoESparsePlan(MoEPlan):
         prefetch = self.prefetch and layer + 1 < self.spec.n_layers and ids.shape[0] == 1
         if prefetch and not len(missing):
             self._prefetch(layer + 1, x, cost)
-        y = self.combine(layer, x, [(self.slot(layer, cache.slot_of[e]), *groups[e]) for e in cached])
+        with cost.timed("mem_ms"):  # views; quantized slots are dequantized here
+            hits = [(self.slot(layer, cache.slot_of[e]), *groups[e]) for e in cached]
+        y = self.combine(layer, x, hits)
         # the missing experts (the union of a prompt's), each read once, in chunks of the cache size;
         # the most recently used are read last, so they are the ones left cached
         missing = missing[np.argsort(cache.last_used[missing], kind="stable")]
@@ -347,8 +359,9 @@ class MoESparsePlan(MoEPlan):
             cache.commit(chunk, where)
             if prefetch and k + cache.capacity >= len(missing):
                 self._prefetch(layer + 1, x, cost)
-            y = y + self.combine(layer, x, [(self.slot(layer, s), *groups[int(e)]) for e, s in zip(chunk, where)],
-                                 shared=False)
+            with cost.timed("mem_ms"):
+                read = [(self.slot(layer, s), *groups[int(e)]) for e, s in zip(chunk, where)]
+            y = y + self.combine(layer, x, read, shared=False)
         return y
 
     def host_bytes(self) -> int:

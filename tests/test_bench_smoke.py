@@ -130,3 +130,24 @@ def test_silu_sparsity_bench_runs_and_writes_its_table(tiny_models, tmp_path, ca
     assert points["oracle"]["ppl_sparse"] == pytest.approx(points["gate"]["ppl_sparse"], rel=1e-6)  # both exact
     assert points["gate"]["predictor_bytes"] > points["lowrank"]["predictor_bytes"] > 0 == points["oracle"]["predictor_bytes"]
     assert "| 0.4 |" in (tmp_path / "silu.md").read_text()
+
+
+def test_moe_trace_replay_maps_small_routing_onto_a_bigger_moe():
+    mt = bench("moe_trace")
+    rng = np.random.default_rng(0)
+    routed = np.stack([np.stack([rng.choice(16, 2, replace=False) for _ in range(50)]) for _ in range(4)])
+    trace = {"routed": routed, "guessed": routed[:, ::-1].copy(), "meta": {"n_experts": 16}}
+    replay = mt.ReplayRouting(trace, n_layers=8, n_experts=128, top_k=8)
+    first = replay(5, np.zeros((3, 128)), False)  # layer 5 follows small layer 1, shifted one block
+    assert first.shape == (3, 8) and all(len(set(row)) == 8 for row in first)
+    small = routed[1, [mt.SHIFT % 50 + t for t in range(3)]]
+    np.testing.assert_array_equal(first, replay.big_ids(5, small))
+    guess = replay(5, np.zeros((1, 128)), True)  # the next token's recorded guess; the cursor does not move
+    np.testing.assert_array_equal(guess, replay.big_ids(5, trace["guessed"][1, [(3 + mt.SHIFT) % 50]]))
+    assert replay.cursor[5] == 3
+    # a token's two small experts become four fixed big experts each: reuse is preserved
+    assert set(replay.big_ids(0, routed[0, :1])[0]) == set(replay.big_ids(0, routed[0, :1][:, ::-1])[0])
+    st = mt.stats(trace)
+    assert len(st["layers"]) == 4 and st["random_reuse"] == pytest.approx(1 - (14 / 16) ** 4, abs=1e-4)
+    with pytest.raises(ValueError, match="cannot replay top-2 of 16 onto top-3 of 128"):
+        mt.ReplayRouting(trace, 8, 128, 3)

@@ -168,6 +168,22 @@ def test_moe_quantized_streamed_equals_dense_and_transformers_on_the_dequantized
     assert 0 < rel < (0.01 if name == "int8" else 1.0)
 
 
+def test_moe_quantized_slots_when_top_k_dequantized_experts_do_not_fit(quantized_moe):
+    """Below top-k dequantized experts per layer the slots keep experts as stored (more of them) and
+    dequantize at each use; still exactly the dense result."""
+    tiny, out, name = quantized_moe
+    dense = flashllm.load(out, mode="dense").logits(IDS, prefill=4)
+    probe = flashllm.load(out, mode="sparse")
+    L, stride = probe.spec.n_layers, probe.layout.stride
+    budget = probe.counted(0, probe.backend.nbytes()) + L * 3 * stride
+    assert L * 3 * stride < L * probe.spec.top_k * probe.plan.slot_bytes  # 2 dequantized experts do not fit
+    model = flashllm.load(out, mode="sparse", dram_budget=budget)
+    assert model.plan.capacities == [3] * L and model.plan.slot_bytes == stride
+    np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
+    assert model.stats["expert_slots"] == "quantized as stored (dequantized at each use)"
+    assert model.stats["dram_bytes"] <= budget and model.stats["expert_misses"] > 0
+
+
 def test_expert_layout_is_aligned_and_validated(tiny_models, tmp_path):
     import shutil
 

@@ -39,7 +39,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 import flashllm  # noqa: E402
-from flashllm.experts import route  # noqa: E402
+from flashllm.experts import POLICIES, ExpertCache, route  # noqa: E402
 
 SHIFT = 131  # tokens between the trace windows of successive blocks of small-model layers
 
@@ -106,6 +106,29 @@ def stats(trace: dict, window: int = 4) -> dict:
     return {"layers": out, "random_reuse": round(1 - (1 - k / E) ** window, 4)}
 
 
+def simulate(trace: dict, capacities: list[int], policies: tuple[str, ...] = POLICIES, window: int = 4) -> list[dict]:
+    """Expert-cache hit rates of the recorded decode routing, per policy and slots per layer: the runtime's
+    own ExpertCache stepped token by token over each small layer's trace (what sparse mode would hit)."""
+    r = trace["routed"]
+    L, N, _ = r.shape
+    out = []
+    for policy in policies:
+        for capacity in capacities:
+            hits = total = 0
+            for m in range(L):
+                cache = ExpertCache(capacity, trace["meta"]["n_experts"], window, policy)
+                for t in range(N):
+                    active = cache.start(r[m, t:t + 1])
+                    cached = cache.slot_of[active] >= 0
+                    hits, total = hits + int(cached.sum()), total + len(active)
+                    missing = active[~cached]
+                    for k in range(0, len(missing), capacity):  # fewer slots than top-k: in chunks
+                        chunk = missing[k:k + capacity]
+                        cache.commit(chunk, cache.place(chunk, keep=chunk))
+            out.append({"policy": policy, "slots": capacity, "hit_rate": round(hits / total, 4)})
+    return out
+
+
 class ReplayRouting:
     """An `expert_routing` for a model of n_layers x n_experts, top_k, replaying a recorded trace (see top)."""
 
@@ -142,8 +165,9 @@ def main(argv=None) -> None:
     r.add_argument("--out", required=True, help="trace file (.npz)")
     r.add_argument("--tokens", type=int, default=2048, help="held-out tokens (default: %(default)s)")
     r.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: %(default)s)")
-    i = sub.add_parser("info", help="per-layer statistics of a trace")
+    i = sub.add_parser("info", help="per-layer statistics of a trace and simulated expert-cache hit rates")
     i.add_argument("trace")
+    i.add_argument("--slots", default="1,2,3,4,6,8", help="slots per layer to simulate (default: %(default)s)")
     args = p.parse_args(argv)
     if args.cmd == "record":
         trace = record(Path(args.model), args.tokens, args.seq_len)
@@ -151,7 +175,18 @@ def main(argv=None) -> None:
         print(json.dumps({**trace["meta"], **stats(trace)}, indent=1))
     else:
         trace = load(Path(args.trace))
+        sim = simulate(trace, [int(c) for c in args.slots.split(",")])
         print(json.dumps({**trace["meta"], **stats(trace)}, indent=1))
+        slots = sorted({r["slots"] for r in sim})
+        print("\n| policy | " + " | ".join(f"{c} slots" for c in slots) + " |\n|---|" + "---|" * len(slots))
+        for policy in dict.fromkeys(r["policy"] for r in sim):
+            rates = {r["slots"]: r["hit_rate"] for r in sim if r["policy"] == policy}
+            print(f"| {policy} | " + " | ".join(f"{rates[c]:.3f}" for c in slots) + " |")
+        rng, (L, N, k), E = np.random.default_rng(0), trace["routed"].shape, trace["meta"]["n_experts"]
+        uniform = {"routed": np.stack([[rng.choice(E, k, replace=False) for _ in range(N)] for _ in range(L)]),
+                   "meta": trace["meta"]}
+        rates = {r["slots"]: r["hit_rate"] for r in simulate(uniform, slots, ("lru",))}
+        print("| lru, uniform random routing | " + " | ".join(f"{rates[c]:.3f}" for c in slots) + " |")
 
 
 if __name__ == "__main__":

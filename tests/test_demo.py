@@ -29,3 +29,15 @@ def test_report_says_slower_when_sparse_is_slower():
     assert last == "sparse vs naive: flash bytes 12.00x fewer; latency 1.20x slower"
     result["stats"]["sparse"] = stats(25.0, 24000)
     assert report(result).splitlines()[-1] == "sparse vs naive: flash bytes 2.00x more; latency 2.00x faster"
+
+
+def test_demo_moe_json(tmp_path, monkeypatch, capsys):
+    """The embedded MoE streams its experts at half its size and generates what dense mode generates."""
+    monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path))
+    assert main(["demo", "--moe", "--json", "--max-new-tokens", "6"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model_dir"] == str(tmp_path / "tiny-moe") and len(out["token_ids"]) >= 1
+    sparse, dense = out["stats"]["sparse"], out["stats"]["dense"]
+    assert out["same_as_dense"] and sparse["predictor"] == "router" and dense["mode"] == "dense"
+    assert sparse["dram_bytes"] <= sparse["dram_budget"] <= 0.5 * sparse["model_bytes"] < dense["dram_bytes"]
+    assert max(sparse["cache_capacity"]) < 16 and sparse["bytes_read"] > 0 and dense["bytes_read"] == 0

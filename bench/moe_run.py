@@ -115,17 +115,17 @@ def markdown(report: dict) -> str:
              f"- tokens: {report['prompt']}-token prompt, then {report['tokens']} decode tokens averaged; "
              f"load average at start {report['load_average']:.1f}; OMP_WAIT_POLICY={report['omp_wait_policy']}; "
              f"code {report['code']}", "",
-             "| run | ms/token | tokens/s | GB read/token | io ms | expert hit rate | prefetch recall | "
-             "prefetched/token (wasted) | peak cgroup GB |", "|---|---|---|---|---|---|---|---|---|"]
+             "| run | ms/token | tokens/s | GB read/token | io ms | mem ms | compute ms | expert hit rate | "
+             "prefetch recall | prefetched/token (wasted) | peak cgroup GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} |  |  |  |  |  |  |  |")
+            lines.append(f"| {r['label']} | failed: {r['error']} |  |  |  |  |  |  |  |  |  |")
             continue
         pre = "" if r.get("prefetch_recall") is None else f"{r['prefetch_recall']:.3f}"
         pf = "" if r.get("experts_prefetched") is None else f"{r['experts_prefetched']:.1f} ({r['prefetch_wasted']:.1f})"
         peak = (r.get("cgroup_usage") or {}).get("peak_bytes")
         lines.append(f"| {r['label']} | {r['total_ms']:.0f} | {r['tokens_per_s']:.2f} | {r['bytes_read'] / GB:.3f} | "
-                     f"{r['io_ms']:.0f} | {r['expert_hit_rate']:.3f} | {pre} | {pf} | "
+                     f"{r['io_ms']:.0f} | {r['mem_ms']:.0f} | {r['compute_ms']:.0f} | {r['expert_hit_rate']:.3f} | {pre} | {pf} | "
                      f"{'' if peak is None else f'{peak / GB:.2f}'} |")
     return "\n".join(lines) + "\n"
 

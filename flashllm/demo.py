@@ -71,14 +71,18 @@ def report(result: dict) -> str:
             ("I/O / token (ms)", s["io_ms"], n["io_ms"]),
             ("latency / token (ms)", s["total_ms"], n["total_ms"]),
             ("DRAM held (MiB)", s["dram_bytes"] / 2**20, n["dram_bytes"] / 2**20)]
-    lines = [f"model: {result['model_dir']} ({s['model_bytes'] / 2**20:.1f} MiB on flash as float32, "
-             f"computed in bfloat16; DRAM budget 50% = {s['dram_budget'] / 2**20:.1f} MiB, window 4)",
-             "", result["prompt"] + result["text"], "",
-             f"{'per decode token':<26}{'sparse':>12}{'naive':>12}"]
-    lines += [f"{name:<26}{a:>12.2f}{b:>12.2f}" for name, a, b in rows]
+    lines = _page(f"model: {result['model_dir']} ({s['model_bytes'] / 2**20:.1f} MiB on flash as float32, "
+                  f"computed in bfloat16; DRAM budget 50% = {s['dram_budget'] / 2**20:.1f} MiB, window 4)",
+                  result, ("sparse", "naive"), rows)
     lines.append(f"sparse vs naive: flash bytes {compare(s['bytes_read'], n['bytes_read'], 'fewer', 'more')}; "
                  f"latency {compare(s['total_ms'], n['total_ms'], 'faster', 'slower')}")
     return "\n".join(lines)
+
+
+def _page(header: str, result: dict, columns: tuple[str, str], rows: list) -> list[str]:
+    """The demo page's lines: model line, prompt and text, then a per-decode-token table of two columns."""
+    return [header, "", result["prompt"] + result["text"], "", f"{'per decode token':<26}{columns[0]:>12}{columns[1]:>12}",
+            *(f"{name:<26}{a:>12.2f}{b:>12.2f}" for name, a, b in rows)]
 
 
 def compare(ours: float, base: float, better: str, worse: str) -> str:
@@ -121,17 +125,15 @@ def run_moe(prompt: str = PROMPT, max_new_tokens: int = 48, budget: float = 0.5)
 
 
 def report_moe(result: dict) -> str:
+    """`demo --moe`'s output: the text, then streamed vs dense per decode token, hit rates, exactness."""
     s, d = result["stats"]["sparse"], result["stats"]["dense"]
-    E = len(s["cache_capacity"])
     rows = [("flash read / token (KiB)", s["bytes_read"] / 1024, d["bytes_read"] / 1024),
             ("experts read / token", s["expert_misses"], 0.0),
             ("latency / token (ms)", s["total_ms"], d["total_ms"]),
             ("DRAM held (MiB)", s["dram_bytes"] / 2**20, d["dram_bytes"] / 2**20)]
-    lines = [f"model: {result['model_dir']} ({s['model_bytes'] / 2**20:.1f} MiB on flash as float16, {E} layers; "
-             f"DRAM budget 50% = {s['dram_budget'] / 2**20:.1f} MiB: {s['cache_capacity'][0]} expert slots per layer)",
-             "", result["prompt"] + result["text"], "",
-             f"{'per decode token':<26}{'streamed':>12}{'dense':>12}"]
-    lines += [f"{name:<26}{a:>12.2f}{b:>12.2f}" for name, a, b in rows]
+    lines = _page(f"model: {result['model_dir']} ({s['model_bytes'] / 2**20:.1f} MiB on flash as float16, "
+                  f"{len(s['cache_capacity'])} layers; DRAM budget 50% = {s['dram_budget'] / 2**20:.1f} MiB: "
+                  f"{s['cache_capacity'][0]} expert slots per layer)", result, ("streamed", "dense"), rows)
     lines.append(f"expert cache hit rate {s['expert_hit_rate']:.3f}; prefetch recall {s['prefetch_recall']:.3f}; "
                  f"same tokens as dense: {'yes' if result['same_as_dense'] else 'NO'}")
     return "\n".join(lines)

@@ -230,7 +230,7 @@ class MoESparsePlan(MoEPlan):
         converted = len(lay.parts) * lay.d_ffn * lay.d_model * B.itemsize
         staging_bytes = (2 if self.prefetch else 1) * s.top_k * lay.stride
         self.as_stored = self.in_place or (lay.quant is not None and budget is not None and
-                                           budget - ctx.counted(staging_bytes, B.nbytes()) < s.n_layers * s.top_k * converted)
+                                           budget - ctx.charged(staging_bytes, B.nbytes()) < s.n_layers * s.top_k * converted)
         self.staging = [] if self.as_stored else \
             [B.host_buffer((s.top_k, lay.stride)) for _ in range(2 if self.prefetch else 1)]
         self.slot_bytes = lay.stride if self.as_stored else converted

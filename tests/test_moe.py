@@ -175,7 +175,7 @@ def test_moe_quantized_slots_when_top_k_dequantized_experts_do_not_fit(quantized
     dense = flashllm.load(out, mode="dense").logits(IDS, prefill=4)
     probe = flashllm.load(out, mode="sparse")
     L, stride = probe.spec.n_layers, probe.layout.stride
-    budget = probe.counted(0, probe.backend.nbytes()) + L * 3 * stride
+    budget = probe.charged(0, probe.backend.nbytes()) + L * 3 * stride
     assert L * 3 * stride < L * probe.spec.top_k * probe.plan.slot_bytes  # 2 dequantized experts do not fit
     model = flashllm.load(out, mode="sparse", dram_budget=budget)
     assert model.plan.capacities == [3] * L and model.plan.slot_bytes == stride

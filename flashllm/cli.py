@@ -81,7 +81,7 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     of help (generate, serve, chat, predictors eval)."""
     from .experts import POLICIES
     from .modes import PLANS
-    from .options import BACKENDS, DTYPES, KV_BITS, ON_OVERFLOW, QUANTIZE_RESIDENT, LoadOptions
+    from .options import BACKENDS, DTYPES, KERNELS, KV_BITS, ON_OVERFLOW, QUANTIZE_RESIDENT, LoadOptions
     from .predictor import PREDICTORS
 
     d = LoadOptions()
@@ -142,6 +142,9 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--cache-rows", type=_rows, default=d.cache_rows, metavar="N1,N2,...",
                    help="sparse mode: neuron cache rows per layer, one number per layer (what `flashllm plan` "
                    "chooses) (default: sized by the budget)")
+    g.add_argument("--kernels", default=d.kernels, choices=KERNELS,
+                   help="tuned: q/k/v and gate/up fused at load, the fastest measured kernel per dtype (same math); "
+                   "plain: the file's tensors with torch's default kernels, for comparison (default: %(default)s)")
     g.add_argument("--plan", default="none", choices=["none", "auto"],
                    help="auto: mode, dtype, window and per-layer caches from `flashllm plan` for this --dram-budget "
                    "(the saved plan.json when it matches, else planned now and saved) (default: %(default)s)")

@@ -100,39 +100,6 @@ def measure_dram(nbytes: int = 64 << 20) -> float:
     return nbytes / _best(lambda: np.copyto(dst, src), 5)
 
 
-def measure_casts(nbytes: int = 32 << 20) -> dict:
-    import torch
-
-    out = {}
-    for src in COMPUTE_DTYPES:
-        x = torch.ones(nbytes // 4, dtype=getattr(torch, src))
-        for dst in COMPUTE_DTYPES:
-            if src != dst:
-                y = torch.empty(x.shape, dtype=getattr(torch, dst))
-                out[f"{src}->{dst}"] = y.numel() * y.element_size() / _best(lambda: y.copy_(x), 5)
-    return out
-
-
-def measure_matvec(device: str = "cpu") -> dict:
-    """Per compute dtype, one-token `linear` times as per_call_s + bytes / bytes_per_s: the bandwidth from
-    the largest weight (where the per-call cost vanishes), the per-call cost from the smallest."""
-    import torch
-    import torch.nn.functional as F
-
-    out = {}
-    for name in COMPUTE_DTYPES:
-        dt = getattr(torch, name)
-        sizes, times = [], []
-        for rows, d in MATVEC_SHAPES:
-            w = torch.randn(rows, d, device=device).to(dt)
-            x = torch.randn(1, d, device=device).to(dt)
-            sizes.append(rows * d * w.element_size())
-            times.append(_best(lambda: F.linear(x, w)))
-        bw = sizes[-1] / times[-1]
-        out[name] = {"per_call_s": float(max(times[0] - sizes[0] / bw, 0.0)), "bytes_per_s": float(bw)}
-    return out
-
-
 def measure_layer_overhead(profile: MachineProfile, tokens: int = 24) -> dict:
     """Fixed seconds per layer and decode token of the runtime (dense and sparse), from the embedded model:
     its compute time minus what its matvecs explain (costmodel), divided by its layers."""
@@ -160,16 +127,17 @@ def measure_layer_overhead(profile: MachineProfile, tokens: int = 24) -> dict:
 
 def measure(backend: str = "torch", device: str = "cpu", progress=None) -> MachineProfile:
     """Measure this machine now (about ten seconds)."""
-    import torch
+    from .backends import torch_profile
 
     if backend != "torch":
         raise FlashLLMError(f"flashllm profile: backend {backend!r} is not profiled yet (torch only)")
     say = progress or (lambda msg: None)
     say("DRAM copy and cast bandwidth")
-    p = MachineProfile(socket.gethostname(), backend, device, torch.get_num_threads(), measure_dram(), measure_casts(),
+    p = MachineProfile(socket.gethostname(), backend, device, torch_profile.threads(), measure_dram(),
+                       torch_profile.measure_casts(COMPUTE_DTYPES, _best),
                        {}, {}, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     say("matrix-vector throughput per dtype")
-    p.matvec = measure_matvec(device)
+    p.matvec = torch_profile.measure_matvec(COMPUTE_DTYPES, MATVEC_SHAPES, _best, device)
     say("runtime fixed cost per layer (embedded model)")
     p.layer_s = measure_layer_overhead(p)
     return p

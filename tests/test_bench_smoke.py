@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,17 +10,7 @@ import pytest
 import flashllm
 from flashllm import format as fmt
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def bench(name: str):
-    """A bench script as a module (loaded by path: bench/trace.py must not shadow the stdlib's trace)."""
-    key = f"flashllm_bench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
-        sys.modules[key] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[key])
-    return sys.modules[key]
+from tiny import bench  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -3,23 +3,13 @@ in a memory group (peers that are not installed are skipped and say so)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def bench(name: str):
-    key = f"flashllm_bench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
-        sys.modules[key] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[key])
-    return sys.modules[key]
+from tiny import bench  # noqa: E402
 
 
 LLAMA_BENCH_JSON = json.dumps([

@@ -1,9 +1,12 @@
-"""The one tiny-model factory every test uses: random HF checkpoints of each supported family."""
+"""The one tiny-model factory every test uses: random HF checkpoints of each supported family (and bench scripts
+loaded as modules)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -137,3 +140,16 @@ def write_random_predictors(model_dir: Path, rank: int = 8, seed: int = 0, train
     if trained_for:
         meta["model"] = {"sha256": {"ffn": trained_for}}
     (model_dir / PREDICTOR_META).write_text(json.dumps(meta))
+
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def bench(name: str):
+    """A bench script as a module (loaded by path: bench/trace.py must not shadow the stdlib's trace)."""
+    key = f"flashllm_bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]

@@ -162,7 +162,8 @@ def expert_views(ctx: PlanContext, raw: np.ndarray) -> dict:
 
 
 class MoEPlan(Plan):
-    """Shared by the MoE plans: routing, the shared expert and the weighted sum of expert outputs."""
+    """Shared by the MoE plans: routing, the shared expert and the weighted sum of expert outputs (in float32,
+    so dense and streamed plans, which add the experts in different groups, agree)."""
 
     def __init__(self, ctx: PlanContext):
         super().__init__(ctx)
@@ -173,15 +174,19 @@ class MoEPlan(Plan):
         with cost.timed("predictor_ms"):
             return self.predictor.predict(layer, x)
 
-    def combine(self, layer: int, x, groups: list, shared: bool = True):
-        """Sum of weight * expert(x[tokens]) over (rows, tokens, weights) groups, plus the shared expert."""
+    def combine(self, x, groups: list, acc=None):
+        """Adds weight * expert(x[tokens]) for each (rows, tokens, weights) group to the float32 sum `acc`."""
+        return self.backend.moe_experts(x, groups, acc)
+
+    def output(self, layer: int, x, acc):
+        """The layer's FFN output: the routed experts' float32 sum plus the shared expert, in x's dtype."""
         B, p = self.backend, f"layers.{layer}."
         rows = gate = None
-        if shared and self.spec.d_shared_expert:
+        if self.spec.d_shared_expert:
             rows = {"gate": B.w[p + "shared_gate.weight"], "up": B.w[p + "shared_up.weight"],
                     "down": B.w[p + "shared_down.weight"].T}
             gate = B.w.get(p + "shared_expert_gate.weight")
-        return B.moe_ffn(x, groups, rows, gate)
+        return B.moe_output(x, acc, rows, gate)
 
 
 class MoEDensePlan(MoEPlan):
@@ -204,7 +209,7 @@ class MoEDensePlan(MoEPlan):
     def ffn(self, layer: int, x, cost):
         ids, weights = self.route(layer, x, cost)
         groups = [(self.experts[layer][e], t, w) for e, (t, w) in by_expert(ids, weights).items()]
-        return self.combine(layer, x, groups)
+        return self.output(layer, x, self.combine(x, groups))
 
     def device_bytes(self) -> int:
         B = self.backend
@@ -347,7 +352,7 @@ class MoESparsePlan(MoEPlan):
             self._prefetch(layer + 1, x, cost)
         with cost.timed("mem_ms"):  # views; quantized slots are dequantized here
             hits = [(self.slot(layer, cache.slot_of[e]), *groups[e]) for e in cached]
-        y = self.combine(layer, x, hits)
+        acc = self.combine(x, hits)
         # the missing experts (the union of a prompt's), each read once, in chunks of the cache size;
         # the most recently used are read last, so they are the ones left cached
         missing = missing[np.argsort(cache.last_used[missing], kind="stable")]
@@ -361,8 +366,8 @@ class MoESparsePlan(MoEPlan):
                 self._prefetch(layer + 1, x, cost)
             with cost.timed("mem_ms"):
                 read = [(self.slot(layer, s), *groups[int(e)]) for e, s in zip(chunk, where)]
-            y = y + self.combine(layer, x, read, shared=False)
-        return y
+            acc = self.combine(x, read, acc)
+        return self.output(layer, x, acc)
 
     def host_bytes(self) -> int:
         return sum(b.nbytes for b in self.staging)

@@ -258,8 +258,9 @@ def test_moe_streamed_through_staging_equals_dense(tiny_models, backend, dtype):
     dense = flashllm.load(tiny.model_dir, mode="dense", **kw).logits(IDS, prefill=4)
     model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=_budget_for_slots(tiny.model_dir, 2, **kw), **kw)
     assert not model.plan.in_place and model.plan.capacities == [2] * model.spec.n_layers
-    tol = 1e-5 if dtype is None else 2e-2
-    np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=tol, rtol=tol)
+    # both plans sum expert outputs in float32 and round once; with top-2, a + b == b + a, so streaming the
+    # experts in other groups than dense changes nothing, bit for bit (bfloat16 sums differed by 0.03)
+    np.testing.assert_array_equal(model.logits(IDS, prefill=4), dense)
     assert model.stats["expert_misses"] > 0
 
 
@@ -273,8 +274,7 @@ def test_moe_prefetch_is_exact_and_measured(tiny_models, dtype):
     budget = _budget_for_slots(tiny.model_dir, 3, expert_prefetch=True, **kw)
     model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=budget, expert_prefetch=True, **kw)
     assert model.plan.in_place == (dtype is None)
-    tol = 1e-5 if dtype is None else 2e-2
-    np.testing.assert_allclose(model.logits(IDS, prefill=3), dense, atol=tol, rtol=tol)
+    np.testing.assert_array_equal(model.logits(IDS, prefill=3), dense)  # float32 sums of top-2 (see above)
     stats, spec = model.stats, model.spec
     assert 0 < stats["prefetch_recall"] <= 1 and stats["experts_prefetched"] <= spec.top_k * (spec.n_layers - 1)
     routed = sum(t["prefetch_routed"] for t in model.token_stats[1:])

@@ -269,19 +269,23 @@ class MLXBackend(Backend):
         y = self.matmul(h, rows["down"])
         return y + down_bias if down_bias is not None else y
 
-    def moe_ffn(self, x: mx.array, groups: list, shared: dict | None = None, shared_gate=None) -> mx.array:
-        """Routed experts: for each (rows, token ids, float32 weights) group, weights * expert(x[tokens])
-        added to those tokens; plus the shared expert, scaled by sigmoid(shared_gate . x) if given."""
-        y = mx.zeros_like(x)
+    def moe_experts(self, x: mx.array, groups: list, acc: mx.array | None = None) -> mx.array:
+        """Routed experts added into a float32 accumulator [T, d_model] (see TorchBackend.moe_experts)."""
+        acc = mx.zeros(x.shape, dtype=mx.float32) if acc is None else acc
         for rows, tokens, weights in groups:
             idx = mx.array(tokens.astype(np.int32))
-            out = self.ffn(x[idx], rows, None, None, None) * mx.array(weights)[:, None]
-            y = y.at[idx].add(out.astype(y.dtype))
+            out = self.ffn(x[idx], rows, None, None, None).astype(mx.float32) * mx.array(weights)[:, None]
+            acc = acc.at[idx].add(out)
+        return acc
+
+    def moe_output(self, x: mx.array, acc: mx.array, shared: dict | None = None, shared_gate=None) -> mx.array:
+        """The routed experts' float32 sum plus the shared expert (scaled by sigmoid(shared_gate . x) if
+        given), in x's dtype."""
         if shared is not None:
             out = self.ffn(x, shared, None, None, None)
-            y = y + (mx.sigmoid(self.linear(x, shared_gate, None)) * out if shared_gate is not None else out)
-        return y
-
+            acc = acc + (mx.sigmoid(self.linear(x, shared_gate, None)) * out if shared_gate is not None else out
+                         ).astype(mx.float32)
+        return acc.astype(x.dtype)
 
 
 class MLXRowStore:

@@ -264,19 +264,25 @@ class TorchBackend(Backend):
             return rows["down_t"].t()
         return rows["up"] if "up" in rows else rows["up_gate"].chunk(2)[part == "gate"]
 
-    def moe_ffn(self, x: torch.Tensor, groups: list, shared: dict | None = None, shared_gate=None) -> torch.Tensor:
-        """Routed experts: for each (rows, token ids, float32 weights) group, weights * expert(x[tokens])
-        added to those tokens; plus the shared expert, scaled by sigmoid(shared_gate . x) if given."""
-        y = torch.zeros_like(x)
+    def moe_experts(self, x: torch.Tensor, groups: list, acc: torch.Tensor | None = None) -> torch.Tensor:
+        """Routed experts: for each (rows, token ids, float32 weights) group, weights * expert(x[tokens]) added
+        to those tokens' rows of a float32 accumulator [T, d_model] (a new one when `acc` is None). Summing in
+        float32 makes the result independent of how a plan splits the experts (dense: all at once; streamed:
+        cached ones, then chunks read into the slots), up to float32 rounding."""
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if acc is None else acc
         for rows, tokens, weights in groups:
             idx = torch.from_numpy(tokens).to(self.device)
-            out = self.ffn(x[idx], rows, None, None, None) * torch.from_numpy(weights).to(self.device)[:, None]
-            y[idx] += out.to(y.dtype)  # a token meets an expert once; index_add_ measured ~1000x slower on CPU
+            out = self.ffn(x[idx], rows, None, None, None).float() * torch.from_numpy(weights).to(self.device)[:, None]
+            acc[idx] += out  # a token meets an expert once; index_add_ measured ~1000x slower on CPU
+        return acc
+
+    def moe_output(self, x: torch.Tensor, acc: torch.Tensor, shared: dict | None = None, shared_gate=None) -> torch.Tensor:
+        """The MoE FFN's output in x's dtype: the routed experts' float32 sum `acc` plus the shared expert,
+        scaled by sigmoid(shared_gate . x) if given; rounded once."""
         if shared is not None:
             out = self.ffn(x, shared, None, None, None)
-            y = y + (torch.sigmoid(F.linear(x, shared_gate)) * out if shared_gate is not None else out)
-        return y
-
+            acc = acc + (torch.sigmoid(F.linear(x, shared_gate)) * out if shared_gate is not None else out).float()
+        return acc.to(x.dtype)
 
 
 def _device(device: str | None) -> str:

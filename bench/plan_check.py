@@ -70,6 +70,7 @@ def decode_stats(model, ids: list[int], prefill: int) -> dict:
 
 def check(model_dir: Path, budget, machine, disk, ids, prefill: int, rounds: int, context: int, data,
           dtype: str | None, max_dropped: float, sample_tokens: int) -> dict:
+    load_before = os.getloadavg()[:1]
     t0 = time.perf_counter()
     plan = planner.make_plan(model_dir, budget, machine, disk, data=data, context=context,
                              dtypes=[dtype] if dtype else None, max_dropped=max_dropped, sample_tokens=sample_tokens)
@@ -90,9 +91,12 @@ def check(model_dir: Path, budget, machine, disk, ids, prefill: int, rounds: int
     if hand_pred is None and plan.mode == "sparse" and plan.window == 4 and \
             plan.cache_rows == models_caps:
         hand_pred = pred
+    model_ms = pred.get("model_ms", pred["total_ms"])
     return {"model": model_dir.name, "budget": budget, "plan": {k: v for k, v in plan.to_dict().items()
                                                                if k in ("mode", "dtype", "window", "cache_rows",
                                                                         "hybrid_fraction")},
+            "load": [round(x, 1) for x in load_before + os.getloadavg()[:1]], "notes": plan.notes,
+            "model_ms": model_ms, "model_error": meas["total_ms"] / model_ms - 1,
             "plan_seconds": round(plan_s, 1), "predicted": pred, "measured": meas, "hand": med["hand"],
             "rounds_total_ms": spread, "error": meas["total_ms"] / pred["total_ms"] - 1,
             "plan_over_hand": meas["total_ms"] / med["hand"]["total_ms"], "alternatives": plan.alternatives,
@@ -101,21 +105,25 @@ def check(model_dir: Path, budget, machine, disk, ids, prefill: int, rounds: int
 
 
 def table(results: list[dict], header: str) -> str:
-    lines = [header, "", f"{'model':<10}{'budget':>8}  {'plan':<30}{'pred ms':>9}{'meas ms':>9}{'error':>8}"
+    lines = [header, "", f"{'model':<10}{'budget':>8}  {'plan':<30}{'model ms':>9}{'error':>8}{'pred ms':>9}"
+             f"{'meas ms':>9}{'error':>8}"
              f"{'hand ms':>9}{'(pred)':>8}{'plan/hand':>10}{'dropped p/h':>13}{'KiB/tok p/m':>15}{'reads p/m':>13}"
-             f"   predicted / measured parts (compute, predictor, io, mem ms)"]
+             f"{'load':>11}   predicted / measured parts (compute, predictor, io, mem ms)"]
     for r in results:
         p = r["plan"]
         what = p["mode"] + (f" w{p['window']}" if p["mode"] == "sparse" else
                             f" {p['hybrid_fraction']:.2f}" if p["mode"] == "hybrid" else "") + f" {p['dtype']}"
         pr, me = r["predicted"], r["measured"]
         parts = " / ".join(", ".join(f"{x[k]:.1f}" for k in PARTS[1:]) for x in (pr, me))
-        lines.append(f"{r['model']:<10}{str(r['budget']):>8}  {what:<30}{pr['total_ms']:>9.1f}{me['total_ms']:>9.1f}"
+        lines.append(f"{r['model']:<10}{str(r['budget']):>8}  {what:<30}{r['model_ms']:>9.1f}{r['model_error']:>+8.0%}"
+                     f"{pr['total_ms']:>9.1f}{me['total_ms']:>9.1f}"
                      f"{r['error']:>+8.0%}{r['hand']['total_ms']:>9.1f}"
                      f"{(r['hand_predicted'] or {}).get('total_ms', float('nan')):>8.1f}{r['plan_over_hand']:>10.2f}"
                      f"{me['neurons_dropped']:>7.0f}/{r['hand']['neurons_dropped']:<5.0f}"
                      f"{pr.get('bytes_per_token', 0) / 1024:>8.0f}/{me['bytes_read'] / 1024:<6.0f}"
-                     f"{pr.get('reads_per_token', 0):>7.0f}/{me['reads']:<5.0f}   {parts}")
+                     f"{pr.get('reads_per_token', 0):>7.0f}/{me['reads']:<5.0f}{'-'.join(map(str, r['load'])):>11}"
+                     f"   {parts}")
+        lines += [f"    note: {n}" for n in r["notes"] if n.startswith(("kept", "calibrated"))]
     return "\n".join(lines)
 
 

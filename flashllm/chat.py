@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
     c.add_argument("--stats", action="store_true", help="print per-token stats after each reply (to stderr)")
     add_sampling_options(c)
     c.set_defaults(max_new_tokens=256, func=run)
-    add_load_options(c)
+    add_load_options(c, skip=("batch_size",))  # one conversation: no batches
 
 
 def run(args) -> None:

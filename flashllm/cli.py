@@ -59,6 +59,7 @@ _top_p = _checked(float, lambda v: 0 < v <= 1, "a probability in (0, 1]")
 
 
 _row_count = _checked(int, lambda v: v >= 1, "whole numbers of at least 1, one per layer")
+_positive = _checked(int, lambda v: v >= 1, "an integer of 1 or more")
 
 
 def _rows(text: str) -> tuple[int, ...]:
@@ -145,6 +146,9 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--kernels", default=d.kernels, choices=KERNELS,
                    help="tuned: q/k/v and gate/up fused at load, the fastest measured kernel per dtype (same math); "
                    "plain: the file's tensors with torch's default kernels, for comparison (default: %(default)s)")
+    g.add_argument("--batch-size", type=_positive, default=None,
+                   help="sequences decoded together, each with its own KV cache (--batch-file) (default: every "
+                   "prompt of --batch-file at once, else 1)")
     g.add_argument("--plan", default="none", choices=["none", "auto"],
                    help="auto: mode, dtype, window and per-layer caches from `flashllm plan` for this --dram-budget "
                    "(the saved plan.json when it matches, else planned now and saved) (default: %(default)s)")
@@ -182,8 +186,10 @@ def load_options(args: argparse.Namespace):
 
     from .options import LoadOptions
 
-    options = LoadOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LoadOptions)
-                             if hasattr(args, f.name)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(LoadOptions) if hasattr(args, f.name)}
+    if values.get("batch_size", 1) is None:  # not given: one sequence (--batch-file sets it to its prompts)
+        del values["batch_size"]
+    options = LoadOptions(**values)
     if getattr(args, "plan", "none") == "auto":
         from .plan_cli import auto_options
 
@@ -214,6 +220,11 @@ def read_prompt(args) -> str:
 
 def cmd_generate(args) -> None:
     from . import load
+
+    if args.batch_file is not None:
+        from .batch import cmd_generate_batch
+
+        return cmd_generate_batch(args)
 
     prompt = read_prompt(args)
     model = load(args.model_dir, load_options(args))
@@ -339,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="the prompt text; - reads it from stdin")
     src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this file (verbatim, trailing "
                      "newline included); - reads stdin")
+    src.add_argument("--batch-file", metavar="PATH", help="one prompt per line (blank lines skipped; - reads stdin): "
+                     "decode them together, --batch-size at a time, each layer's weights read once per step for "
+                     "the whole batch (sparse: the union of their predicted neurons); --json prints `results`")
     add_sampling_options(g)
     add_load_options(g)
     g.add_argument("--stats", action="store_true", help="print per-token stats to stderr (default: off)")

@@ -82,6 +82,47 @@ def generate_tokens(forward, prompt_ids: list[int], context: int, max_new_tokens
         pos += 1
 
 
+def generate_batch(forward, prompts: list[list[int]], context: int, max_new_tokens: int, temperature: float = 0.0,
+                   top_p: float = 1.0, seed: int | None = 0, eos_token_ids: Iterable[int] = (),
+                   records: list[Generation] | None = None) -> Iterator[tuple[int, int]]:
+    """Yield (sequence, new token id) for several prompts decoded together, each exactly as
+    `generate_tokens` would alone (its own sampler seeded `seed`). Each prompt is prefilled alone in its
+    own KV cache, `forward(ids, 0, i)`; every step after is one `forward(tokens, positions, sequences)`
+    over the unfinished sequences. A caller that sets records[i].stop_reason stops sequence i."""
+    records = records if records is not None else [Generation() for _ in prompts]
+    check_sampling(max_new_tokens, temperature, top_p)
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise FlashLLMError(f"prompt {i + 1} is empty (no tokens to start from)")
+        if len(ids) >= context:
+            raise FlashLLMError(f"prompt {i + 1} has {len(ids)} tokens but the context holds {context} "
+                                f"(shorten the prompt or load with a larger context)")
+    if max_new_tokens == 0:
+        for r in records:
+            r.stop_reason = "length"
+        return
+    eos = frozenset(eos_token_ids)
+    rngs = [np.random.default_rng(seed) for _ in prompts]
+    logits = [forward(ids, 0, i)[-1] for i, ids in enumerate(prompts)]
+    pos = [len(ids) for ids in prompts]
+    live = list(range(len(prompts)))
+    while live:
+        for i in live:
+            token = sample(logits[i], temperature, top_p, rngs[i])
+            records[i].token_ids.append(token)
+            yield i, token
+            n = len(records[i].token_ids)
+            reason = "eos" if token in eos else "length" if n == max_new_tokens else "context" if pos[i] >= context \
+                else None
+            records[i].stop_reason = records[i].stop_reason or reason
+        live = [i for i in live if records[i].stop_reason is None]
+        if live:
+            out = forward([records[i].token_ids[-1] for i in live], [pos[i] for i in live], live)
+            for row, i in enumerate(live):
+                logits[i] = out[row]
+                pos[i] += 1
+
+
 def eos_token_ids(spec, model_dir: str | Path) -> frozenset[int]:
     """Every end-of-sequence id: the spec's (all of config.json's list) and generation_config.json's."""
     ids = {spec.eos_token_id, *getattr(spec, "eos_token_ids", ())}

@@ -18,7 +18,7 @@ from .errors import FlashLLMError
 from .experts import MOE_PLANS
 from .ffn_reader import LayerChecksums
 from .hooks import Hooks
-from .generate import Generation, TextStream, eos_token_ids, generate_tokens
+from .generate import Generation, TextStream, eos_token_ids, generate_batch, generate_tokens
 from .options import LoadOptions
 from .plan_context import PlanContext
 from .st_io import SafetensorsFile
@@ -52,13 +52,16 @@ class Model:
         self.context = min(opts.context or DEFAULT_CONTEXT, self.spec.context_limit)
         self.backend = make_backend(opts.backend, self.spec, opts.device, opts.dtype, self.manifest.dtype, self.context,
                                     self.manifest.data.get("quantization", "none") != "none", opts.kv_bits, opts.kernels)
+        self.backend.set_sequences(opts.batch_size)  # before the plans: every KV cache counts against the budget
         self._tokenizer = None
         self._chat_template = None
         self._warned_overflow = False
         self.hooks = Hooks()  # observers of the per-token path (see hooks.py)
         self.checksums = LayerChecksums(self.manifest.path("ffn"), self.layout, self.manifest.data["ffn"].get("layer_sha256"))
         self._costs: list[TokenCost] = []
+        self._prompts = 1  # how many of _costs are prompts (batch mode: one per sequence)
         self.last_generation = Generation()
+        self.last_generations: list[Generation] = []  # generate_batch: one per prompt
         self._load_resident(skip_layers=opts.mode == "naive")
         self.backend.quantize_resident(opts.quantize_resident)  # naive mode: its layers as it reads them
         self.backend.fuse_resident()  # after quantizing: quantized q/k/v stay as they are
@@ -98,18 +101,22 @@ class Model:
         return self.plan_context.row_bytes()
 
     # -- the per-token path --------------------------------------------------------------------
-    def forward(self, ids: list[int], pos: int) -> np.ndarray:
-        """Logits [len(ids), vocab] for `ids` at positions pos.. (the KV cache holds 0..pos-1)."""
-        if pos + len(ids) > self.context:
-            raise FlashLLMError(f"{pos + len(ids)} tokens exceed the context of {self.context}")
-        cost, t0 = TokenCost(tokens=len(ids)), time.perf_counter()
+    def forward(self, ids: list[int], pos, slot=0) -> np.ndarray:
+        """Logits [len(ids), vocab] for `ids` at positions pos.. of the sequence whose KV cache is `slot`
+        (it holds 0..pos-1); or, batch decode (`pos` and `slot` lists), ids[i] at position pos[i] of
+        sequence slot[i]: every layer's weights are then obtained once for all of them."""
+        batch = not isinstance(pos, int)
+        end = max(pos) + 1 if batch else pos + len(ids)
+        if end > self.context:
+            raise FlashLLMError(f"{end} tokens exceed the context of {self.context}")
+        cost, t0 = TokenCost(tokens=len(ids), batch=len(ids) if batch else 1), time.perf_counter()
         B, s = self.backend, self.spec
         x = B.embed(ids, pos)
         if pos == 0:
             self.plan.reset()
         for layer in range(s.n_layers):
             self.plan.before_layer(layer, cost)
-            attn, h = B.attention(layer, x, pos)
+            attn, h = B.attention(layer, x, pos, slot)
             if s.parallel_attn:  # attention and FFN both read the block's input
                 f_in = B.norm(f"layers.{layer}.ffn_norm", x) if s.ffn_norm else h
                 x = x + attn + self._ffn(layer, f_in, cost, x)
@@ -156,7 +163,7 @@ class Model:
                  "dram_budget": self.dram_budget, "gpu_budget": self.gpu_budget, "model_bytes": self.model_bytes,
                  "gpu_bytes": self.memory()[1] if self.backend.on_gpu else 0, "quantization": self.quantization()}
         extra.update(self.plan.describe())
-        return summarize(self._costs, self.dram_bytes(), extra)
+        return summarize(self._costs, self.dram_bytes(), extra, self._prompts)
 
     def quantization(self) -> dict:
         """What is held quantized: FFN bundles (as stored), resident matrices and the KV cache (as loaded)."""
@@ -195,7 +202,7 @@ class Model:
             raise FlashLLMError(f"prefill {prefill}: expected 1..{len(ids)}")
         if len(ids) > self.context:
             raise FlashLLMError(f"{len(ids)} tokens exceed the context of {self.context}")
-        self._costs = []
+        self._costs, self._prompts = [], 1
         rows = [self.forward(ids[:prefill], 0)]
         rows += [self.forward([t], prefill + i) for i, t in enumerate(ids[prefill:])]
         return np.concatenate(rows, axis=0)
@@ -203,7 +210,7 @@ class Model:
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 32, temperature: float = 0.0,
                      top_p: float = 1.0, seed: int | None = 0) -> Iterator[int]:
         """Yield new token ids; `last_generation` records them and why generation stopped."""
-        self._costs = []
+        self._costs, self._prompts = [], 1
         self.last_generation = Generation()
         yield from generate_tokens(self.forward, list(prompt_ids), self.context, max_new_tokens, temperature,
                                    top_p, seed, eos_token_ids(self.spec, self.manifest.root), self.last_generation)
@@ -246,6 +253,30 @@ class Model:
                  seed: int | None = 0, stop: str | Iterable[str] = ()) -> str:
         """The generated text (see `stream`); `last_stop_reason` says why it ended."""
         return "".join(self.stream(prompt, max_new_tokens, temperature, top_p, seed, stop))
+
+    def generate_batch(self, prompts: list[str | list[int]], max_new_tokens: int = 32, temperature: float = 0.0,
+                       top_p: float = 1.0, seed: int | None = 0, stop: str | Iterable[str] = ()) -> list[str]:
+        """The texts generated for several prompts decoded together (load with batch_size >= their
+        number): each step obtains every layer's weights once for all of them (sparse: the union of their
+        predicted neurons). Each text is what `generate` gives for its prompt alone (greedy, with an exact
+        predictor); `last_generations` holds each one's ids and stop reason, `stats` the whole batch's."""
+        if not 1 <= len(prompts) <= len(self.backend.kvs):
+            raise FlashLLMError(f"{len(prompts)} prompts, but the model was loaded for batches of up to "
+                                f"{len(self.backend.kvs)} (load with batch_size={max(len(prompts), 1)})")
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        streams = [TextStream(self.tokenizer, p, stops) for p in ids]
+        self._costs, self._prompts = [], len(ids)
+        self.last_generations = runs = [Generation() for _ in ids]
+        for i, token in generate_batch(self.forward, ids, self.context, max_new_tokens, temperature, top_p, seed,
+                                       eos_token_ids(self.spec, self.manifest.root), runs):
+            streams[i].add(token)
+            if streams[i].stopped:
+                runs[i].stop_reason = "stop"
+        for text, run in zip(streams, runs):
+            text.flush()
+            run.text = text.text
+        return [run.text for run in runs]
 
     # -- chat ----------------------------------------------------------------------------------
     @property

@@ -340,7 +340,7 @@ class SparsePlan(StreamingPlan):
             c.reset()
 
     def before_ffn(self, layer: int, residual, cost) -> None:
-        self._residual = residual if residual.shape[0] == 1 else None
+        self._residual = residual if residual.shape[0] == cost.batch else None  # decode (one sequence or a batch)
 
     def _load(self, layer: int, active: np.ndarray, window: int, cost) -> int:
         """One cache step: evict outside the window, then read the missing bundles into free rows
@@ -362,11 +362,11 @@ class SparsePlan(StreamingPlan):
         self._drop_prefetch()
         with cost.timed("predictor_ms"):
             x = self.backend.norm(f"layers.{layer}.{self._norm}", self._residual)
-            mask, scores = predict_scored(self.predictor, layer, x)
-        predicted = np.flatnonzero(mask[0])
+            mask, scores = union(*predict_scored(self.predictor, layer, x))
+        predicted = np.flatnonzero(mask)
         ids = predicted[self.caches[layer].row_of[predicted] < 0]
         if len(ids) > self.prefetch_rows:  # the highest-scored ones fit
-            keep = np.argsort(-scores[0][ids], kind="stable")[:self.prefetch_rows] if scores is not None else \
+            keep = np.argsort(-scores[ids], kind="stable")[:self.prefetch_rows] if scores is not None else \
                 np.arange(self.prefetch_rows)
             ids = np.sort(ids[keep])
         pending = self.reader.submit(layer, ids, self.prefetch_buf, np.arange(len(ids)))
@@ -429,8 +429,9 @@ class SparsePlan(StreamingPlan):
         with cost.timed("predictor_ms"):
             mask, scores = predict_scored(self.predictor, layer, x)
         self.ctx.hooks.emit("predict", layer, mask)
-        if mask.shape[0] == 1:
-            active = self._fit(layer, np.flatnonzero(mask[0]), None if scores is None else scores[0], cost)
+        if mask.shape[0] == cost.batch:  # decode: one token, or one per sequence of a batch (their union)
+            mask, scores = union(mask, scores)
+            active = self._fit(layer, np.flatnonzero(mask), scores, cost)
             cost.lookahead_found.append(0)
             cost.lookahead_active.append(0)
             cost.neurons_loaded.append(self._load(layer, active, self.window, cost))
@@ -478,6 +479,12 @@ class SparsePlan(StreamingPlan):
 
     def device_bytes(self) -> int:
         return sum(c.store.nbytes() for c in self.caches) + self.predictor.nbytes()
+
+
+def union(mask: np.ndarray, scores: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The neurons predicted for any of the tokens of a decode step ([tokens, n] -> [n]) and, to rank
+    them, each one's highest score (one token: its own mask and scores)."""
+    return mask.any(axis=0), None if scores is None else scores.max(axis=0)
 
 
 # Every mode, by the name the API and the CLI use; each plan's docstring line is its description.

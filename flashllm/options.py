@@ -53,6 +53,7 @@ class LoadOptions:
     kernels: str = "tuned"
     quantize_resident: str = "none"  # hold attention, embedding and lm_head matrices as int8/int4 (at load)
     kv_bits: int = 16  # 8: KV cache in int8 groups along the head dim; 16: the compute dtype
+    batch_size: int = 1  # sequences decoded together (Model.generate_batch), each with its own KV cache
 
     def __post_init__(self):
         from .experts import POLICIES
@@ -82,6 +83,8 @@ class LoadOptions:
         check(isinstance(self.aio_depth, int) and self.aio_depth >= 0, f"aio_depth {self.aio_depth}: must be >= 0")
         check(self.gap_bytes is None or isinstance(self.gap_bytes, int) and self.gap_bytes >= 0,
               f"gap_bytes {self.gap_bytes}: must be >= 0 (or None: from the disk profile)")
+        check(isinstance(self.batch_size, int) and self.batch_size >= 1,
+              f"batch_size {self.batch_size}: must be at least 1 (sequences decoded together)")
         check(self.context is None or self.context >= 1, f"context {self.context}: must be at least 1")
         check(self.hybrid_fraction is None or 0 <= self.hybrid_fraction <= 1,
               f"hybrid_fraction {self.hybrid_fraction}: expected a value in [0, 1]")

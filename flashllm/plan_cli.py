@@ -23,7 +23,7 @@ def _log(quiet: bool):
 def add_parsers(sub) -> None:
     from .cli import _budget
     from .options import DTYPES
-    from .planner import MAX_DROPPED, SAMPLE_TOKENS
+    from .planner import CALIBRATE_TOKENS, MAX_DROPPED, SAMPLE_TOKENS
 
     p = sub.add_parser("profile", help="measure this machine once (disk, DRAM, matvec) and cache it",
                        description="Measure what reads, copies and matrix-vector products cost on this machine: "
@@ -55,6 +55,9 @@ def add_parsers(sub) -> None:
     q.add_argument("--sample-tokens", type=int, default=SAMPLE_TOKENS, help="sample tokens replayed")
     q.add_argument("--max-dropped", type=float, default=MAX_DROPPED,
                    help="share of predicted neurons the caches may drop (a quality cost; 0 forbids)")
+    q.add_argument("--calibrate-tokens", type=int, default=CALIBRATE_TOKENS,
+                   help="decode tokens the runtime itself runs per mode to calibrate the cost model (0: the cost "
+                   "model alone, less accurate; see docs/cost_model.md)")
     q.add_argument("--refresh", action="store_true", help="measure the machine again first")
     q.add_argument("--quiet", action="store_true", help="no progress lines")
     q.add_argument("--json", action="store_true", help="print the plan as one JSON object")
@@ -86,25 +89,29 @@ def _dtypes(text: str | None) -> list[str] | None:
 
 
 def plan_for(model_dir, budget, dtypes=None, context=None, data=None, sample_tokens=None, max_dropped=None,
-             refresh: bool = False, log=None):
+             refresh: bool = False, log=None, calibrate_tokens: int | None = None):
     """A plan for `model_dir` at `budget` (profiles measured when missing), saved into the directory."""
     from . import planner, profile
 
     if not 0 <= (max_dropped or 0) < 1:
         raise FlashLLMError(f"--max-dropped {max_dropped}: must be in [0, 1)")
+    if calibrate_tokens is not None and calibrate_tokens < 0:
+        raise FlashLLMError(f"--calibrate-tokens {calibrate_tokens}: must be 0 or more")
     log = log or (lambda msg: None)
     disk = _disk(model_dir, refresh, log)
     machine = profile.profile(refresh=refresh, progress=log)
     plan = planner.make_plan(model_dir, budget, machine, disk, data=data, dtypes=dtypes, context=context,
                              sample_tokens=sample_tokens or planner.SAMPLE_TOKENS,
-                             max_dropped=max_dropped or 0.0, log=log)
+                             max_dropped=max_dropped or 0.0, log=log,
+                             calibrate_tokens=planner.CALIBRATE_TOKENS if calibrate_tokens is None else calibrate_tokens)
     planner.save_plan(model_dir, plan)
     return plan
 
 
 def cmd_plan(args) -> None:
     plan = plan_for(args.model_dir, args.dram_budget, _dtypes(args.dtypes), args.context, args.data,
-                    args.sample_tokens, args.max_dropped, args.refresh, _log(args.quiet or args.json))
+                    args.sample_tokens, args.max_dropped, args.refresh, _log(args.quiet or args.json),
+                    args.calibrate_tokens)
     print(json.dumps(plan.to_dict()) if args.json else plan.describe())
 
 

@@ -327,7 +327,7 @@ def add_parser(sub) -> None:
                    "turns, for base models) (default: the checkpoint's own; without one, only /v1/completions)")
     s.add_argument("--max-queue", type=int, default=8, help="requests that may wait while one decodes")
     s.add_argument("--max-body", type=int, default=MAX_BODY_BYTES, help="largest request body in bytes")
-    add_load_options(s)
+    add_load_options(s, skip=("batch_size",))  # requests decode one at a time
     s.set_defaults(func=_cmd_serve)
 
 

@@ -22,6 +22,7 @@ class TokenCost:
     """What one forward (the prompt or one decode token) cost."""
 
     tokens: int = 0
+    batch: int = 1  # > 1: a batch decode step, one token of each of `batch` sequences (tokens == batch)
     bytes_read: int = 0
     bytes_wasted: int = 0  # read but not used: alignment, gap filling, unused prefetch (bytes_read includes it)
     reads: int = 0
@@ -85,11 +86,13 @@ class PartTimer:
         self.calls[part] += 1
 
 
-def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None) -> dict:
-    """The stats dict of one call: decode-token averages, the prompt separately, peak DRAM."""
-    prompt, decode = (costs[0], costs[1:]) if costs else (None, [])
-    n = max(len(decode), 1)
-    out = {"decode_tokens": len(decode), "dram_bytes": dram_bytes}
+def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None, prompts: int = 1) -> dict:
+    """The stats dict of one call: decode-token averages, the prompt(s) separately, peak DRAM. The first
+    `prompts` costs are prompts (batch mode: one per sequence); a batch step counts its `batch` tokens."""
+    prompt, decode = (_combined(costs[:prompts]), costs[prompts:]) if costs else (None, [])
+    tokens = sum(c.batch for c in decode)
+    n = max(tokens, 1)
+    out = {"decode_tokens": tokens, "dram_bytes": dram_bytes}
     for key in ("bytes_read", "bytes_wasted", "reads", "neurons_dropped", "read_ms") + TIMED + ("total_ms",):
         out[key] = sum(getattr(c, key) for c in decode) / n
     predicted = sum(c.predicted_mass for c in decode)
@@ -123,3 +126,13 @@ def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None
     out["tokens_per_s"] = 1e3 / out["total_ms"] if decode and out["total_ms"] > 0 else None
     out.update(extra or {})
     return out
+
+
+def _combined(prompts: list[TokenCost]) -> TokenCost:
+    """The prompts of a batch as one cost (the summed tokens, bytes, reads and times; one prompt as it is)."""
+    if len(prompts) == 1:
+        return prompts[0]
+    total = TokenCost(prefill_strategy=",".join(sorted({p.prefill_strategy for p in prompts} - {""})))
+    for key in ("tokens", "bytes_read", "reads", "total_ms", "io_ms"):
+        setattr(total, key, sum(getattr(p, key) for p in prompts))
+    return total

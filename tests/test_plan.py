@@ -9,6 +9,7 @@ import pytest
 import flashllm
 from flashllm import format as fmt
 from flashllm import planner
+from flashllm.replay import replay
 from flashllm.errors import FlashLLMError
 from flashllm.profile import MachineProfile
 from tiny import write_random_predictors
@@ -31,13 +32,13 @@ MACHINE = MachineProfile("test", "torch", "cpu", 1, 5e9, {}, {dt: {"per_call_s":
 
 def test_replay_counts_loads_reads_and_drops():
     masks = [np.array([[1, 1, 0, 1, 0, 0], [1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1]], bool)]
-    full = planner.replay(masks, window=2, capacity=6, d_ffn=6)
+    full = replay(masks, window=2, capacity=6, d_ffn=6)
     # loads: {0,1,3} (2 runs), {2} (1 run), {4,5} (1 run)
     assert full["loaded"] == pytest.approx(6 / 3) and full["reads"] == pytest.approx(4 / 3)
     assert full["drop_share"] == 0
-    tight = planner.replay(masks, window=2, capacity=3, d_ffn=6)
+    tight = replay(masks, window=2, capacity=3, d_ffn=6)
     assert tight["drop_share"] > 0  # the second token needs 4 rows
-    gapped = planner.replay(masks, window=2, capacity=6, d_ffn=6, gap_rows=1)  # {0,1,3} now one read of 4 bundles
+    gapped = replay(masks, window=2, capacity=6, d_ffn=6, gap_rows=1)  # {0,1,3} now one read of 4 bundles
     assert gapped["reads"] == pytest.approx(3 / 3) and gapped["transferred"] == pytest.approx(7 / 3)
 
 
@@ -64,8 +65,8 @@ def test_plan_fits_its_budget_and_runs(planned_model):
                              context=64, sample_tokens=128)
     assert plan.mode in ("sparse", "hybrid")
     assert plan.predicted["total_ms"] > 0
-    assert abs(sum(v for k, v in plan.predicted.items() if k.endswith("_ms") and k != "total_ms")
-               - plan.predicted["total_ms"]) < 1e-6
+    parts = ("compute_ms", "predictor_ms", "io_ms", "mem_ms")
+    assert abs(sum(plan.predicted[k] for k in parts) - plan.predicted["total_ms"]) < 1e-6
     model = flashllm.load(planned_model, context=64, **plan.load_options())  # fits: load checks the budget
     model.logits([1, 5, 9, 12, 3], prefill=2)
     assert model.stats["dram_bytes"] <= flashllm.budget.budget_bytes(budget, model.model_bytes)
@@ -73,6 +74,30 @@ def test_plan_fits_its_budget_and_runs(planned_model):
         assert model.stats["cache_capacity"] == plan.cache_rows
     path = planner.save_plan(planned_model, plan)
     assert planner.saved_plan(planned_model) == plan and path.name == planner.PLAN_FILE
+
+
+def test_calibration_reproduces_its_measurement_and_scales_terms():
+    from flashllm.calibration import Measured, calibrate
+
+    m = Measured(total_ms=100.0, compute_ms=40.0, ffn_ms=10.0, predictor_ms=5.0, io_ms=50.0, mem_ms=5.0,
+                 bytes_read=1e6, reads=10, spread=0.08, tokens=8)
+    cal = calibrate(m, model_ffn_s=0.02, model_io_s=0.1, model_mem_s=0.0)
+    here = cal.apply(0.02, 0.1, 0.0)
+    assert here.total_s * 1e3 == pytest.approx(m.total_ms)  # the reference point is predicted as measured
+    there = cal.apply(0.04, 0.05, 0.0)  # twice the FFN, half the I/O of the model's terms
+    assert there.to_ms()["compute_ms"] == pytest.approx(30 + 20) and there.io_s * 1e3 == pytest.approx(25)
+    assert there.mem_s * 1e3 == pytest.approx(5.0) and cal.noise == 0.08  # a term the model puts at 0 stays as measured
+    assert calibrate(m, 0.02, 0.1, 0.0, min_noise=0.1).noise == 0.1
+
+
+def test_calibrated_plan_keeps_defaults_unless_the_gain_beats_the_noise(planned_model):
+    plan = planner.make_plan(planned_model, "345KiB", MACHINE, FakeDisk(), data=planned_model.parent / "sample.txt",
+                             context=64, sample_tokens=128, calibrate_tokens=6)
+    assert plan.predicted.get("calibrated") and "model_ms" in plan.predicted
+    noise = float(next(n for n in plan.notes if n.startswith("calibrated")).split("noise")[1].split("%")[0].split()[-1])
+    default = next((a for a in plan.alternatives if "runtime default" in a["what"]), None)
+    if default is not None:  # the plan is not the defaults: it must be predicted faster by more than the noise
+        assert plan.predicted["total_ms"] < default["total_ms"] * (1 - noise / 100)
 
 
 def test_cache_rows_option_is_checked(planned_model):

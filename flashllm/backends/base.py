@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from ..budget import row_bytes
+from ..errors import FlashLLMError
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 RESIDENT_QUANT_BITS = {"none": None, "int8": 8, "int4": 4}  # --quantize-resident choices
@@ -40,6 +41,7 @@ class Backend:
     itemsize: int  # bytes per value in the compute dtype
     on_gpu: bool  # weights, KV and caches count against the GPU budget (host staging against DRAM)
     w: dict
+    kvs: list  # one KV cache per sequence decoded together (set_sequences); [0] serves one sequence
     _rope_rows: dict  # rope -> (pos, count, cos, sin) of the current forward call (rope_tables)
     parts = None  # a stats.PartTimer while a benchmark times the compute parts, else None (free)
 
@@ -62,6 +64,11 @@ class Backend:
 
     def kv_bytes(self) -> int:
         raise NotImplementedError
+
+    def new_kv(self):
+        """An empty KV cache for one more sequence (backends that decode several sequences together)."""
+        raise FlashLLMError(f"batch decoding (several sequences together) is not supported by the {self.name} "
+                            f"backend yet; use --backend torch")
 
     def to_host(self, x) -> np.ndarray:
         """float32 numpy values of x (brings predictor scores and logits to the host)."""
@@ -119,8 +126,10 @@ class Backend:
     def norm(self, name: str, x):
         raise NotImplementedError
 
-    def attention(self, layer: int, x, pos: int):
-        """(output, normed input) of block `layer` for tokens at positions pos.. (updates the KV cache)."""
+    def attention(self, layer: int, x, pos, slot=0):
+        """(output, normed input) of block `layer` for one sequence's tokens at positions pos.., updating
+        its KV cache `slot`; or, `pos` and `slot` lists (batch decode), row i is one token of sequence
+        slot[i] at position pos[i]."""
         raise NotImplementedError
 
     def ffn(self, x, rows: dict, up_bias, gate_bias, down_bias, threshold: float | None = None):
@@ -159,13 +168,18 @@ class Backend:
         return {"relu": relu, "relu2": lambda x: self.square(relu(x)), "fatrelu": lambda x: x * (x > threshold),
                 "gelu": self.gelu, "gelu_tanh": self.gelu_tanh, "silu": self.silu}[name]
 
-    def embed(self, ids: list[int], pos: int):
-        """Embeddings of tokens `ids` at positions pos.."""
+    def set_sequences(self, n: int) -> None:
+        """Hold KV caches for `n` sequences decoded together (batch mode); all count in `nbytes`."""
+        self.kvs = self.kvs[:n] + [self.new_kv() for _ in range(n - len(self.kvs))]
+
+    def embed(self, ids: list[int], pos):
+        """Embeddings of tokens `ids` at positions pos.. (or, a list, at positions pos[i])."""
         t0, x = self._tic(), self.embedding_rows(ids)
         if self.spec.embed_scale != 1.0:  # Gemma: the scale rounded to the compute dtype, as transformers does
             x = x * self.scalar(self.spec.embed_scale, x.dtype)
         if self.spec.positional == "learned":
-            x = x + self.w["pos_embed.weight"][pos:pos + len(ids)]
+            table = self.w["pos_embed.weight"]
+            x = x + (table[pos:pos + len(ids)] if isinstance(pos, int) else table[list(pos)])
         return self._toc("embed", t0, x)
 
     def logits(self, x) -> np.ndarray:

@@ -74,7 +74,7 @@ class MLXBackend(Backend):
         # one preallocated [1, kv_heads, context, head_dim] buffer per layer, updated by slice
         # assignment: per-layer arrays let MLX update in place (a single [layers, ...] array would be
         # copied whole while an earlier layer's attention still references it in the lazy graph)
-        self.kv = MLXKVCache(spec, context, self._mx, kv_bits)
+        self.kvs = [MLXKVCache(spec, context, self._mx, kv_bits)]  # batch decoding: torch only, so one
         self.act = self.activation(spec.activation, spec.activation_threshold)
         self._staging = None
         self.ropes = layer_ropes(spec)
@@ -93,7 +93,7 @@ class MLXBackend(Backend):
         return out.view(mx_view) if mx_view is not None else out
 
     def kv_bytes(self) -> int:
-        return self.kv.nbytes()
+        return self.kvs[0].nbytes()
 
     @staticmethod
     def nbytes_of(t: mx.array | QuantArray) -> int:
@@ -222,8 +222,9 @@ class MLXBackend(Backend):
         out = (xr * cos + rotated * sin).astype(x.dtype)
         return out if rd == x.shape[-1] else mx.concatenate((out, x[..., rd:]), axis=-1)
 
-    def attention(self, layer: int, x: mx.array, pos: int) -> tuple[mx.array, mx.array]:
-        """Self-attention of block `layer` for tokens at positions pos..; returns (output, normed input)."""
+    def attention(self, layer: int, x: mx.array, pos: int, slot: int = 0) -> tuple[mx.array, mx.array]:
+        """Self-attention of block `layer` for tokens at positions pos..; returns (output, normed input).
+        One sequence only (`slot` 0): MLX has no batch decoding yet (see Backend.new_kv)."""
         s, p, T = self.spec, f"layers.{layer}.", x.shape[0]
         h = self.norm(p + "attn_norm", x)
         q, k, v = (self._linear(p + n, h) for n in "qkv")
@@ -238,7 +239,7 @@ class MLXBackend(Backend):
             q, k = self._rope(q, self.ropes[layer], pos), self._rope(k, self.ropes[layer], pos)
         S, window = pos + T, s.window(layer)
         lo = max(0, pos - window + 1) if window else 0  # earliest key any query sees
-        keys, vals = self.kv.update(layer, pos, k, v, lo)
+        keys, vals = self.kvs[slot].update(layer, pos, k, v, lo)
         mask = None
         if T > 1:  # causal (and windowed) among the new tokens; one decode token sees all of lo..S-1
             qpos, kpos = mx.arange(pos, S)[:, None], mx.arange(lo, S)[None, :]

@@ -45,7 +45,8 @@ class TorchBackend(Backend):
         self.down_kernel = DOWN_KERNEL[self.dtype_name] if self.device.type == "cpu" and self.tuned else "matmul"
         self.context = context
         self.w: dict[str, torch.Tensor] = {}
-        self.kv = KVCache(spec, context, cdt, self.device, kv_bits)
+        self.kv_bits = kv_bits
+        self.kvs = [self.new_kv()]  # one KV cache per sequence decoded together (set_sequences)
         self.act = self.activation(spec.activation, spec.activation_threshold)
         self.ropes = layer_ropes(spec)
         self._rope_rows: dict[Rope, tuple] = {}  # rope -> (pos, count, cos, sin) of the current call
@@ -59,8 +60,11 @@ class TorchBackend(Backend):
     def storage_view(self, raw: np.ndarray, dtype: str | None = None) -> torch.Tensor:
         return torch.from_numpy(raw).view(DTYPES[dtype] if dtype else self.storage_dtype)
 
+    def new_kv(self) -> KVCache:
+        return KVCache(self.spec, self.context, self.dtype, self.device, self.kv_bits)
+
     def kv_bytes(self) -> int:
-        return self.kv.nbytes()
+        return sum(kv.nbytes() for kv in self.kvs)
 
     @staticmethod
     def nbytes_of(t: torch.Tensor | QuantMatrix) -> int:
@@ -144,8 +148,9 @@ class TorchBackend(Backend):
         rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
         return torch.cat(((xr * cos + rotated * sin).to(x.dtype), rest), dim=-1)
 
-    def attention(self, layer: int, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Self-attention of block `layer` for tokens at positions pos..; returns (output, normed input)."""
+    def attention(self, layer: int, x: torch.Tensor, pos, slot=0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Self-attention of block `layer` for one sequence's tokens at positions pos.. in KV cache
+        `slot`, or (lists `pos`, `slot`) one token per sequence; returns (output, normed input)."""
         s, p, T = self.spec, f"layers.{layer}.", x.shape[0]
         h = self.norm(p + "attn_norm", x)
         t0 = self._tic()
@@ -157,11 +162,23 @@ class TorchBackend(Backend):
         if s.qk_norm and not s.qk_norm_full:
             q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
         t0 = self._tic()
+        if isinstance(pos, int):
+            out = self._attend(layer, q, k, v, pos, self.kvs[slot])
+        else:  # batch decode: the projections above ran once for every sequence; keys are per sequence
+            out = torch.cat([self._attend(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], at, self.kvs[kv])
+                             for i, (at, kv) in enumerate(zip(pos, slot))])
+        out = self._toc("attention", t0, out)
+        t0 = self._tic()
+        return self._toc("attn_proj", t0, self._linear(p + "o", out)), h
+
+    def _attend(self, layer: int, q, k, v, pos: int, kv: KVCache) -> torch.Tensor:
+        """Rotary, KV cache update and attention of one sequence's new tokens ([T, heads, head_dim])."""
+        s, T = self.spec, q.shape[0]
         if s.positional == "rotary":
             q, k = self._rope(q, self.ropes[layer], pos), self._rope(k, self.ropes[layer], pos)
         S, window = pos + T, s.window(layer)
         lo = max(0, pos - window + 1) if window else 0  # earliest key any of the new queries sees
-        keys, vals = self.kv.update(layer, pos, k, v, lo)
+        keys, vals = kv.update(layer, pos, k, v, lo)
         group = s.n_heads // s.n_kv_heads
         gqa = group > 1 and self.tuned and not s.attn_softcap  # SDPA shares each kv head itself (no copies)
         if group > 1 and not gqa:
@@ -181,9 +198,7 @@ class TorchBackend(Backend):
             out = weights.to(vals.dtype) @ vals
         else:
             out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out = self._toc("attention", t0, out.transpose(0, 1).reshape(T, s.n_heads * s.head_dim))
-        t0 = self._tic()
-        return self._toc("attn_proj", t0, self._linear(p + "o", out)), h
+        return out.transpose(0, 1).reshape(T, s.n_heads * s.head_dim)
 
     def _qkv(self, p: str, h: torch.Tensor):
         """The q, k, v projections of block prefix `p`: one call where `fuse_resident` fused them."""

@@ -1,0 +1,99 @@
+"""The runtime measured on the model being planned: a few decode tokens of one configuration, timed
+by the runtime's own stats and part timer (the actual kernels, row layouts and read sizes, on the
+machine as loaded now), and the factors that bring the cost model's terms to what was measured.
+
+Why: a profile of synthetic matvecs and a scratch file misses what the runtime really does (fused
+projections, strided cache rows, per-dtype kernels, Python per layer, a disk whose host caches
+differ between files) and a shared machine's load changes between a profile and a run; see
+docs/cost_model.md, "Calibration".
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+FIELDS = ("total_ms", "compute_ms", "ffn_ms", "predictor_ms", "io_ms", "mem_ms")
+
+
+@dataclass
+class Measured:
+    """Per-decode-token costs (ms) and counts of a short run: means over the tokens whose latency lies
+    in the interquartile range (robust to a shared machine's outliers)."""
+
+    total_ms: float
+    compute_ms: float  # everything but I/O waits, placing rows and predictors (as the runtime splits it)
+    ffn_ms: float  # ... of which the FFN kernels (part timer)
+    predictor_ms: float
+    io_ms: float
+    mem_ms: float
+    bytes_read: float
+    reads: float
+    spread: float  # half the interquartile range of the per-token totals, relative to their median
+    tokens: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure(model_dir, options: dict, ids: list[int], prefill: int, warmup: int = 2) -> Measured:
+    """Decode ids[prefill:] after the prompt ids[:prefill] with `options` (LoadOptions fields); the
+    first `warmup` decode tokens are not counted (caches fill, allocations settle)."""
+    from . import load
+    from .stats import PartTimer
+
+    model = load(model_dir, **options)
+    timer = model.backend.parts = PartTimer(model.backend.sync)
+    model.logits(ids[:prefill])
+    rows = []
+    for i, t in enumerate(ids[prefill:]):
+        timer.reset()
+        model.forward([t], prefill + i)
+        cost = model.token_stats[-1]
+        if i >= warmup:
+            rows.append({**{k: cost[k] for k in FIELDS if k != "ffn_ms"}, "ffn_ms": timer.ms["ffn"],
+                         "bytes_read": cost["bytes_read"], "reads": cost["reads"]})
+    if not rows:
+        raise ValueError(f"no decode tokens measured: {len(ids)} ids, prefill {prefill}, warm-up {warmup}")
+    totals = np.array([r["total_ms"] for r in rows])
+    q1, q3 = np.percentile(totals, [25, 75])
+    mid = [r for r in rows if q1 <= r["total_ms"] <= q3]  # robust, and the parts still add up to the total
+    mean = {k: float(np.mean([r[k] for r in mid])) for k in FIELDS + ("bytes_read", "reads")}
+    return Measured(**mean, spread=float((q3 - q1) / 2 / np.median(totals)), tokens=len(rows))
+
+
+@dataclass
+class Calibration:
+    """Measured (runtime) over predicted (cost model) per term at one configuration of a mode, so that
+    other configurations of that mode are predicted as measured x (model there / model here)."""
+
+    fixed_s: float  # compute outside the FFN kernels per token (attention, head, norms, the runtime's Python)
+    predictor_s: float
+    ffn_scale: float
+    io_scale: float
+    mem_scale: float
+    measured: dict  # the Measured it came from
+    noise: float  # relative: gains below this are not distinguishable from the machine's variation
+    const_s: tuple = (0.0, 0.0, 0.0)  # measured FFN, I/O, memory seconds where the model has none (added as is)
+
+    def apply(self, ffn_s: float, io_s: float, mem_s: float):
+        """Calibrated costmodel.Parts from the cost model's FFN, I/O and memory seconds of a configuration."""
+        from .costmodel import Parts
+
+        ffn, io, mem = (scale * x + c for scale, x, c in zip((self.ffn_scale, self.io_scale, self.mem_scale),
+                                                            (ffn_s, io_s, mem_s), self.const_s))
+        return Parts(compute_s=self.fixed_s, ffn_s=ffn, predictor_s=self.predictor_s, io_s=io, mem_s=mem)
+
+
+def calibrate(m: Measured, model_ffn_s: float, model_io_s: float, model_mem_s: float,
+              min_noise: float = 0.05) -> Calibration:
+    """The factors from a measurement `m` and the cost model's terms at the same configuration (a term
+    the model puts at zero keeps its measured value as a constant)."""
+
+    pairs = ((m.ffn_ms / 1e3, model_ffn_s), (m.io_ms / 1e3, model_io_s), (m.mem_ms / 1e3, model_mem_s))
+    scales = [measured / model if model > 0 else 1.0 for measured, model in pairs]
+    return Calibration(fixed_s=(m.compute_ms - m.ffn_ms) / 1e3, predictor_s=m.predictor_ms / 1e3,
+                       ffn_scale=scales[0], io_scale=scales[1], mem_scale=scales[2], measured=m.to_dict(),
+                       noise=max(min_noise, m.spread),
+                       const_s=tuple(0.0 if model > 0 else measured for measured, model in pairs))

@@ -50,6 +50,10 @@ DEFAULT_LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "/work/big/llama.cpp-bu
 # llama-bench options per configuration: its default (mmap'd weights, CPU repacking of quantized types
 # allowed); weights read into process memory instead of mmap; no repacking (every weight stays in the mmap).
 LLAMA_CONFIGS = {"default": [], "no-mmap": ["-lm", "none"], "no-repack": ["--repack", "0"]}
+# flashllm's expert routing on an MoE model (bench/moe_run.py): the model's own router (random weights:
+# random routing, as llama.cpp's on the same shape) or the embedded trained MoE's routing replayed
+MOE_ROUTINGS = {"model": "its own", "replay": "replayed"}
+DEFAULT_MOE_TRACE = BENCH / "results" / "tiny_moe_routing.npz"
 
 
 def bench_module(name: str):
@@ -108,24 +112,49 @@ def run_child(argv: list[str], limit: int | None, drop: list[Path], timeout: flo
 
 
 # -- the peers -------------------------------------------------------------------------------
-def flashllm_argv(args, model_dir: Path, budget: int, tmp: Path) -> tuple[list[str], Path]:
+def flashllm_argv(args, model_dir: Path, budget: int, tmp: Path, routing: str | None = None) -> tuple[list[str], Path]:
+    """The flashllm child: bench/paper_tables.py's measurement (dense-FFN models, sparse mode) or, for a
+    mixture-of-experts model, bench/moe_run.py's (experts streamed, `routing`)."""
     pt = paper_tables()
+    spec, result = tmp / f"flashllm-run-{routing or 'ffn'}.json", tmp / f"flashllm-result-{routing or 'ffn'}.json"
+    if routing is not None:
+        run = dict(label=f"flashllm ({routing})", model_dir=str(model_dir), budget_bytes=budget,
+                   dtype=pt.compute_dtype("auto", model_dir, "torch"), policy=args.moe_policy,
+                   prefetch=args.moe_prefetch, window=args.window, threads=32, seed=args.seed, prompt=1 + args.warmup,
+                   tokens=args.tokens, routing=routing if routing == "model" else f"replay:{args.moe_trace}")
+        spec.write_text(json.dumps(run))
+        return [sys.executable, str(BENCH / "moe_run.py"), "--run-one", str(spec), "--result", str(result)], result
     run = dict(label="flashllm", mode="sparse", window=args.window, bundled=True, backend="torch", budget=budget,
                threads=32, aio_depth=0, trace=args.trace, seed=args.seed,
                predictor="trace" if args.trace else "auto", predictor_rank=128, torch_threads=args.threads,
                tokens=args.tokens, warmup=args.warmup, model_dir=str(model_dir),
-               dtype=pt.compute_dtype("auto", model_dir, "torch"))
+               dtype=pt.compute_dtype("auto", model_dir, "torch"), quantize_resident=args.quantize_resident)
     if run["predictor"] == "auto":
         run["predictor"] = "lowrank" if (model_dir / "predictors.json").is_file() else "oracle"
-    spec, result = tmp / "flashllm-run.json", tmp / "flashllm-result.json"
     spec.write_text(json.dumps(run))
     return [sys.executable, str(BENCH / "paper_tables.py"), "--run-one", str(spec), "--result", str(result)], result
 
 
+def flashllm_runs(args, budget: int, tmp: Path) -> list[dict]:
+    """flashllm's runs of a round: one; for an MoE model one per --moe-routing."""
+    model_dir = Path(args.flashllm)
+    if not fmt.read_manifest(model_dir, verify=False).spec.is_moe:
+        run = dict(peer="flashllm", label="flashllm (sparse)" + (f", resident {args.quantize_resident}"
+                                                                 if args.quantize_resident != "none" else ""))
+        run["argv"], run["result"] = flashllm_argv(args, model_dir, budget, tmp)
+        return [run]
+    runs = []
+    for routing in args.moe_routing:
+        run = dict(peer="flashllm", moe=True, routing=routing,
+                   label=f"flashllm (experts streamed, {MOE_ROUTINGS[routing]} routing)")
+        run["argv"], run["result"] = flashllm_argv(args, model_dir, budget, tmp, routing)
+        runs.append(run)
+    return runs
+
+
 def plan(args, budget: int, tmp: Path) -> list[dict]:
     """One round's runs: label, peer, argv (None: skipped, with why) and how to read the result."""
-    runs = [dict(peer="flashllm", label="flashllm (sparse)")]
-    runs[0]["argv"], runs[0]["result"] = flashllm_argv(args, Path(args.flashllm), budget, tmp)
+    runs = flashllm_runs(args, budget, tmp)
     bench_bin = Path(args.llama_cpp) / "bin" / "llama-bench"
     for name in args.llama_config:
         run = dict(peer="llama.cpp", label=f"llama.cpp ({name})")
@@ -158,6 +187,12 @@ def plan(args, budget: int, tmp: Path) -> list[dict]:
 def read_result(run: dict, res: dict) -> dict:
     """The run's figures from what its child left (even a killed accelerate run's tokens so far)."""
     try:
+        if run["peer"] == "flashllm" and res["outcome"] == "ran" and run.get("moe"):
+            r = json.loads(run["result"].read_text())
+            return {"ms_per_token": r["total_ms"], "load_s": r["load_s"], "io_ms": r["io_ms"], "mem_ms": r["mem_ms"],
+                    "compute_ms": r["compute_ms"], "predictor_ms": r["predictor_ms"], "bytes_read": r["bytes_read"],
+                    "dram_bytes": r["dram_bytes"], "expert_hit_rate": r["expert_hit_rate"],
+                    "expert_slots": r.get("expert_slots"), "routing": run["routing"]}
         if run["peer"] == "flashllm" and res["outcome"] == "ran":
             r = json.loads(run["result"].read_text())
             return {"ms_per_token": r["total_ms"], "tokens": r["decode_tokens"], "load_s": r["load_s"],
@@ -206,6 +241,21 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dram-budget", type=parse_budget, default=0.5,
                    help="flashllm's DRAM budget (of its model: 0.5, 50%%, 6GiB); accelerate's max_memory "
                    "(default: %(default)s)")
+    p.add_argument("--budget-of", choices=["flashllm", "gguf"], default="flashllm",
+                   help="the model files a fractional --dram-budget is of: flashllm's, or the GGUF's (e.g. for "
+                   "quantized models, whose flashllm files hold float16 resident weights that load quantized "
+                   "with --quantize-resident) (default: %(default)s)")
+    p.add_argument("--quantize-resident", default="none", choices=["none", "int8", "int4"],
+                   help="flashllm holds attention, embedding and lm_head quantized (flashllm.load's "
+                   "quantize_resident) (default: %(default)s)")
+    p.add_argument("--moe-routing", type=lambda s: s.split(","), default=["model", "replay"],
+                   help="MoE models: flashllm's expert routing per run: model (its own router), replay "
+                   "(--moe-trace) (default: model,replay)")
+    p.add_argument("--moe-trace", default=str(DEFAULT_MOE_TRACE),
+                   help="routing trace to replay (bench/moe_trace.py) (default: %(default)s)")
+    p.add_argument("--moe-policy", default="lru", help="MoE expert-cache policy (default: %(default)s)")
+    p.add_argument("--moe-prefetch", action=argparse.BooleanOptionalAction, default=False,
+                   help="MoE expert prefetch (default: off)")
     p.add_argument("--cgroup-slack", type=int, default=1024, help="MiB in the limit above budget + interpreter "
                    "baseline (default: %(default)s)")
     p.add_argument("--no-cgroup", action="store_true", help="run without a memory limit (the table says so)")
@@ -236,6 +286,11 @@ def main(argv=None) -> dict:
     unknown = [c for c in args.llama_config if c not in LLAMA_CONFIGS]
     if unknown:
         raise SystemExit(f"peers: error: --llama-config {','.join(unknown)}: choose from {', '.join(LLAMA_CONFIGS)}")
+    unknown = [r for r in args.moe_routing if r not in MOE_ROUTINGS]
+    if unknown:
+        raise SystemExit(f"peers: error: --moe-routing {','.join(unknown)}: choose from {', '.join(MOE_ROUTINGS)}")
+    if args.budget_of == "gguf" and not args.gguf:
+        raise SystemExit("peers: error: --budget-of gguf needs --gguf")
     log = (lambda m: None) if args.quiet else (lambda m: print(f"[{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr,
                                                                flush=True))
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: kill the child, remove its group
@@ -249,7 +304,7 @@ def _run(args, argv, log) -> dict:
     """main() after its argument checks: the rounds of runs, the table, the report files."""
     # Idle OpenMP threads sleep instead of spinning (2 busy cores); every child, llama.cpp's OpenMP included.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    for flag, path in (("--gguf", args.gguf), ("--hf", args.hf), ("--trace", args.trace)):
+    for flag, path in (("--gguf", args.gguf), ("--hf", args.hf), ("--trace", args.trace), ("--moe-trace", args.moe_trace)):
         if path and not Path(path).exists():
             raise SystemExit(f"peers: error: {flag} {path}: does not exist")
     pt = paper_tables()
@@ -258,7 +313,7 @@ def _run(args, argv, log) -> dict:
     except FlashLLMError as exc:
         raise SystemExit(f"peers: error: --flashllm: {exc}") from None
     model_bytes = sum(e["size"] for k, e in manifest.data["files"].items() if k in ("resident", "ffn"))
-    budget = budget_bytes(args.dram_budget, model_bytes)
+    budget = budget_bytes(args.dram_budget, Path(args.gguf).stat().st_size if args.budget_of == "gguf" else model_bytes)
     why_not = "--no-cgroup" if args.no_cgroup else pt.MemoryGroup.available()
     base = pt.baseline_rss()
     limit = None if why_not else (budget + base + args.cgroup_slack * MiB) // 4096 * 4096  # as the kernel stores it
@@ -268,7 +323,9 @@ def _run(args, argv, log) -> dict:
               "command": " ".join(shlex.quote(a) for a in ["python", "bench/peers.py", *(argv or sys.argv[1:])]),
               "machine": pt.machine(), "versions": versions(args), "model": pt.model_desc(manifest, model_bytes),
               "model_bytes": {k: sum(f.stat().st_size for f in fs) for k, fs in files.items()},
-              "dram_budget": budget, "memory_limit": limit, "baseline_rss": base, "cgroup_slack_mib": args.cgroup_slack,
+              "dram_budget": budget, "budget_of": args.budget_of, "quantize_resident": args.quantize_resident,
+              "top_k": manifest.spec.top_k if manifest.spec.is_moe else None,
+              "memory_limit": limit, "baseline_rss": base, "cgroup_slack_mib": args.cgroup_slack,
               "no_limit_because": why_not, "trace": args.trace, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
               "tokens": args.tokens, "warmup": args.warmup, "runs": []}
     log(f"memory limit: {limit / GB:.2f} GB" if limit else f"no memory limit: {why_not}")
@@ -276,7 +333,8 @@ def _run(args, argv, log) -> dict:
         for rnd in range(args.rounds):
             (Path(tmp) / str(rnd)).mkdir()
             for k, run in enumerate(plan(args, budget, Path(tmp) / str(rnd))):
-                row = {"peer": run["peer"], "label": run["label"], "round": rnd}
+                row = {"peer": run["peer"], "label": run["label"], "round": rnd,
+                       **({"routing": run["routing"]} if "routing" in run else {})}
                 if "skipped" in run:
                     row.update(outcome="skipped", why=run["skipped"])
                     log(f"{run['label']}: skipped: {run['skipped']}")

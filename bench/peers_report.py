@@ -125,6 +125,18 @@ CAVEAT = (
     "inactive per token; the trace is denser). flashllm's tokens are therefore not the model's own output; "
     "the peers' are.")
 
+MOE_CAVEAT = (
+    "**Caveat: what differs between the runs.** Every runtime here computes only the top-{top_k} experts "
+    "of each token (a mixture of experts is sparse for all of them), so there is no dense-vs-sparse gap. "
+    "The model has random weights: its own router routes random token ids at random, and `its own "
+    "routing` rows (flashllm) and llama.cpp see that same kind of routing. `replayed routing` rows "
+    "route as the embedded trained MoE did on held-out text (bench/moe_trace.py's ReplayRouting: more "
+    "reuse between tokens, and only part of each layer's experts are ever routed to), which favours "
+    "flashllm's expert cache; whether a real Qwen3-30B-A3B routes like that is not measured here. The "
+    "expert weights are 4-bit in both (flashllm int4 groups with float16 scale and minimum; llama.cpp "
+    "Q4_0 blocks of 32), both drawn directly as random codes, so the two runtimes hold different random "
+    "values of the same shape and bytes.")
+
 
 def markdown(report: dict) -> str:
     fl = next((r for r in report["runs"] if r["peer"] == "flashllm" and r.get("ms_per_token")), {})
@@ -134,6 +146,9 @@ def markdown(report: dict) -> str:
                       for k, v in sizes.items())
     active = (f"{fl['active_fraction']:.1%} of FFN neurons active per token; {fl.get('predictor_method')}"
               if fl.get("active_fraction") is not None else "no flashllm run measured it")
+    of = (f" ({report['dram_budget'] / sizes['llama.cpp']:.0%} of the GGUF's {sizes['llama.cpp'] / GB:.2f} GB)"
+          if report.get("budget_of") == "gguf" else "")
+    moe = fl.get("expert_hit_rate") is not None
     lines = [f"## {report['name'] or 'peers'}", "",
              f"- date: {report['date']}", f"- command: `{report['command']}`", f"- machine: {report['machine']}",
              "- versions: " + "; ".join(f"{k} {v}" for k, v in report["versions"].items()),
@@ -141,18 +156,28 @@ def markdown(report: dict) -> str:
     if limit:
         lines.append(f"- memory limit: {limit / GB:.2f} GB for every run (cgroup v1 memory.limit_in_bytes, page cache "
                      f"charged; a new group per run, removed after it) = flashllm's DRAM budget "
-                     f"{report['dram_budget'] / GB:.2f} GB + interpreter/torch baseline RSS "
+                     f"{report['dram_budget'] / GB:.2f} GB{of} + interpreter/torch baseline RSS "
                      f"{report['baseline_rss'] / GB:.2f} GB + {report['cgroup_slack_mib']} MiB slack")
     else:
         lines.append(f"- memory limit: none ({report['no_limit_because']})")
     cached = [r.get("page_cache_at_start") for r in report["runs"] if r.get("page_cache_at_start") is not None]
     lines += [f"- page cache: every model file evicted before each run (posix_fadvise DONTNEED); largest fraction "
               f"still cached at a run's start: {max(cached):.1%}" if cached else "- page cache: no run",
-              f"- tokens: flashllm {report['warmup']} warm-up + {report['tokens']} timed decode tokens (sparse, "
-              f"compute {fl.get('compute_dtype', '?')}); llama.cpp llama-bench 1 warm-up + {report['tokens']} timed; "
+              (f"- tokens: flashllm a {report['warmup'] + 1}-token prompt + {report['tokens']} timed decode tokens "
+               "(experts streamed)" if moe else
+               f"- tokens: flashllm {report['warmup']} warm-up + {report['tokens']} timed decode tokens (sparse, "
+               f"compute {fl.get('compute_dtype', '?')}") + (f", resident matrices {report['quantize_resident']}"
+                                                            if report.get("quantize_resident", "none") != "none" else "")
+              + "); llama.cpp llama-bench 1 warm-up + {report['tokens']} timed; "
               f"accelerate a 1-token prompt + {report['tokens']} timed; random token ids; "
               f"OMP_WAIT_POLICY={report['omp_wait_policy']} for every run"]
-    if fl:
+    if fl and moe:
+        lines += [f"- flashllm per token ({r['label']}, first round): {r['bytes_read'] / GB:.3f} GB read from flash; "
+                  f"I/O {r['io_ms']:,.0f} ms, memory management {r['mem_ms']:,.0f} ms, compute {r['compute_ms']:,.0f} ms "
+                  f"of {r['ms_per_token']:,.0f} ms; expert cache hit rate {r['expert_hit_rate']:.2f}; DRAM held "
+                  f"{r['dram_bytes'] / GB:.2f} GB" + (f"; {r['expert_slots']}" if r.get("expert_slots") else "")
+                  for r in report["runs"] if r["peer"] == "flashllm" and r["round"] == 0 and r.get("ms_per_token")]
+    elif fl:
         lines.append(f"- flashllm per token: {fl['bytes_read'] / GB:.3f} GB read from flash; I/O {fl['io_ms']:,.0f} ms, "
                      f"memory management {fl['mem_ms']:,.0f} ms, compute {fl['compute_ms']:,.0f} ms (predictor "
                      f"{fl['predictor_ms']:,.0f} ms) of {fl['ms_per_token']:,.0f} ms (first round); "
@@ -177,7 +202,8 @@ def markdown(report: dict) -> str:
                          + (f"last line on stderr: `{last}`" if last else "nothing on stderr (killed without a message)"))
         elif r["outcome"] == "skipped":
             lines.append(f"- {r['label']}: skipped: {r['why']}")
-    lines += ["", CAVEAT.format(active=active) if report["trace"] else
+    lines += ["", MOE_CAVEAT.format(top_k=report.get("top_k", "k")) if moe else
+              CAVEAT.format(active=active) if report["trace"] else
               f"flashllm's active neurons: {active} (predictor {fl.get('predictor_kind', '?')}); llama.cpp and "
               "accelerate compute every neuron (dense).", "", ""]
     return "\n".join(lines)

@@ -3,10 +3,13 @@ in a memory group (peers that are not installed are skipped and say so)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tiny import bench  # noqa: E402
@@ -121,3 +124,73 @@ def test_a_run_past_its_time_is_killed_as_timeout(tmp_path):
     _group_or_skip()
     res = bench("peers").run_child(["sleep", "60"], 64 << 20, [], 1, "flashllm-peers-test-timeout", lambda m: None)
     assert res["outcome"] == "timeout" and res["wall_s"] < 30 and not Path(res["cgroup"]).exists()
+
+
+def test_moe_model_runs_once_per_routing_with_budget_of_the_gguf(tmp_path):
+    mm = bench("make_model")
+    spec = dataclasses.replace(mm.spec_for("tiny-moe"), n_experts=16)  # the replayed trace routes 2 of 16
+    model = mm.write_model(spec, tmp_path / "m", progress=False, shape_name="tiny-moe")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\0" * 400_000)  # only its size is used: llama-bench is not where --llama-cpp points
+    report = bench("peers").main(["--flashllm", str(model), "--gguf", str(gguf), "--budget-of", "gguf",
+                                  "--dram-budget", "0.5", "--tokens", "2", "--warmup", "1", "--llama-cpp",
+                                  str(tmp_path / "none"), "--peers", "flashllm,llama.cpp", "--quiet",
+                                  "--markdown", str(tmp_path / "p.md"), "--timeout", "300"])
+    assert report["dram_budget"] == 200_000 and report["top_k"] == 2
+    fl = [r for r in report["runs"] if r["peer"] == "flashllm"]
+    assert [r["routing"] for r in fl] == ["model", "replay"]
+    assert all(r["outcome"] == "ran" and r["ms_per_token"] > 0 and 0 <= r["expert_hit_rate"] <= 1 for r in fl)
+    md = (tmp_path / "p.md").read_text()
+    assert "(50% of the GGUF's" in md and "experts streamed, replayed routing" in md
+    assert "computes only the top-2 experts" in md
+
+
+def test_bad_moe_routing_and_budget_of_without_gguf_are_one_line_errors(tmp_path):
+    with pytest.raises(SystemExit, match="peers: error: --moe-routing oracle"):
+        bench("peers").main(["--flashllm", str(tmp_path), "--moe-routing", "oracle"])
+    with pytest.raises(SystemExit, match="peers: error: --budget-of gguf needs --gguf"):
+        bench("peers").main(["--flashllm", str(tmp_path), "--budget-of", "gguf"])
+
+
+def _llama_cpp_or_skip() -> Path:
+    root = bench("gguf_write").DEFAULT_LLAMA_CPP
+    if not (root / "src" / "llama.cpp" / "gguf-py" / "gguf").is_dir():
+        pytest.skip(f"no llama.cpp source at {root} (bench/build_llama_cpp.sh)")
+    return root
+
+
+def test_gguf_write_holds_the_moe_weights_llama_cpp_loads(tmp_path):
+    root = _llama_cpp_or_skip()
+    gw, mm = bench("gguf_write"), bench("make_model")
+    spec = mm.spec_for("tiny-moe")
+    out = gw.write(spec, tmp_path / "t.gguf", seed=3, llama_cpp=root, progress=False)
+    gguf = gw.gguf_module(root)
+    reader = gguf.GGUFReader(out)
+    tensors = {t.name: t for t in reader.tensors}
+    q4, f32 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F32
+    assert tensors["blk.1.ffn_down_exps.weight"].tensor_type == q4
+    assert list(tensors["blk.1.ffn_down_exps.weight"].shape) == [spec.d_ffn, spec.d_model, spec.n_experts]
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == f32
+    assert tensors["blk.0.attn_q_norm.weight"].tensor_type == f32
+    assert len(tensors) == 3 + spec.n_layers * 12
+    field = reader.get_field("qwen3moe.expert_count")
+    assert field.parts[-1].tolist() == [spec.n_experts]
+    assert len(reader.get_field("tokenizer.ggml.tokens").data) == spec.vocab_size
+    # resident tensors are make_model's weights of that seed, Q4_0-quantized: within one step of a block
+    weights = mm.RandomWeights(spec, "float16", 3)
+    want = weights.stored("layers.1.q.weight", (spec.n_heads * spec.head_dim, spec.d_model))
+    got = gguf.quants.dequantize(tensors["blk.1.attn_q.weight"].data, q4).reshape(want.shape)
+    step = np.abs(want.reshape(-1, 32)).max(axis=1, keepdims=True) / 8
+    assert np.all(np.abs(got - want).reshape(-1, 32) <= step * 1.01 + 1e-6)
+    assert not np.allclose(got, weights.stored("layers.0.q.weight", want.shape), atol=1e-3)
+    bench_bin = root / "bin" / "llama-bench"
+    if bench_bin.is_file():
+        res = subprocess.run([str(bench_bin), "-m", str(out), "-p", "0", "-n", "2", "-r", "1", "-t", "1", "-o", "json"],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-500:]
+        assert bench("peers_report").parse_llama_bench(res.stdout)["model_type"].startswith("qwen3moe")
+
+
+def test_gguf_write_refuses_dense_families(tmp_path):
+    with pytest.raises(SystemExit, match="gguf_write: error: family 'llama'"):
+        bench("gguf_write").write(bench("make_model").spec_for("tiny-llama"), tmp_path / "t.gguf")

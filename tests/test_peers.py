@@ -194,3 +194,19 @@ def test_gguf_write_holds_the_moe_weights_llama_cpp_loads(tmp_path):
 def test_gguf_write_refuses_dense_families(tmp_path):
     with pytest.raises(SystemExit, match="gguf_write: error: family 'llama'"):
         bench("gguf_write").write(bench("make_model").spec_for("tiny-llama"), tmp_path / "t.gguf")
+
+
+def test_gguf_convert_of_a_shape_equals_the_conversion_of_its_hf_checkpoint(tmp_path):
+    root = _llama_cpp_or_skip()
+    gc = bench("gguf_convert")
+    model = bench("make_model").main(["--shape", "tiny-llama", "--out", str(tmp_path / "m"), "--hf", "--seed", "5",
+                                      "--quiet"])
+    a = gc.convert(model / "hf", tmp_path / "a.gguf", llama_cpp=root)
+    b = gc.convert(None, tmp_path / "b.gguf", llama_cpp=root, shape="tiny-llama", seed=5)
+    gguf = bench("gguf_write").gguf_module(root)
+    ta, tb = ({t.name: t for t in gguf.GGUFReader(p).tensors} for p in (a, b))
+    assert sorted(ta) == sorted(tb) and len(ta) == 3 + 2 * 9
+    assert all(ta[n].tensor_type == tb[n].tensor_type and np.array_equal(ta[n].data, tb[n].data) for n in ta)
+    c = gc.convert(None, tmp_path / "c.gguf", llama_cpp=root, shape="tiny-llama", seed=6)
+    tc = {t.name: t for t in gguf.GGUFReader(c).tensors}
+    assert not np.array_equal(tc["blk.0.attn_q.weight"].data, tb["blk.0.attn_q.weight"].data)

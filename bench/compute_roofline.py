@@ -16,8 +16,11 @@
    touches (resident q/k/v/o, KV read, the FFN rows it multiplies, the head) and GB/s as a share
    of the roofline of its backend and dtype. "python/other" is compute_ms minus the timed parts.
 
-Configurations: before (kernels="plain": the file's tensors with torch's default kernels), after
-(kernels="tuned"), after-1t (torch.set_num_threads(1)), after-passive (OMP_WAIT_POLICY=PASSIVE), mlx.
+Configurations: before (kernels="plain": the file's tensors with torch's default kernels, 2 threads),
+after (the defaults: kernels="tuned", compute threads by the machine's load), after-1t / after-2t
+(compute_threads 1 / 2), after-passive (2 threads, OMP_WAIT_POLICY=PASSIVE), mlx. Each run also
+records the process's CPU seconds per token ("cpu ms"): on a loaded machine wall time is mostly
+waiting for a core, and CPU time shows the work itself.
 """
 
 from __future__ import annotations
@@ -39,12 +42,13 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # run from a checkout
 
 GB = 1e9
-CONFIGS = {  # name -> (load options, torch threads or None, extra environment)
-    "before": (dict(kernels="plain"), None, {}),
-    "after": (dict(kernels="tuned"), None, {}),
-    "after-1t": (dict(kernels="tuned"), 1, {}),
-    "after-passive": (dict(kernels="tuned"), None, {"OMP_WAIT_POLICY": "PASSIVE"}),
-    "mlx": (dict(backend="mlx"), None, {}),
+CONFIGS = {  # name -> (load options, extra environment)
+    "before": (dict(kernels="plain", compute_threads=2), {}),  # the kernels and threads of session 2
+    "after": (dict(kernels="tuned"), {}),  # the defaults (threads by the machine's load)
+    "after-1t": (dict(kernels="tuned", compute_threads=1), {}),
+    "after-2t": (dict(kernels="tuned", compute_threads=2), {}),
+    "after-passive": (dict(kernels="tuned", compute_threads=2), {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "mlx": (dict(backend="mlx"), {}),
 }
 QUANT_GROUP = 64
 
@@ -224,8 +228,7 @@ def child(args) -> dict:
     import flashllm
     from flashllm.stats import PartTimer
 
-    options, threads, _ = CONFIGS[args.config]
-    set_torch_threads(threads)
+    options, _ = CONFIGS[args.config]
     predictor = args.predictor
     if args.trace:
         sys.path.insert(0, str(BENCH))
@@ -251,21 +254,23 @@ def child(args) -> dict:
         measured = i >= args.warmup
         B.parts = timer if measured else None
         timer.reset()
+        cpu0 = time.process_time()
         model.forward([t], i + 1)
+        cpu_ms = (time.process_time() - cpu0) * 1e3
         if measured:
             cost = model._costs[-1]
             parts = dict(timer.ms)
             parts["python/other"] = cost.compute_ms - sum(timer.ms.values())
             per_token.append(dict(parts=parts, bytes=part_bytes(model, cost, i + 1), compute_ms=cost.compute_ms,
-                                  total_ms=cost.total_ms, io_ms=cost.io_ms, mem_ms=cost.mem_ms,
+                                  total_ms=cost.total_ms, io_ms=cost.io_ms, mem_ms=cost.mem_ms, cpu_ms=cpu_ms,
                                   predictor_ms=cost.predictor_ms))
     B.parts = None
     mean = lambda key: statistics.fmean(p[key] for p in per_token)  # noqa: E731
-    return dict(config=args.config, backend=B.name, dtype=B.dtype_name, load_s=load_s,
+    return dict(config=args.config, backend=B.name, dtype=B.dtype_name, load_s=load_s, load=os.getloadavg()[0],
                 threads=_torch_threads(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
                 parts={k: statistics.fmean(p["parts"][k] for p in per_token) for k in per_token[0]["parts"]},
                 bytes={k: statistics.fmean(p["bytes"][k] for p in per_token) for k in per_token[0]["bytes"]},
-                **{k: mean(k) for k in ("compute_ms", "total_ms", "io_ms", "mem_ms", "predictor_ms")})
+                **{k: mean(k) for k in ("compute_ms", "total_ms", "io_ms", "mem_ms", "predictor_ms", "cpu_ms")})
 
 
 def _torch_threads() -> int | None:
@@ -275,7 +280,7 @@ def _torch_threads() -> int | None:
 
 def run_child(args, config: str) -> dict:
     argv = [sys.executable, __file__, args.model_dir, "--child", config] + _forward_args(args)
-    env = dict(os.environ, **CONFIGS[config][2])
+    env = dict(os.environ, **CONFIGS[config][1])
     out = subprocess.run(argv, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"compute_roofline: config {config} failed:\n{out.stderr[-3000:]}")
@@ -350,6 +355,7 @@ def report(meta, roof_rows, survey, runs) -> str:
                              f"{spread([r['compute_ms'] / bound for r in rs], '{:.2f}x')} (bound {bound:.0f} ms) | | | |")
         lines += ["", "Other per-token costs (not compute): " + "; ".join(
             f"{c}: io {spread([r['io_ms'] for r in rs])} ms, mem {spread([r['mem_ms'] for r in rs])} ms, "
+            f"process CPU {spread([r['cpu_ms'] for r in rs])} ms, load average {spread([r['load'] for r in rs])}, "
             f"predictor {spread([r['predictor_ms'] for r in rs])} ms, total {spread([r['total_ms'] for r in rs])} ms"
             for c, rs in by.items()), ""]
     return "\n".join(lines)

@@ -30,10 +30,10 @@ DEFAULT_CONTEXT = 4096
 
 
 def make_backend(name: str, spec, device: str, dtype: str | None, storage_dtype, context: int,
-                 quantized_ffn: bool = False, kv_bits: int = 16, kernels: str = "tuned"):
+                 quantized_ffn: bool = False, kv_bits: int = 16, kernels: str = "tuned", threads: int | None = None):
     if name == "torch":
         from .backends.torch_backend import TorchBackend
-        return TorchBackend(spec, device, dtype, storage_dtype, context, quantized_ffn, kv_bits, kernels)
+        return TorchBackend(spec, device, dtype, storage_dtype, context, quantized_ffn, kv_bits, kernels, threads)
     if name == "mlx":
         from .backends.mlx_backend import MLXBackend
         return MLXBackend(spec, device, dtype, storage_dtype, context, quantized_ffn, kv_bits)
@@ -51,7 +51,8 @@ class Model:
         self.spec, self.layout, self.mode = self.manifest.spec, self.manifest.layout, opts.mode
         self.context = min(opts.context or DEFAULT_CONTEXT, self.spec.context_limit)
         self.backend = make_backend(opts.backend, self.spec, opts.device, opts.dtype, self.manifest.dtype, self.context,
-                                    self.manifest.data.get("quantization", "none") != "none", opts.kv_bits, opts.kernels)
+                                    self.manifest.data.get("quantization", "none") != "none", opts.kv_bits, opts.kernels,
+                                    opts.compute_threads)
         self.backend.set_sequences(opts.batch_size)  # before the plans: every KV cache counts against the budget
         self._tokenizer = None
         self._chat_template = None

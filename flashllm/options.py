@@ -51,6 +51,9 @@ class LoadOptions:
     # tuned: projections fused at load and the kernel per dtype that bench/compute_roofline.py measured
     # fastest (same math); plain: the file's tensors as they are with torch's default kernels (reference)
     kernels: str = "tuned"
+    # intra-op threads of the math (torch CPU); None: every core the 1-minute load average leaves idle, at
+    # least 1 (backends.base.compute_threads: 2 threads on 2 busy cores measured up to 1.6x slower than 1)
+    compute_threads: int | None = None
     quantize_resident: str = "none"  # hold attention, embedding and lm_head matrices as int8/int4 (at load)
     kv_bits: int = 16  # 8: KV cache in int8 groups along the head dim; 16: the compute dtype
     batch_size: int = 1  # sequences decoded together (Model.generate_batch), each with its own KV cache
@@ -80,6 +83,8 @@ class LoadOptions:
         check(isinstance(self.window, int) and self.window >= 1,
               f"window {self.window}: must be at least 1 (tokens whose neurons stay cached)")
         check(isinstance(self.threads, int) and self.threads >= 1, f"threads {self.threads}: must be at least 1")
+        check(self.compute_threads is None or isinstance(self.compute_threads, int) and self.compute_threads >= 1,
+              f"compute_threads {self.compute_threads}: must be at least 1 (or None: by the machine's load)")
         check(isinstance(self.aio_depth, int) and self.aio_depth >= 0, f"aio_depth {self.aio_depth}: must be >= 0")
         check(self.gap_bytes is None or isinstance(self.gap_bytes, int) and self.gap_bytes >= 0,
               f"gap_bytes {self.gap_bytes}: must be >= 0 (or None: from the disk profile)")

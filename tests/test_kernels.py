@@ -49,3 +49,36 @@ def test_part_timer_splits_compute(tiny_models):
     timer.reset()
     model.forward(IDS[5:6], 5)  # no timer set: nothing is charged
     assert sum(timer.ms.values()) == 0
+
+
+def test_compute_threads_requested_or_by_load(tiny_models, monkeypatch):
+    import torch
+
+    from flashllm.backends import base
+
+    before = torch.get_num_threads()
+    try:
+        flashllm.load(tiny_models("llama").model_dir, compute_threads=1)
+        assert torch.get_num_threads() == 1
+        assert base.compute_threads(3, 1) == 3  # a requested count is taken as it is
+        monkeypatch.setattr(base.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+        monkeypatch.setattr(base.os, "getloadavg", lambda: (2.5, 0.0, 0.0))
+        assert base.compute_threads(None, 4) == 2  # 4 cores, 2.5 busy: the 2 idle ones
+        assert base.compute_threads(None, 1) == 1  # never above the process's own setting
+        monkeypatch.setattr(base.os, "getloadavg", lambda: (9.0, 0.0, 0.0))
+        assert base.compute_threads(None, 4) == 1  # every core busy: one thread
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_compute_roofline_bench_reports_every_part(tiny, tmp_path):
+    from tiny import bench
+
+    out = tmp_path / "roof.md"
+    bench("compute_roofline").main([str(tiny.model_dir), "--mode", "sparse", "--configs", "before", "after-1t",
+                                    "--rounds", "1", "--tokens", "2", "--warmup", "1", "--backends", "torch",
+                                    "--roofline-dtypes", "float32", "--roofline-rounds", "1", "--out", str(out)])
+    text = out.read_text()
+    for part in PartTimer.PARTS + ("python/other", "compute (all parts)"):
+        assert f"| after-1t | torch float32 1 | {part} |" in text
+    assert "| before | torch float32 2 | ffn |" in text and "process CPU" in text

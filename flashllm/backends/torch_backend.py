@@ -10,7 +10,7 @@ from ..errors import FlashLLMError
 from ..rope import Rope, layer_ropes
 from ..stats import untimed
 from ..spec import ArchSpec
-from .base import Backend, default_compute_dtype
+from .base import Backend, compute_threads, default_compute_dtype
 from .staging import StagingRing, bundle_values, host_array
 from .torch_quant import KVCache, QuantMatrix
 
@@ -32,7 +32,7 @@ class TorchBackend(Backend):
     STAGING_BUFFERS = 2  # a ring: one is read into while the other's copy is in flight
 
     def __init__(self, spec: ArchSpec, device: str, dtype: str | None, storage_dtype: str, context: int,
-                 quantized_ffn: bool = False, kv_bits: int = 16, kernels: str = "tuned"):
+                 quantized_ffn: bool = False, kv_bits: int = 16, kernels: str = "tuned", threads: int | None = None):
         self.spec = spec
         self.device = torch.device(_device(device))
         self.dtype_name = default_compute_dtype(dtype, storage_dtype, self.device.type == "cpu")
@@ -44,6 +44,8 @@ class TorchBackend(Backend):
         self.tuned = kernels == "tuned"  # fused projections and per-dtype kernels (see fuse_resident, _down)
         self.down_kernel = DOWN_KERNEL[self.dtype_name] if self.device.type == "cpu" and self.tuned else "matmul"
         self.context = context
+        if self.device.type == "cpu":
+            torch.set_num_threads(compute_threads(threads, torch.get_num_threads()))
         self.w: dict[str, torch.Tensor] = {}
         self.kv_bits = kv_bits
         self.kvs = [self.new_kv()]  # one KV cache per sequence decoded together (set_sequences)
@@ -129,6 +131,8 @@ class TorchBackend(Backend):
         t0, w, b, eps = self._tic(), self.w[name + ".weight"], self.w.get(name + ".bias"), self.spec.norm_eps
         if self.spec.norm == "layernorm":
             return self._toc("norms", t0, F.layer_norm(x, (x.shape[-1],), w, b, eps))
+        if self.tuned:  # one fused float32 kernel (torch's rms_norm), then transformers' cast and scale
+            return self._toc("norms", t0, w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype))
         xf = x.float()
         return self._toc("norms", t0, w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
 
@@ -141,12 +145,25 @@ class TorchBackend(Backend):
         return self.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     def _rope(self, x: torch.Tensor, rope: Rope, pos: int) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated in float32 (x * cos + rotate_half(x) * sin), in x's dtype."""
         rd = self.spec.rope_dim
         cos, sin = self.rope_tables(rope, pos, x.shape[0])
         xr, rest = x[..., :rd].float(), x[..., rd:]
         half = rd // 2
+        if self.tuned:  # rotate_half(x) * sin as the swapped halves times (-sin, sin): the same products
+            swapped = xr.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+            out = torch.addcmul(xr * cos, swapped, self._signed_sin(rope, sin)).to(x.dtype)
+            return out if rd == x.shape[-1] else torch.cat((out, rest), dim=-1)
         rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
         return torch.cat(((xr * cos + rotated * sin).to(x.dtype), rest), dim=-1)
+
+    def _signed_sin(self, rope: Rope, sin: torch.Tensor) -> torch.Tensor:
+        """The sin table with its first half negated, made once per forward call and rope."""
+        hit = self._rope_rows[rope]
+        if len(hit) == 4:
+            half = sin.shape[-1] // 2
+            hit = self._rope_rows[rope] = (*hit, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
+        return hit[4]
 
     def attention(self, layer: int, x: torch.Tensor, pos, slot=0) -> tuple[torch.Tensor, torch.Tensor]:
         """Self-attention of block `layer` for one sequence's tokens at positions pos.. in KV cache
@@ -154,27 +171,32 @@ class TorchBackend(Backend):
         s, p, T = self.spec, f"layers.{layer}.", x.shape[0]
         h = self.norm(p + "attn_norm", x)
         t0 = self._tic()
-        q, k, v = self._toc("attn_proj", t0, self._qkv(p, h))
+        q, k, v, fused = self._toc("attn_proj", t0, self._qkv(p, h))  # [T, heads, head_dim] each
         if s.qk_norm and s.qk_norm_full:
-            q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
-        q = q.view(T, s.n_heads, s.head_dim)
-        k, v = k.view(T, s.n_kv_heads, s.head_dim), v.view(T, s.n_kv_heads, s.head_dim)
+            q = self.norm(p + "q_norm", q.reshape(T, -1)).view(T, s.n_heads, s.head_dim)
+            k = self.norm(p + "k_norm", k.reshape(T, -1)).view(T, s.n_kv_heads, s.head_dim)
         if s.qk_norm and not s.qk_norm_full:
             q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
         t0 = self._tic()
+        qk = fused[:, :s.n_heads + s.n_kv_heads] if fused is not None and not s.qk_norm else None
         if isinstance(pos, int):
-            out = self._attend(layer, q, k, v, pos, self.kvs[slot])
+            out = self._attend(layer, q, k, v, pos, self.kvs[slot], qk)
         else:  # batch decode: the projections above ran once for every sequence; keys are per sequence
-            out = torch.cat([self._attend(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], at, self.kvs[kv])
+            out = torch.cat([self._attend(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], at, self.kvs[kv],
+                                          None if qk is None else qk[i:i + 1])
                              for i, (at, kv) in enumerate(zip(pos, slot))])
         out = self._toc("attention", t0, out)
         t0 = self._tic()
         return self._toc("attn_proj", t0, self._linear(p + "o", out)), h
 
-    def _attend(self, layer: int, q, k, v, pos: int, kv: KVCache) -> torch.Tensor:
-        """Rotary, KV cache update and attention of one sequence's new tokens ([T, heads, head_dim])."""
+    def _attend(self, layer: int, q, k, v, pos: int, kv: KVCache, qk=None) -> torch.Tensor:
+        """Rotary, KV cache update and attention of one sequence's new tokens ([T, heads, head_dim]);
+        `qk`: q's and k's heads side by side (a view of the fused projection), rotated in one call."""
         s, T = self.spec, q.shape[0]
-        if s.positional == "rotary":
+        if s.positional == "rotary" and qk is not None:
+            qk = self._rope(qk, self.ropes[layer], pos)
+            q, k = qk[:, :s.n_heads], qk[:, s.n_heads:]
+        elif s.positional == "rotary":
             q, k = self._rope(q, self.ropes[layer], pos), self._rope(k, self.ropes[layer], pos)
         S, window = pos + T, s.window(layer)
         lo = max(0, pos - window + 1) if window else 0  # earliest key any of the new queries sees
@@ -201,13 +223,16 @@ class TorchBackend(Backend):
         return out.transpose(0, 1).reshape(T, s.n_heads * s.head_dim)
 
     def _qkv(self, p: str, h: torch.Tensor):
-        """The q, k, v projections of block prefix `p`: one call where `fuse_resident` fused them."""
-        fused = self.w.get(p + "qkv.weight")
-        if fused is None:
-            return [self._linear(p + n, h) for n in "qkv"]
-        s = self.spec
-        kv = s.n_kv_heads * s.head_dim
-        return F.linear(h, fused, self.w.get(p + "qkv.bias")).split((s.n_heads * s.head_dim, kv, kv), dim=-1)
+        """(q, k, v, fused) of block prefix `p`: q, k, v [T, heads, head_dim]; where `fuse_resident` fused
+        the projections, one call whose [T, all heads, head_dim] output is `fused` (q, k, v are its
+        views), else three calls and fused None."""
+        s, T = self.spec, h.shape[0]
+        w = self.w.get(p + "qkv.weight")
+        if w is None:
+            return (*(self._linear(p + n, h).view(T, heads, s.head_dim)
+                      for n, heads in zip("qkv", (s.n_heads, s.n_kv_heads, s.n_kv_heads))), None)
+        fused = F.linear(h, w, self.w.get(p + "qkv.bias")).view(T, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
+        return (*fused.split((s.n_heads, s.n_kv_heads, s.n_kv_heads), dim=1), fused)
 
     def fuse_resident(self) -> None:
         """At load: each layer's q, k, v weights (and biases) as one matrix, so a token's projections

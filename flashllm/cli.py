@@ -53,7 +53,6 @@ def _checked(convert, ok, what: str):
 
 
 _count = _checked(int, lambda v: v >= 0, "an integer of 0 or more")
-_positive = _checked(int, lambda v: v >= 1, "an integer of 1 or more")
 _temperature = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number of 0 (greedy) or more")
 _top_p = _checked(float, lambda v: 0 < v <= 1, "a probability in (0, 1]")
 
@@ -147,15 +146,12 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--kernels", default=d.kernels, choices=KERNELS,
                    help="tuned: q/k/v and gate/up fused at load, the fastest measured kernel per dtype (same math); "
                    "plain: the file's tensors with torch's default kernels, for comparison (default: %(default)s)")
-<<<<<<< HEAD
     g.add_argument("--batch-size", type=_positive, default=None,
                    help="sequences decoded together, each with its own KV cache (--batch-file) (default: every "
                    "prompt of --batch-file at once, else 1)")
-=======
     g.add_argument("--compute-threads", type=_positive, default=d.compute_threads, metavar="N",
                    help="intra-op threads of the math (torch CPU) (default: every core the 1-minute load average "
                    "leaves idle, at least 1; on busy cores one thread measured faster)")
->>>>>>> 3351309 (compute: one rotation for q and k of the fused qkv output, fused rms_norm, --compute-threads (default: the cores the load average leaves idle); compute_roofline records process CPU and load per run)
     g.add_argument("--plan", default="none", choices=["none", "auto"],
                    help="auto: mode, dtype, window and per-layer caches from `flashllm plan` for this --dram-budget "
                    "(the saved plan.json when it matches, else planned now and saved) (default: %(default)s)")

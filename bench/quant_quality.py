@@ -12,11 +12,14 @@ rows marked "+ resident" / "KV int8" load a model with `quantize_resident` / `kv
   the quantized model reads the same tokens and predicts each next one (fraction equal);
 - flash bytes per decode token in sparse mode (oracle predictor, window 4, unlimited cache) over
   that same sequence, and its ratio to float16 bundles;
-- with --budget (the demo's setting: 0.5, bfloat16 compute): perplexity in sparse mode with the
-  oracle predictor at that budget (a fraction of the float32 model: the same bytes for every row)
-  and dtype, over the first --budget-tokens held-out tokens, each sequence decoded token by token:
-  what quantization costs where the user runs it (neurons the caches cannot hold are dropped;
-  quantized resident matrices leave more room for the caches).
+- with --budget (the demo's setting: 0.5, bfloat16 compute, context 256 + the prompt): sparse mode
+  with the oracle predictor at that budget, twice: a fraction of the float32 model (the demo's
+  bytes, the same for every row) and of each model's own size on flash (`--dram-budget 0.5` on
+  that model). Per budget: perplexity over the first --budget-tokens held-out tokens, each sequence
+  decoded token by token, and greedy top-1 agreement with float32 (dense) over the same generated
+  tokens as above: what quantization costs where the user runs it (neurons the caches cannot hold
+  are dropped; quantized resident matrices leave more room for the caches). --budget-only skips
+  the unlimited-memory columns (dense perplexity over --max-tokens, flash bytes).
 """
 import argparse
 import json
@@ -33,14 +36,14 @@ sys.path.insert(0, str(ROOT))
 
 import flashllm  # noqa: E402
 from flashllm.converters import convert  # noqa: E402
+from flashllm.demo import SETTINGS as DEMO  # noqa: E402  (bfloat16, context 256)
 from flashllm.predictors import collect  # noqa: E402
 from flashllm.predictors.evaluate import _greedy as greedy, _nll as nll  # noqa: E402  (the same measures)
 
 
-def measure(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, budget, budget_tokens: int,
-            with_bytes: bool = True) -> dict:
+def measure(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, with_bytes: bool = True) -> dict:
     """Dense perplexity and top-1 agreement; flash bytes per token for stored variants (load options do
-    not change what is read); sparse perplexity at `budget` if given."""
+    not change what is read)."""
     dense = flashllm.load(model_dir, **opts)
     losses = np.concatenate([nll(dense.logits(c)[:-1], c[1:]) for c in chunks])
     seq = prompt + gen
@@ -52,19 +55,26 @@ def measure(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, budge
         sparse = flashllm.load(model_dir, mode="sparse", predictor="oracle", window=window)
         sparse.logits(seq, prefill=len(prompt))
         out.update(bytes_per_token=sparse.stats["bytes_read"], decode_tokens=sparse.stats["decode_tokens"])
-    if budget is not None:  # sparse, oracle, at the user's budget and dtype: token by token
-        at = flashllm.load(model_dir, mode="sparse", predictor="oracle", window=window, dram_budget=budget,
-                           dtype="bfloat16", **opts)
-        scored, dropped, n = [], 0.0, 0
-        for c in chunks:
-            if n >= budget_tokens:
-                break
-            scored.append(nll(at.logits(c, prefill=1)[:-1], c[1:]))
-            dropped += at.stats["neurons_dropped"] * at.stats["decode_tokens"]
-            n += len(c) - 1
-        out.update(budget_ppl=float(math.exp(np.concatenate(scored).mean())), budget_tokens=n,
-                   budget_dropped_per_token=dropped / n, budget_capacity=sum(at.plan.capacities))
     return out
+
+
+def at_budget(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, budget, budget_tokens: int) -> dict:
+    """Sparse mode (oracle) at `budget` (bytes, or a fraction of this model) in the demo's dtype, token by
+    token: perplexity over the first `budget_tokens` held-out tokens, greedy top-1 agreement on `gen`."""
+    seq = prompt + gen
+    at = flashllm.load(model_dir, mode="sparse", predictor="oracle", window=window, dram_budget=budget,
+                       **{**DEMO, "context": max(DEMO["context"], len(seq))}, **opts)
+    scored, dropped, n = [], 0.0, 0
+    for c in chunks:
+        if n >= budget_tokens:
+            break
+        scored.append(nll(at.logits(c, prefill=1)[:-1], c[1:]))
+        dropped += at.stats["neurons_dropped"] * at.stats["decode_tokens"]
+        n += len(c) - 1
+    follow = np.argmax(at.logits(seq[:-1], prefill=len(prompt))[len(prompt) - 1:], axis=1) == np.array(gen)
+    return {"ppl": float(math.exp(np.concatenate(scored).mean())), "tokens": n, "top1_agreement": float(follow.mean()),
+            "dropped_per_token": dropped / n, "cache_rows": int(sum(at.plan.capacities)),
+            "budget_bytes": int(at.dram_budget)}
 
 
 def main(argv=None):
@@ -81,9 +91,12 @@ def main(argv=None):
                     "budget in bfloat16, as the demo runs (e.g. 0.5) (default: off)")
     ap.add_argument("--budget-tokens", type=int, default=256, help="held-out tokens scored at --budget "
                     "(default: %(default)s)")
+    ap.add_argument("--budget-only", action="store_true", help="only the --budget table (default: off)")
     ap.add_argument("--no-bytes", action="store_true", help="skip the flash-bytes measurement (default: off)")
     ap.add_argument("--out", type=Path, help="write the markdown table here (and JSON beside it)")
     args = ap.parse_args(argv)
+    if args.budget_only and not args.budget:
+        ap.error("--budget-only needs --budget")
 
     work = Path(tempfile.mkdtemp(prefix="quant-quality-"))
     try:
@@ -104,26 +117,65 @@ def main(argv=None):
                                     args.max_tokens, str(args.data))
         prompt = chunks[0][:args.prompt_tokens]
         gen = greedy(ref, prompt, min(args.gen_tokens, ref.context - len(prompt)))
-        budget = int(args.budget * ref.model_bytes) if args.budget else None  # the same bytes for every row
-        at_budget = {"float32", f"int4 g{g}", f"int4 g{g} + resident int4", f"int4 g{g} + resident int4 + KV int8"}
-        results = {}
+        results, budgets = {}, {}
         for name, (d, opts) in variants.items():
             print(f"measuring {name}", file=sys.stderr, flush=True)
-            results[name] = measure(d, chunks, prompt, gen, args.window, opts, budget if name in at_budget else None,
-                                    args.budget_tokens, not args.no_bytes)
-            print(f"{name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
+            if not args.budget_only:
+                results[name] = measure(d, chunks, prompt, gen, args.window, opts, not args.no_bytes)
+            if args.budget:  # the float32 model's bytes (the demo's), and this model's own size
+                same = at_budget(d, chunks, prompt, gen, args.window, opts, int(args.budget * ref.model_bytes),
+                                 args.budget_tokens)
+                own = same if d == dirs["float32"] else at_budget(d, chunks, prompt, gen, args.window, opts,
+                                                                  args.budget, args.budget_tokens)
+                budgets[name] = {"of float32": same, "of its own size": own}
+            print(f"{name}: {json.dumps({'dense': results.get(name), 'budget': budgets.get(name)})}",
+                  file=sys.stderr, flush=True)
+        if args.budget:  # the reference on the budget's tokens: float32, dense, all in memory
+            scored, n = [], 0
+            for c in chunks:
+                if n >= args.budget_tokens:
+                    break
+                scored.append(nll(ref.logits(c)[:-1], c[1:]))
+                n += len(c) - 1
+            ref_ppl = float(math.exp(np.concatenate(scored).mean()))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    lines = [] if args.budget_only else unlimited_table(args, results, gen)
+    if args.budget:
+        lines += budget_table(args, budgets, ref_ppl, len(gen))
+    print("\n".join(lines))
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+        args.out.with_suffix(".json").write_text(json.dumps({"unlimited": results, "budget": budgets,
+                                                             "budget_reference_ppl": ref_ppl if args.budget else None},
+                                                            indent=1))
+
+
+def budget_table(args, budgets: dict, ref_ppl: float, n_gen: int) -> list[str]:
+    base = budgets["float32"]["of float32"]
+    lines = ["", f"{args.model.name}: sparse mode (oracle predictor, window {args.window}) at --dram-budget "
+             f"{args.budget}, bfloat16 compute, context {max(256, args.prompt_tokens + n_gen)}: perplexity over "
+             f"{base['tokens']} held-out tokens decoded one by one (float32 dense: {ref_ppl:.4f}); top-1 agreement "
+             f"with float32 dense over its {n_gen} greedy tokens", "",
+             "| storage (+ load options) | budget | budget MiB | cache rows | dropped/token | perplexity | "
+             "vs float32 dense | vs float32 at this budget | top-1 agreement |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, by in budgets.items():
+        for kind, r in by.items():
+            if kind == "of its own size" and r is by["of float32"]:
+                continue
+            lines.append(f"| {name} | {args.budget} {kind} | {r['budget_bytes'] / 2**20:.2f} | {r['cache_rows']} | "
+                         f"{r['dropped_per_token']:.0f} | {r['ppl']:.4f} | {(r['ppl'] / ref_ppl - 1) * 100:+.2f}% | "
+                         f"{(r['ppl'] / base['ppl'] - 1) * 100:+.2f}% | {r['top1_agreement']:.3f} |")
+    return lines
+
+
+def unlimited_table(args, results: dict, gen) -> list[str]:
     base, f16 = results["float32"], results["float16"]
-    at = f" | ppl at budget {args.budget} (bf16, oracle) | vs float32 there | dropped/token" if args.budget else ""
     lines = [f"{args.model.name}: {base['scored_tokens']} held-out tokens ({args.data.name}), greedy agreement over "
              f"{len(gen)} tokens" + (f", sparse oracle window {args.window} over {base['decode_tokens']} decode tokens"
-                                     if "decode_tokens" in base else "")
-             + (f"; at budget {args.budget} of the float32 model ({budget / 2**20:.2f} MiB for every row): "
-                f"{base['budget_tokens']} tokens decoded one by one" if args.budget else ""),
+                                     if "decode_tokens" in base else ""),
              "", "| storage (+ load options) | ffn.bin MiB | DRAM dense MiB | perplexity | ppl vs float32 | top-1 "
-             "agreement | flash bytes/token | vs float16" + at + " |",
-             "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.budget else "")]
+             "agreement | flash bytes/token | vs float16 |", "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         r["ppl_ratio"] = r["ppl"] / base["ppl"]
         cells = [name, f"{r['ffn_file_bytes'] / 2**20:.2f}", f"{r['dram_bytes_dense'] / 2**20:.2f}", f"{r['ppl']:.4f}",
@@ -133,17 +185,8 @@ def main(argv=None):
             cells += [f"{r['bytes_per_token'] / 1024:.1f} KiB", f"{r['bytes_vs_float16']:.3f}"]
         else:
             cells += ["as stored" if not args.no_bytes else "not measured", ""]
-        if args.budget and "budget_ppl" in r:
-            r["budget_ppl_ratio"] = r["budget_ppl"] / base["budget_ppl"]
-            cells += [f"{r['budget_ppl']:.4f}", f"{(r['budget_ppl_ratio'] - 1) * 100:+.2f}%",
-                      f"{r['budget_dropped_per_token']:.0f}"]
-        elif args.budget:
-            cells += ["", "", ""]
         lines.append("| " + " | ".join(cells) + " |")
-    print("\n".join(lines))
-    if args.out:
-        args.out.write_text("\n".join(lines) + "\n")
-        args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    return lines
 
 
 if __name__ == "__main__":

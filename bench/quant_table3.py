@@ -27,9 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "flashllm" / "data"
 GB = 1e9
-# (label, FFN bundles, resident matrices)
+# (label, FFN bundles, resident matrices); --variants picks by label
 VARIANTS = [("float16", "none", "none"), ("int4 bundles", "int4", "none"),
-            ("int4 bundles + int4 resident", "int4", "int4")]
+            ("int4 bundles + int4 resident", "int4", "int4"), ("int8 bundles + int8 resident", "int8", "int8")]
 
 
 def sh(argv: list) -> None:
@@ -49,6 +49,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--naive-tokens", default="3", help="(default: %(default)s)")
     p.add_argument("--hybrid-tokens", default="4", help="(default: %(default)s)")
     p.add_argument("--torch-threads", default="2", help="(default: %(default)s)")
+    p.add_argument("--variants", default=",".join(v[0] for v in VARIANTS),
+                   help="comma-separated labels (default: %(default)s)")
+    p.add_argument("--only", default="naive,hybrid,all", help="paper_tables.py rows (default: %(default)s)")
     p.add_argument("--keep-models", action="store_true", help="keep the model files afterwards")
     return p
 
@@ -67,9 +70,9 @@ def trace_file(work: Path) -> Path:
     return trace
 
 
-def rows_of(report: dict, label: str) -> list[dict]:
+def rows_of(report: dict, label: str, configs=("naive", "hybrid", "all")) -> list[dict]:
     runs, out = report["runs"], []
-    for config in ("naive", "hybrid", "all"):
+    for config in configs:
         r = runs.get(config)
         if r is None or "error" in r:
             out.append({"variant": label, "config": config, "error": (r or {}).get("error", "not run")})
@@ -109,7 +112,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         r = by.get((label, "all"))
         if base and r:
             L.append(f"- {label} vs float16, sparse \"all\": {base['total_ms'] / r['total_ms']:.2f}x end-to-end, "
-                     f"{base['flash_gb_per_token'] / max(r['flash_gb_per_token'], 1e-12):.2f}x fewer flash bytes, "
+                     f"flash bytes/token {r['flash_gb_per_token'] / base['flash_gb_per_token']:.3f} of float16's, "
                      f"memory management {r['mem_ms'] / r['total_ms']:.1%} of the token (float16: "
                      f"{base['mem_ms'] / base['total_ms']:.1%})")
     return "\n".join(L) + "\n"
@@ -125,31 +128,33 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     py, trace = sys.executable, trace_file(work)
     rows, reports, machine_desc = [], {}, machine()
-    for q in dict.fromkeys(v[1] for v in VARIANTS):  # one model on disk at a time
+    chosen = [v for v in VARIANTS if v[0] in args.variants.split(",")]
+    for q in dict.fromkeys(v[1] for v in chosen):  # one model on disk at a time
         d = work / f"{args.shape}-{'float16' if q == 'none' else q}"
         try:
             if not (d / "flashllm.json").is_file():
                 sh([py, "bench/make_model.py", "--shape", args.shape, "--dtype", "float16", "--out", d,
                     "--quantize", q, "--quiet"])
-            for label, _, resident in [v for v in VARIANTS if v[1] == q]:
+            for label, _, resident in [v for v in chosen if v[1] == q]:
                 js = work / f"{label.replace(' ', '_').replace('+', 'and')}.json"
                 sh([py, "bench/paper_tables.py", d, "--dram-budget", args.dram_budget, "--tokens", args.tokens,
                     "--warmup", args.warmup, "--naive-tokens", args.naive_tokens, "--hybrid-tokens",
-                    args.hybrid_tokens, "--only", "naive,hybrid,all", "--fig8-tokens", "0", "--trace", trace,
+                    args.hybrid_tokens, "--only", args.only, "--fig8-tokens", "0", "--trace", trace,
                     "--isolate", "--cgroup", "--torch-threads", args.torch_threads, "--quantize-resident", resident,
                     "--json-out", js, "--quiet"])
                 reports[label] = json.loads(js.read_text())
-                rows += rows_of(reports[label], label)
+                rows += rows_of(reports[label], label, args.only.split(","))
         finally:
             if not args.keep_models:
                 shutil.rmtree(d, ignore_errors=True)
     first = next(iter(reports.values()))["meta"]
-    sizes = ", ".join(f"{label}: {rows_of(reports[label], label)[0].get('model_gb', 0):.2f} GB"
-                      for label, _, _ in VARIANTS if label in reports)
+    model_gb = {r["variant"]: r["model_gb"] for r in rows if "model_gb" in r}
+    sizes = ", ".join(f"{label}: {gb:.2f} GB" for label, gb in model_gb.items())
     meta = {"shape": args.shape, "command": " ".join(["python", "bench/quant_table3.py", *(argv or sys.argv[1:])]),
             "machine": f"{machine_desc}; load average at the end {os.getloadavg()[0]:.1f}", "code": code_version(),
-            "models": f"bench/make_model.py --shape {args.shape} --dtype float16 --seed 0 [--quantize int4] "
-                      f"(resident tensors float16 on flash; sizes on flash {sizes}); compute {first['compute']}",
+            "models": f"bench/make_model.py --shape {args.shape} --dtype float16 --seed 0 [--quantize int4|int8] "
+                      f"(resident tensors float16 on flash; sizes on flash {sizes}); compute (first variant) "
+                      f"{first['compute']}",
             "budget": args.dram_budget, "active": first["active_method"], "tokens": first["tokens_desc"]}
     text = markdown(rows, meta)
     print(text)

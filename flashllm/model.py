@@ -64,7 +64,6 @@ class Model:
         self.last_generation = Generation()
         self.last_generations: list[Generation] = []  # generate_batch: one per prompt
         self._load_resident(skip_layers=opts.mode == "naive")
-        self.backend.quantize_resident(opts.quantize_resident)  # naive mode: its layers as it reads them
         self.backend.fuse_resident()  # after quantizing: quantized q/k/v stay as they are
         self.model_bytes = sum(e["size"] for k, e in self.manifest.data["files"].items() if k in ("resident", "ffn"))
         self.dram_budget = budget_bytes(opts.dram_budget, self.model_bytes)
@@ -86,16 +85,17 @@ class Model:
 
     # -- loading -------------------------------------------------------------------------------
     def _load_resident(self, skip_layers: bool) -> None:
-        """Resident tensors into the backend (naive mode: only those outside the layers)."""
+        """Resident tensors into the backend, one at a time, quantized as read with --quantize-resident
+        (naive mode: only those outside the layers; it reads each layer's as it runs)."""
         path = self.manifest.path("resident")
-        st = SafetensorsFile(path)
+        st, quantize = SafetensorsFile(path), self.options.quantize_resident
         for name, shape in fmt.resident_shapes(self.spec).items():
             if name not in st.entries:
                 raise FlashLLMError(f"{path}: tensor {name!r} is missing")
             if st.shape(name) != shape:
                 raise FlashLLMError(f"{path}: tensor {name!r} has shape {st.shape(name)}, expected {shape}")
             if not (skip_layers and name.startswith("layers.")):
-                self.backend.put_bytes(name, st.read_bytes(name), st.dtype(name), shape)
+                self.backend.put_bytes(name, st.read_bytes(name), st.dtype(name), shape, quantize)
 
     def compute_row_bytes(self) -> int:
         """DRAM one cached neuron costs (for sizing a budget): its bundle in the compute dtype plus biases."""

@@ -157,8 +157,8 @@ class NaivePlan(StreamingPlan):
             for name in names:
                 e = self.st.entries[name]
                 b, en = e["data_offsets"]
-                self.backend.put_bytes(name, buf[b - base:en - base], self.st.dtype(name), e["shape"])
-            self.backend.quantize_resident(self.ctx.options.quantize_resident, names)  # as in every mode
+                self.backend.put_bytes(name, buf[b - base:en - base], self.st.dtype(name), e["shape"],
+                                       self.ctx.options.quantize_resident)  # as in every mode
 
     def ffn(self, layer: int, x, cost):
         self._start(layer)

@@ -218,16 +218,16 @@ class Backend:
         """Make a resident tensor live in the compute dtype."""
         self.w[name] = self.tensor(array)
 
-    def put_bytes(self, name: str, raw: np.ndarray, dtype: str, shape) -> None:
-        """A resident tensor from its raw bytes (of dtype `dtype`)."""
-        self.put(name, self.storage_view(raw, dtype).reshape(tuple(shape)))
-
-    def quantize_resident(self, quantize: str, names=None) -> None:
-        """Hold the resident matrices (QUANTIZED_RESIDENT; of `names` if given) quantized ("int8", "int4")."""
+    def put_bytes(self, name: str, raw: np.ndarray, dtype: str, shape, quantize: str = "none") -> None:
+        """A resident tensor from its raw bytes (of dtype `dtype`); a matrix of QUANTIZED_RESIDENT is
+        quantized ("int8", "int4") straight from these stored values, so loading never holds a float
+        copy of more than the one tensor being read."""
+        values = self.storage_view(raw, dtype).reshape(tuple(shape))
         bits = RESIDENT_QUANT_BITS[quantize]
-        names = [n for n in (self.w if names is None else names) if bits and QUANTIZED_RESIDENT.fullmatch(n)]
-        for name in names:
-            self.w[name] = self.quantized(self.w[name], bits, gather=name == "embed.weight")
+        if bits and QUANTIZED_RESIDENT.fullmatch(name):
+            self.w[name] = self.quantized(values, bits, gather=name == "embed.weight")
+        else:
+            self.put(name, values)
 
     def read_tensor(self, st, name: str):
         """Tensor `name` of a SafetensorsFile in the compute dtype (not made resident)."""

@@ -100,12 +100,13 @@ class MLXBackend(Backend):
         return sum(int(a.nbytes) for a in t[:3]) if isinstance(t, QuantArray) else int(t.nbytes)
 
     def quantized(self, t: mx.array, bits: int, gather: bool) -> QuantArray:
-        """mx.quantize's affine format, groups of 64 (32 or 128 where 64 does not divide the row)."""
+        """mx.quantize's affine format, groups of 64 (32 or 128 where 64 does not divide the row), of `t`
+        (any float dtype) in the compute dtype."""
         group = next((g for g in MLX_GROUPS if t.shape[-1] % g == 0), None)
         if group is None:
             raise FlashLLMError(f"--quantize-resident int{bits}: a {t.shape[0]}x{t.shape[1]} matrix has no MLX group "
                                 f"size in {MLX_GROUPS} dividing {t.shape[1]}")
-        out = QuantArray(*mx.quantize(t, group_size=group, bits=bits), group, bits)
+        out = QuantArray(*mx.quantize(self.tensor(t), group_size=group, bits=bits), group, bits)
         mx.eval(out[:3])
         return out
 

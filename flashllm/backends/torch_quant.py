@@ -25,9 +25,7 @@ KV_GROUP = 64
 def _bf16_up(x: torch.Tensor) -> torch.Tensor:
     """bfloat16 values >= x (float32): a scale rounded up, so that no code clips."""
     b = x.to(KERNEL_DTYPE)
-    low = b.float() < x
-    b[low] = torch.nextafter(b[low], torch.full_like(b[low], float("inf")))
-    return b
+    return torch.where(b.float() < x, torch.nextafter(b, torch.full_like(b, float("inf"))), b)
 
 
 def _minmax_codes(w: torch.Tensor, group: int, levels: int):
@@ -40,8 +38,35 @@ def _minmax_codes(w: torch.Tensor, group: int, levels: int):
     return codes.to(torch.uint8).reshape(n, k), scale, lo
 
 
+CHUNK_VALUES = 1 << 20  # weights quantized at a time (4 MiB per float32 temporary)
+
+
+def _int8_codes(w: torch.Tensor):
+    """Per-row symmetric int8 codes of float rows [n, k] and their bfloat16 scales: |w - q s| <= s / 2."""
+    wf = w.float()
+    scales = _bf16_up(wf.abs().amax(1) / 127)
+    s = scales.float()
+    return torch.round(wf / torch.where(s == 0, 1, s)[:, None]).clamp_(-127, 127).to(torch.int8), scales
+
+
+def _int4_codes(w: torch.Tensor, group: int):
+    """int4 codes 0..15 (uint8 [n, k]) of float rows [n, k] and the kernel's bfloat16 (scale, zero)
+    [G, n, 2], with w ≈ (q - 8) * scale + zero per group."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo = g.amin(2)
+    scale = _bf16_up((g.amax(2) - lo) / 15).float()
+    zero = (lo + 8 * scale).to(KERNEL_DTYPE).float()
+    codes = torch.round((g - (zero - 8 * scale)[..., None]) / torch.where(scale == 0, 1, scale)[..., None])
+    return codes.clamp_(0, 15).to(torch.uint8).reshape(n, k), torch.stack((scale, zero), 2).transpose(0, 1)
+
+
 class QuantMatrix:
-    """A resident [out, in] matrix held as int8 or int4 codes; `linear` multiplies, `rows` gathers."""
+    """A resident [out, in] matrix held as int8 or int4 codes; `linear` multiplies, `rows` gathers.
+
+    `w` may be in any float dtype (e.g. the stored float16 values as read): it is quantized in blocks
+    of about CHUNK_VALUES values written into the preallocated codes, so the float32 temporaries
+    stay small (and the same size, so the allocator reuses them) whatever the matrix's size."""
 
     def __init__(self, w: torch.Tensor, bits: int, out_dtype: torch.dtype, gather: bool = False):
         if w.device.type != "cpu":
@@ -50,29 +75,30 @@ class QuantMatrix:
         self.bits, self.out_dtype, self.shape = bits, out_dtype, tuple(w.shape)
         n, k = w.shape
         self.row_codes = None
-        if bits == 8:  # |w - q s| <= s / 2 with s the stored scale
-            self.scales = _bf16_up(w.float().abs().amax(1) / 127)
-            scale = self.scales.float()
-            self.codes = torch.round(w.float() / torch.where(scale == 0, 1, scale)[:, None]).clamp_(-127, 127) \
-                .to(torch.int8)
+        # rows per block: a multiple of 64 (the int4 packing works in blocks of 32 rows)
+        step = max(64, CHUNK_VALUES // max(k, 1) // 64 * 64)
+        if bits == 8:
+            self.codes, self.scales = torch.empty(n, k, dtype=torch.int8), torch.empty(n, dtype=KERNEL_DTYPE)
+            for a in range(0, n, step):
+                self.codes[a:a + step], self.scales[a:a + step] = _int8_codes(w[a:a + step])
             return
         group = next((g for g in INT4_GROUPS if k % g == 0), None)
         if group is None:
             raise FlashLLMError(f"--quantize-resident int4: a {n}x{k} matrix has no group size in {INT4_GROUPS} "
                                 f"dividing {k}; use int8")
-        self.group, pad = group, -n % 16
-        g = w.float().reshape(n, k // group, group)
-        lo = g.amin(2)
-        scale = _bf16_up((g.amax(2) - lo) / 15).float()
-        zero = (lo + 8 * scale).to(KERNEL_DTYPE).float()  # w ≈ (q - 8) * scale + zero, as the kernel computes
-        codes = torch.round((g - (zero - 8 * scale)[..., None]) / torch.where(scale == 0, 1, scale)[..., None])
-        codes = codes.clamp_(0, 15).to(torch.uint8).reshape(n, k)
-        padded = F.pad(codes.to(torch.int32), (0, 0, 0, pad))
-        self.codes = torch._convert_weight_to_int4pack_for_cpu(padded, 1)
-        self.scales = F.pad(torch.stack((scale, zero), 2), (0, 0, 0, 0, 0, pad)).transpose(0, 1) \
-            .contiguous().to(KERNEL_DTYPE)  # [G, rows, 2]
+        self.group, rows = group, n + -n % 16  # the kernel takes rows in multiples of 16: zero rows pad
+        self.codes = torch.empty(rows, k // 2, dtype=torch.uint8)
+        self.scales = torch.zeros(k // group, rows, 2, dtype=KERNEL_DTYPE)  # [G, rows, (scale, zero)]
         if gather:  # the packed kernel layout cannot be gathered by row: keep the nibbles too
-            self.row_codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+            self.row_codes = torch.empty(n, k // 2, dtype=torch.uint8)
+        for a in range(0, rows, step):
+            codes, sz = _int4_codes(w[a:a + step], group)
+            m = len(codes)
+            self.scales[:, a:a + m] = sz
+            if gather:
+                self.row_codes[a:a + m] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+            codes = F.pad(codes, (0, 0, 0, min(step, rows - a) - m))  # the last block's padding rows
+            self.codes[a:a + len(codes)] = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
 
     @property
     def nbytes(self) -> int:

@@ -1,20 +1,21 @@
-"""Calibrated sparsity of a SwiGLU (or GeGLU) model: quality and flash bytes per token per target.
+"""Calibrated sparsity of a SwiGLU (or GeGLU) model: quality and flash bytes per token per target,
+at each DRAM budget asked for (the one the user runs, and unlimited).
 
 For each --sparsity S: `flashllm predictors train MODEL --sparsity S` (per-layer thresholds on
 |silu(gate)| into sparsity.json, then low-rank predictors on the thresholded labels), then on
-held-out text, against the dense (unthresholded) model in the same dtype, sparse mode with
+held-out text, against the dense (unthresholded) model in the same compute dtype, sparse mode with
 - oracle: the thresholded model itself, every above-threshold neuron loaded (the thresholds' cost);
-- gate: the gate rows resident in DRAM decide (exact: the oracle's quality at the DRAM of the rows);
-- lowrank: the trained predictors (threshold cost plus the predictors' misses);
-each: perplexity, greedy top-1 agreement, flash bytes and neurons read per decode token, DRAM.
-Naive mode's bytes per token are the reference for the I/O saving. The gate variant still reads
-whole bundles (gate row included); `gate_rowless_bytes_per_token` is what a bundle without the
-gate row would read (computed: up + down of the same neurons).
+- gate: the gate rows resident in DRAM decide and compute the gate (exact); each neuron read and
+  cached is its up and down rows only (2/3 of a bundle);
+- lowrank: the trained predictors (the thresholds' cost plus the predictors' misses); whole bundles;
+each at each --dram-budget: perplexity, greedy top-1 agreement, flash bytes per decode token,
+neurons dropped for lack of cache room, cache rows, DRAM. Naive mode's bytes per token are the
+reference for the I/O saving.
 
     python bench/stdlib_corpus.py --split train --out /tmp/calib.txt --max-bytes 1200000 --max-file-bytes 2000
     python bench/stdlib_corpus.py --split heldout --out /tmp/heldout.txt --max-bytes 200000
     nice -n 10 python bench/silu_sparsity.py flashllm/data/tiny-llama --calib /tmp/calib.txt \\
-        --heldout /tmp/heldout.txt --out bench/results/silu_sparsity
+        --heldout /tmp/heldout.txt --dram-budget none,0.5 --out bench/results/silu_sparsity
 """
 
 from __future__ import annotations
@@ -40,14 +41,15 @@ from flashllm.predictors.train import TrainSettings, train_predictors
 PREDICTORS = ("oracle", "gate", "lowrank")
 
 
-def run_one(hf_dir, calib, heldout, s, rank, max_tokens, eval_tokens, gen_tokens, dtype, budget) -> dict:
-    """One target sparsity, in its own copy of the converted model."""
+def run_one(hf_dir, calib, heldout, s, rank, max_tokens, eval_tokens, gen_tokens, dtype, compute_dtype, context,
+            budgets) -> dict:
+    """One target sparsity, in its own copy of the converted model: every predictor at every budget."""
     torch.set_num_threads(1)
     warnings.filterwarnings("once", category=RuntimeWarning)  # each load states the thresholds; once is enough
     work = tempfile.mkdtemp(prefix="flashllm-silu-")
     try:
         model_dir = convert(hf_dir, Path(work) / "flash", dtype=dtype, progress=False)
-        options = flashllm.LoadOptions(dram_budget=budget, context=256)
+        options = flashllm.LoadOptions(dtype=compute_dtype, context=context)
         t0 = time.perf_counter()
         meta = train_predictors(model_dir, calib, TrainSettings(rank=rank, seed=0), max_tokens=max_tokens,
                                 target=Target("sparsity", s), progress=False)
@@ -57,37 +59,47 @@ def run_one(hf_dir, calib, heldout, s, rank, max_tokens, eval_tokens, gen_tokens
                "layer_sparsity": [round(la["sparsity"], 4) for la in sparsity["layers"]],
                "layer_ffn_error": [round(la["ffn_error"], 4) for la in sparsity["layers"]],
                "predictor_recall": meta["summary"]["recall"], "predictor_ranks": meta["summary"]["ranks"],
-               "naive_bytes_per_token": ev.naive_bytes(model_dir, ref, options), "points": {}}
-        for p in PREDICTORS:
-            row["points"][p] = point = ev.evaluate_load(model_dir, ref, options, progress=False, predictor=p)
-            print(f"sparsity {s}: {p}: ppl {point.get('ppl_dense', 0):.3f} -> {point.get('ppl_sparse', 0):.3f}, "
-                  f"top-1 {point.get('top1_agreement', 0):.3f}, {point.get('bytes_per_token', 0) / 1024:.1f} KiB/token"
-                  f"{' ' + point['refused'] if 'refused' in point else ''}", file=sys.stderr, flush=True)
-        gate = row["points"]["gate"]
-        if "refused" not in gate:  # a gated bundle is gate, up, down rows of equal size
-            gate["gate_rowless_bytes_per_token"] = gate["bytes_per_token"] * 2 / 3
+               "predicted_over_true": [round(r["predicted_over_true"], 3) for r in ref.layers],
+               "naive_bytes_per_token": ev.naive_bytes(model_dir, ref, options), "points": []}
+        for b in budgets:
+            for p in PREDICTORS:
+                point = ev.evaluate_load(model_dir, ref, options.replace(dram_budget=b), progress=False, predictor=p)
+                row["points"].append(point)
+                print(f"sparsity {s} budget {b}: {p}: ppl {point.get('ppl_dense', 0):.3f} -> "
+                      f"{point.get('ppl_sparse', 0):.3f}, top-1 {point.get('top1_agreement', 0):.3f}, "
+                      f"{point.get('bytes_per_token', 0) / 1024:.1f} KiB/token, "
+                      f"{point.get('neurons_dropped_per_token', 0):.0f} dropped"
+                      f"{' ' + point['refused'] if 'refused' in point else ''}", file=sys.stderr, flush=True)
         return row
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def table(rows) -> str:
-    out = ["| target sparsity | measured (per layer) | FFN error (mean) | predictor | ppl dense → sparse | top-1 | "
-           "flash KiB / token | naive / sparse bytes | DRAM MiB |", "|" + "---|" * 9]
-    for r in rows:
-        for p in PREDICTORS:
-            pt = r["points"][p]
-            if "refused" in pt:
-                out.append(f"| {r['target_sparsity']} | | | {p} | refused: {pt['refused']} | | | | |")
-                continue
-            ratio = r["naive_bytes_per_token"] / pt["bytes_per_token"] if pt["bytes_per_token"] else float("inf")
-            gate_note = f" ({pt['gate_rowless_bytes_per_token'] / 1024:.0f} without gate rows)" \
-                if pt.get("gate_rowless_bytes_per_token") else ""
-            out.append(f"| {r['target_sparsity']} | {', '.join(f'{v:.2f}' for v in r['layer_sparsity'])} | "
-                       f"{sum(r['layer_ffn_error']) / len(r['layer_ffn_error']):.3f} | {p} | "
-                       f"{pt['ppl_dense']:.3f} → {pt['ppl_sparse']:.3f} ({pt['ppl_ratio'] - 1:+.1%}) | "
-                       f"{pt['top1_agreement']:.3f} | {pt['bytes_per_token'] / 1024:.1f}{gate_note} | {ratio:.2f}x | "
-                       f"{pt['dram_bytes'] / 2**20:.2f} |")
+def budget_name(b) -> str:
+    return "unlimited" if b is None else f"{b:g}"
+
+
+def table(rows, budgets) -> str:
+    out = ["| DRAM budget | target sparsity | skipped per layer | FFN error | predictor | ppl dense → sparse | top-1 | "
+           "flash KiB / token | naive / sparse bytes | dropped / token | cache rows per layer | DRAM MiB |",
+           "|" + "---|" * 12]
+    for b in budgets:
+        for r in rows:
+            for pt in r["points"]:
+                if pt["dram_budget"] != b:
+                    continue
+                head = f"| {budget_name(b)} | {r['target_sparsity']} | " \
+                       f"{min(r['layer_sparsity']):.2f}–{max(r['layer_sparsity']):.2f} | " \
+                       f"{sum(r['layer_ffn_error']) / len(r['layer_ffn_error']):.3f} | {pt.get('predictor', '')} | "
+                if "refused" in pt:
+                    out.append(head + f"refused: {pt['refused']} |" + " |" * 6)
+                    continue
+                ratio = r["naive_bytes_per_token"] / pt["bytes_per_token"] if pt["bytes_per_token"] else float("inf")
+                caps = pt["cache_capacity"]
+                out.append(head + f"{pt['ppl_dense']:.2f} → {pt['ppl_sparse']:.2f} ({pt['ppl_ratio'] - 1:+.1%}) | "
+                           f"{pt['top1_agreement']:.3f} | {pt['bytes_per_token'] / 1024:.1f} | {ratio:.2f}x | "
+                           f"{pt['neurons_dropped_per_token']:.0f} | {min(caps)}–{max(caps)} | "
+                           f"{pt['dram_bytes'] / 2**20:.2f} |")
     return "\n".join(out)
 
 
@@ -101,16 +113,20 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=30000, help="calibration tokens (default 30000)")
     ap.add_argument("--eval-tokens", type=int, default=1024, help="held-out tokens scored (default 1024)")
     ap.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens for top-1 agreement (default 64)")
-    ap.add_argument("--dtype", default="float16", help="storage dtype of the conversion (default float16)")
-    ap.add_argument("--dram-budget", type=float, default=None,
-                    help="load budget as a fraction of the model (default: unlimited)")
+    ap.add_argument("--dtype", default="float32", help="storage dtype of the conversion (default float32, as the demo)")
+    ap.add_argument("--compute-dtype", default="bfloat16", help="compute dtype (default bfloat16, as the demo)")
+    ap.add_argument("--context", type=int, default=256, help="context length (KV cache; default 256, as the demo)")
+    ap.add_argument("--dram-budget", default="none,0.5",
+                    help="budgets as fractions of the model, comma-separated; none = unlimited (default none,0.5)")
     ap.add_argument("--jobs", type=int, default=1, help="targets run in this many processes (default 1)")
     ap.add_argument("--out", default=None, help="write PREFIX.json and PREFIX.md")
     args = ap.parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in ["bench/silu_sparsity.py"] + (argv or sys.argv[1:]))
     targets = [float(v) for v in args.sparsity.split(",")]
+    budgets = [None if v.strip().lower() == "none" else float(v) for v in args.dram_budget.split(",")]
     work = (args.model, args.calib, args.heldout)
-    settings = (args.rank, args.max_tokens, args.eval_tokens, args.gen_tokens, args.dtype, args.dram_budget)
+    settings = (args.rank, args.max_tokens, args.eval_tokens, args.gen_tokens, args.dtype, args.compute_dtype,
+                args.context, budgets)
     if args.jobs > 1:
         from concurrent.futures import ProcessPoolExecutor
 
@@ -118,7 +134,7 @@ def main(argv=None):
             rows = list(pool.map(run_one, *zip(*[(*work, s, *settings) for s in targets])))
     else:
         rows = [run_one(*work, s, *settings) for s in targets]
-    text = table(rows)
+    text = table(rows, budgets)
     print(text)
     if args.out:
         Path(args.out + ".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")

@@ -17,12 +17,13 @@ class LayerChecksums:
     A layer counts as read in full when its neurons 0..d_ffn-1 arrive in order in contiguous ranges
     (dense load, naive and hybrid reads, a dense-stream prefill), possibly over several calls; the
     hash then costs one pass over bytes already in memory, once per layer. Scattered reads (sparse
-    decode) are not verified. Only the bundled layout is checked (the memory rows are the file's bytes).
+    decode) are not verified. Only the bundled layout read whole is checked (the memory rows are the file's bytes).
     """
 
     def __init__(self, path, layout: FFNLayout, layer_sha256: list[str] | None):
         self.path, self.layout = path, layout
-        usable = bool(layer_sha256) and layout.bundled and len(layer_sha256) == len(layout.layer_offsets)
+        usable = bool(layer_sha256) and layout.bundled and not layout.file_parts and \
+            len(layer_sha256) == len(layout.layer_offsets)
         self.expected = list(layer_sha256) if usable else None
         self.verified: set[int] = set()
         self._partial: dict[int, tuple[int, object]] = {}  # layer -> (next neuron, running hash)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,8 @@ class FFNLayout:
     paper's "without bundling" baseline): each part in its own region of the layer, one read per part.
     In memory a neuron is always one row of `stride` bytes holding its parts back to back.
     With `quant`, each part is d_model group-quantized values (codes, scales, mins; see quant.py).
+    `only(parts)` is the layout of reading some parts of each neuron (the gate rows resident): its
+    memory rows hold just those parts; `file_parts`/`file_stride` keep the file's own.
     """
 
     parts: tuple[str, ...]  # e.g. ("up", "down") or ("gate", "up", "down"); each d_model values
@@ -49,6 +51,19 @@ class FFNLayout:
     layer_offsets: tuple[int, ...]
     bundled: bool = True
     quant: QuantScheme | None = None
+    file_parts: tuple[str, ...] | None = None  # the file's parts, when this layout reads only some of them
+    file_stride: int | None = None  # the file's bundle stride, when it differs from the memory row's
+
+    def only(self, parts: tuple[str, ...]) -> "FFNLayout":
+        """Reading only `parts` of every neuron (one read per neuron still: they must be adjacent in the
+        bundle); memory rows hold just those parts, back to back."""
+        file_parts = self.file_parts or self.parts
+        keep = tuple(p for p in file_parts if p in parts)
+        first = file_parts.index(keep[0]) if keep else 0
+        if not keep or file_parts[first:first + len(keep)] != keep:
+            raise FlashLLMError(f"FFN parts {parts}: not adjacent parts of the bundle {file_parts}")
+        return replace(self, parts=keep, stride=len(keep) * self.part_bytes, file_parts=file_parts,
+                       file_stride=self.file_stride or self.stride)
 
     @property
     def bundle_bytes(self) -> int:
@@ -65,15 +80,16 @@ class FFNLayout:
 
     @property
     def layer_bytes(self) -> int:
-        return self.d_ffn * self.stride if self.bundled else len(self.parts) * self.part_region
+        """Bytes of one layer in the file."""
+        file_parts = self.file_parts or self.parts
+        return self.d_ffn * (self.file_stride or self.stride) if self.bundled else len(file_parts) * self.part_region
 
     def segments(self, layer: int) -> list[tuple[int, int, int, int]]:
         """(file base, file stride, bytes per neuron, byte offset in the memory row) per read of a neuron."""
-        base = self.layer_offsets[layer]
+        base, pb, file_parts = self.layer_offsets[layer], self.part_bytes, self.file_parts or self.parts
         if self.bundled:
-            return [(base, self.stride, self.stride, 0)]
-        pb = self.part_bytes
-        return [(base + k * self.part_region, pb, pb, k * pb) for k in range(len(self.parts))]
+            return [(base + file_parts.index(self.parts[0]) * pb, self.file_stride or self.stride, self.stride, 0)]
+        return [(base + file_parts.index(p) * self.part_region, pb, pb, k * pb) for k, p in enumerate(self.parts)]
 
     @property
     def file_size(self) -> int:

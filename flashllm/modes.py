@@ -86,7 +86,7 @@ class StreamingPlan(Plan):
 
     def __init__(self, ctx: PlanContext):
         super().__init__(ctx)
-        self.reader = ctx.ffn_reader(gap_filling=self.gap_filling)
+        self.reader = ctx.ffn_reader(gap_filling=self.gap_filling, layout=getattr(self, "read_layout", None))
         # dense plans: read layer l+1 while layer l computes (two buffers), never across tokens
         self.buffers = 2 if ctx.options.prefetch is not False and ctx.spec.n_layers > 1 else 1
         self._inflight: dict = {}  # layer -> reads started for it
@@ -254,14 +254,19 @@ class SparsePlan(StreamingPlan):
     RANDOM_READ_PENALTY = 1.5  # a bundle read costs about this much more per byte than a sequential one
 
     def __init__(self, ctx: PlanContext):
+        self.predictor = make_predictor(ctx.options.predictor, ctx)
+        # a predictor holding the gate rows resident: read and cache only the other parts of each bundle
+        self.resident_part = getattr(self.predictor, "resident_part", None)
+        self.read_layout = ctx.layout if self.resident_part is None else \
+            ctx.layout.only(tuple(p for p in ctx.layout.parts if p != self.resident_part))
         super().__init__(ctx)
+        self.lay = self.read_layout
         options, budget = ctx.options, ctx.budget
         self.window, self.on_overflow = options.window, options.on_overflow
-        self.predictor = make_predictor(options.predictor, ctx)
         lay, L, B = self.lay, ctx.spec.n_layers, self.backend
         need = getattr(self.predictor, "expected_fraction", lambda: None)()
         base = ctx.charged(B.staging_bytes(lay.stride), B.nbytes() + self.predictor.nbytes())
-        row = ctx.row_bytes()
+        row = ctx.row_bytes(lay)
         avail = None if budget is None else budget - base
         if avail is not None and avail < L * row:
             raise ctx.too_small(base + L * row,
@@ -292,7 +297,7 @@ class SparsePlan(StreamingPlan):
         self.caches = []
         for i, capacity in enumerate(self.capacities):
             b = ctx.biases(i)
-            store = B.row_store(capacity, lay, {"up": b["up"], "gate": b["gate"]})
+            store = B.row_store(capacity, lay, {p: b[p] for p in ("up", "gate") if p in lay.parts})
             self.caches.append(NeuronCache(capacity, lay.d_ffn, store))
 
     def _prefetch_rows(self, avail: int | None, row: int, need: list[float] | None) -> int:
@@ -420,14 +425,18 @@ class SparsePlan(StreamingPlan):
             cost.dropped_mass += float(scores[dropped].sum())
         return keep
 
-    def _compute(self, layer: int, x, n: int, with_down_bias: bool):
+    def _compute(self, layer: int, x, n: int, with_down_bias: bool, pre=None):
+        """The FFN over cache rows :n; `pre`: the resident gate's pre-activations of every neuron."""
         rows, bias = self.caches[layer].store.views(n)
         down_b = self.ctx.biases(layer)["down"] if with_down_bias else None
-        return self.backend.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b, self.ffn_thresholds[layer])
+        gate_pre = None if pre is None else self.backend.columns(pre, self.caches[layer].pointer[:n])
+        return self.backend.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b, self.ffn_thresholds[layer],
+                                gate_pre=gate_pre)
 
     def ffn(self, layer: int, x, cost):
         with cost.timed("predictor_ms"):
-            mask, scores = predict_scored(self.predictor, layer, x)
+            pre = self.predictor.pre(layer, x) if self.resident_part else None
+            mask, scores = predict_scored(self.predictor, layer, x, pre)
         self.ctx.hooks.emit("predict", layer, mask)
         if mask.shape[0] == cost.batch:  # decode: one token, or one per sequence of a batch (their union)
             mask, scores = union(mask, scores)
@@ -437,10 +446,10 @@ class SparsePlan(StreamingPlan):
             cost.neurons_loaded.append(self._load(layer, active, self.window, cost))
             cost.neurons_cached.append(self.caches[layer].num_used)
             self._lookahead(layer + 1, cost)  # in flight while this layer and the next attention compute
-            return self._compute(layer, x, self.caches[layer].num_used, True)
-        return self._prefill(layer, x, mask, scores, cost)
+            return self._compute(layer, x, self.caches[layer].num_used, True, pre)
+        return self._prefill(layer, x, mask, scores, cost, pre)
 
-    def _prefill(self, layer: int, x, mask: np.ndarray, scores: np.ndarray | None, cost):
+    def _prefill(self, layer: int, x, mask: np.ndarray, scores: np.ndarray | None, cost, pre=None):
         """Several tokens at once: stream the predicted union (or the whole layer, if cheaper) through
         the cache rows in chunks, then leave the cache as if the last `window` tokens were decoded."""
         cache, B = self.caches[layer], self.backend
@@ -454,7 +463,8 @@ class SparsePlan(StreamingPlan):
         for k in range(0, len(ids), cache.capacity):  # the cache rows as a buffer: reset again below
             chunk = ids[k:k + cache.capacity]
             cost.add_io(cache.store.fill(self.reader.reader_for(layer), chunk, np.arange(len(chunk)), cost))
-            part = self._compute(layer, x, len(chunk), y is None)
+            cache.pointer[:len(chunk)] = chunk  # the rows' neurons (the cache is reset below)
+            part = self._compute(layer, x, len(chunk), y is None, pre)
             y = part if y is None else B.add(y, part)
         cache.reset()
         loaded = 0

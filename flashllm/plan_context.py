@@ -44,11 +44,13 @@ class PlanContext:
         return self.options.mode
 
     # -- reading -------------------------------------------------------------------------------
-    def ffn_reader(self, threads: int | None = None, verify: bool = True, gap_filling: bool = False) -> FFNReader:
+    def ffn_reader(self, threads: int | None = None, verify: bool = True, gap_filling: bool = False,
+                   layout: fmt.FFNLayout | None = None) -> FFNReader:
         """A reader of `ffn.bin` reporting to the hooks (and, with `verify`, checking layer checksums);
-        with `gap_filling`, gaps up to the `gap_bytes` option (None: the disk profile's) are read through."""
+        with `gap_filling`, gaps up to the `gap_bytes` option (None: the disk profile's) are read through;
+        `layout`: a view of the file's (`FFNLayout.only`, some parts of each bundle)."""
         o = self.options
-        return FFNReader(self.manifest.path("ffn"), self.layout, threads or o.threads, o.aio_depth,
+        return FFNReader(self.manifest.path("ffn"), layout or self.layout, threads or o.threads, o.aio_depth,
                          self.checksums if verify else None, self.hooks, o.gap_bytes if gap_filling else 0)
 
     def read_layer_block(self, layer: int) -> np.ndarray:
@@ -75,9 +77,10 @@ class PlanContext:
         return self.backend.ffn_biases(layer)
 
     # -- budget arithmetic (budget.py) ---------------------------------------------------------
-    def row_bytes(self) -> int:
-        """DRAM one cached neuron costs: its bundle as the backend holds it plus per-row biases."""
-        return self.backend.cache_row_bytes(self.layout)
+    def row_bytes(self, layout: fmt.FFNLayout | None = None) -> int:
+        """DRAM one cached neuron costs: its bundle (or `layout`'s parts of it) as the backend holds it
+        plus per-row biases."""
+        return self.backend.cache_row_bytes(layout or self.layout)
 
     def max_layer_bytes(self) -> int:
         """DRAM one layer's weights (resident tensors and FFN) take in the compute dtype."""

@@ -63,12 +63,17 @@ class OraclePredictor:
         """False for a dense activation (SiLU, GELU): every neuron is active, nothing to select."""
         return self.threshold is not None
 
-    def scores(self, layer: int, x) -> np.ndarray | None:
+    def pre(self, layer: int, x):
+        """The pre-activations of the up (or gate) rows [tokens, d_ffn], a backend tensor."""
+        return self.backend.linear(x, self.rows[layer], self.bias[layer])
+
+    def scores(self, layer: int, x, pre=None) -> np.ndarray | None:
         """Pre-activation (|act(pre)| with calibrated thresholds) minus the layer's threshold [tokens,
-        d_ffn] (> 0: active; its size ranks neurons by activation); None for a dense activation."""
+        d_ffn] (> 0: active; its size ranks neurons by activation); None for a dense activation.
+        `pre`: `self.pre(layer, x)` when the caller has it already."""
         if self.threshold is None:
             return None
-        pre = self.backend.linear(x, self.rows[layer], self.bias[layer])
+        pre = self.pre(layer, x) if pre is None else pre
         if self.magnitude:
             return np.abs(self.backend.to_host(self.backend.act(pre))) - self.threshold[layer]
         return self.backend.to_host(pre) - self.threshold[layer]
@@ -91,10 +96,13 @@ class GatePredictor(OraclePredictor):
     """Gated FFNs: the gate projection itself, kept resident, decides (paper App. C.5) — for ReLU
     gates, or SiLU/GELU gates with calibrated thresholds.
 
-    Exact like the oracle, but its gate rows are counted against the DRAM budget.
+    Exact like the oracle, but its gate rows are counted against the DRAM budget; sparse mode then
+    reads and caches only the up and down rows of each neuron, and reuses the gate pre-activations
+    the prediction computed (`resident_part`).
     """
 
     kind = "gate"
+    resident_part = "gate"
 
     def __init__(self, ctx):
         if not ctx.spec.gated_ffn or neuron_thresholds(ctx)[0] is None:
@@ -174,10 +182,14 @@ class LowRankPredictor:
         return sum(self.backend.nbytes_of(t) for ts in (self.proj_in, self.proj_out, self.bias) for t in ts)
 
 
-def predict_scored(predictor, layer: int, x) -> tuple[np.ndarray, np.ndarray | None]:
+def predict_scored(predictor, layer: int, x, pre=None) -> tuple[np.ndarray, np.ndarray | None]:
     """(mask, scores) of a predictor: scores rank the predicted neurons (higher: keep first) when a
-    cache cannot hold them all; None when the predictor has none (e.g. a replayed trace)."""
-    scores = predictor.scores(layer, x) if hasattr(predictor, "scores") else None
+    cache cannot hold them all; None when the predictor has none (e.g. a replayed trace). `pre`: the
+    gate predictor's pre-activations, when the caller computed them."""
+    if pre is not None:
+        scores = predictor.scores(layer, x, pre)
+    else:
+        scores = predictor.scores(layer, x) if hasattr(predictor, "scores") else None
     return (predictor.predict(layer, x), None) if scores is None else (scores > 0, scores)
 
 

@@ -110,13 +110,15 @@ def test_silu_sparsity_bench_runs_and_writes_its_table(tiny_models, tmp_path, ca
     text.write_text(" ".join(np.random.default_rng(0).choice(TEXT.split(), 1200)) + "\n")
     bench("silu_sparsity").main([str(tiny_models("llama").ckpt), "--calib", str(text), "--heldout", str(text),
                                  "--sparsity", "0.4", "--rank", "4", "--max-tokens", "400", "--eval-tokens", "64",
-                                 "--gen-tokens", "4", "--out", str(tmp_path / "silu")])
+                                 "--gen-tokens", "4", "--dram-budget", "none,1.0", "--out", str(tmp_path / "silu")])
     rows = json.loads((tmp_path / "silu.json").read_text())["rows"]
-    points = rows[0]["points"]
-    assert set(points) == {"oracle", "gate", "lowrank"}
-    assert points["oracle"]["ppl_sparse"] == pytest.approx(points["gate"]["ppl_sparse"], rel=1e-6)  # both exact
+    assert [(p["dram_budget"], p["predictor"]) for p in rows[0]["points"]] == \
+        [(b, p) for b in (None, 1.0) for p in ("oracle", "gate", "lowrank")]
+    points = {p["predictor"]: p for p in rows[0]["points"] if p["dram_budget"] is None}
+    assert points["oracle"]["ppl_sparse"] == pytest.approx(points["gate"]["ppl_sparse"], rel=1e-4)  # both exact
     assert points["gate"]["predictor_bytes"] > points["lowrank"]["predictor_bytes"] > 0 == points["oracle"]["predictor_bytes"]
-    assert "| 0.4 |" in (tmp_path / "silu.md").read_text()
+    text = (tmp_path / "silu.md").read_text()
+    assert "| unlimited | 0.4 |" in text and "| 1 | 0.4 |" in text
 
 
 def test_moe_trace_replay_maps_small_routing_onto_a_bigger_moe():

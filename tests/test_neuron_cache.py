@@ -113,3 +113,38 @@ def test_failed_read_marks_nothing_loaded(ffn_file, tmp_path):
             step(cache, reader, {30, 31}, 2)
     assert set(cache.pointer[:cache.num_used].tolist()) == {1, 2}
     assert cache.row_of[30] == -1 and cache.row_of[31] == -1
+
+
+@pytest.mark.parametrize("bundled", [True, False])
+def test_a_layout_of_some_parts_reads_just_those(tmp_path, bundled):
+    """`FFNLayout.only`: the gate rows stay resident, so a neuron's read is its up and down rows,
+    into memory rows of those parts only; parts that are not adjacent in a bundle are refused."""
+    from flashllm.errors import FlashLLMError
+    from flashllm.ffn_reader import FFNReader
+
+    parts, stride = ("gate", "up", "down"), 3 * D * 4 + 32  # a padded bundle
+    full = FFNLayout(parts, D, D_FFN, 4, stride, (0,), bundled)
+    values = np.random.default_rng(1).standard_normal((D_FFN, 3 * D)).astype(np.float32)
+    raw = np.zeros((D_FFN, stride), np.uint8)
+    raw[:, :3 * D * 4] = values.view(np.uint8)
+    path = tmp_path / "ffn.bin"
+    if bundled:
+        raw.tofile(path)
+    else:  # each part in its own region
+        regions = np.zeros((3, full.part_region), np.uint8)
+        for k in range(3):
+            regions[k, :D_FFN * D * 4] = np.ascontiguousarray(values[:, k * D:(k + 1) * D]).view(np.uint8).ravel()
+        regions.tofile(path)
+    view = full.only(("up", "down"))
+    assert view.parts == ("up", "down") and view.stride == 2 * D * 4 and view.layer_bytes == full.layer_bytes
+    ids = np.array([3, 4, 17, 39])
+    dest = np.zeros((len(ids), view.stride), np.uint8)
+    reader = FFNReader(path, view, threads=1)
+    try:
+        io = reader.read(0, ids, dest, np.arange(len(ids)))
+    finally:
+        reader.close()
+    np.testing.assert_array_equal(dest.view(np.float32), values[ids, D:])
+    assert io.bytes_requested == len(ids) * view.stride
+    with pytest.raises(FlashLLMError, match="not adjacent"):
+        full.only(("gate", "down"))

@@ -116,6 +116,10 @@ class Backend:
     def linear(self, x, w, b):
         raise NotImplementedError
 
+    def columns(self, x, ids: np.ndarray):
+        """Columns `ids` (numpy int) of a [T, n] array."""
+        raise NotImplementedError
+
     # elementwise primitives the shared activation table and head are built from
     def relu(self, x):
         raise NotImplementedError
@@ -144,9 +148,10 @@ class Backend:
         slot[i] at position pos[i]."""
         raise NotImplementedError
 
-    def ffn(self, x, rows: dict, up_bias, gate_bias, down_bias, threshold: float | None = None):
+    def ffn(self, x, rows: dict, up_bias, gate_bias, down_bias, threshold: float | None = None, gate_pre=None):
         """FFN over the neurons whose bundle parts are rows[part] ([n, d] each; down rows = columns);
-        with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity)."""
+        with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity);
+        `gate_pre` [T, n]: the gate pre-activations, from resident gate rows (then `rows` has no gate)."""
         raise NotImplementedError
 
     def fuse_resident(self) -> None:

@@ -156,6 +156,9 @@ class MLXBackend(Backend):
             return y if b is None else y + b
         return x @ w.T if b is None else mx.addmm(b, x, w.T)
 
+    def columns(self, x: mx.array, ids: np.ndarray) -> mx.array:
+        return mx.take(x, mx.array(ids.astype(np.int32)), axis=1)
+
     def matmul(self, x: mx.array, w: mx.array | QuantArray) -> mx.array:
         """x @ w (the FFN's down projection over cached columns)."""
         return w.matmul(x, transpose=False) if isinstance(w, QuantArray) else x @ w
@@ -260,11 +263,14 @@ class MLXBackend(Backend):
         return self._linear(p + "o", out[0].transpose(1, 0, 2).reshape(T, s.n_heads * s.head_dim)), h
 
     def ffn(self, x: mx.array, rows: dict[str, mx.array], up_bias, gate_bias, down_bias,
-            threshold: float | None = None) -> mx.array:
+            threshold: float | None = None, gate_pre: mx.array | None = None) -> mx.array:
         """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns);
-        with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity)."""
+        with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity);
+        `gate_pre` [T, n]: the gate pre-activations, from resident gate rows (then `rows` has no gate)."""
         up = self.linear(x, rows["up"], up_bias)
-        a = self.act(self.linear(x, rows["gate"], gate_bias)) if self.spec.gated_ffn else self.act(up)
+        if gate_pre is None and self.spec.gated_ffn:
+            gate_pre = self.linear(x, rows["gate"], gate_bias)
+        a = self.act(gate_pre) if self.spec.gated_ffn else self.act(up)
         if threshold is not None:
             a = a * (mx.abs(a) > threshold)
         h = a * up if self.spec.gated_ffn else a

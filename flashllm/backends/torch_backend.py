@@ -98,6 +98,9 @@ class TorchBackend(Backend):
     def linear(self, x: torch.Tensor, w: torch.Tensor | QuantMatrix, b: torch.Tensor | None) -> torch.Tensor:
         return w.linear(x, b) if isinstance(w, QuantMatrix) else F.linear(x, w, b)
 
+    def columns(self, x: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
+        return x.index_select(1, torch.from_numpy(ids).to(x.device))
+
     def to_host(self, x: torch.Tensor) -> np.ndarray:
         return x.float().cpu().numpy()
 
@@ -253,12 +256,15 @@ class TorchBackend(Backend):
                         del self.w[f"{p}{n}.{kind}"]
 
     def ffn(self, x: torch.Tensor, rows: dict[str, torch.Tensor], up_bias, gate_bias, down_bias,
-            threshold: float | None = None) -> torch.Tensor:
+            threshold: float | None = None, gate_pre: torch.Tensor | None = None) -> torch.Tensor:
         """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns),
         or packed by `pack_ffn`; with `threshold`, neurons with |act(pre)| <= threshold contribute
-        zero (calibrated sparsity)."""
+        zero (calibrated sparsity); `gate_pre` [T, n]: the gate pre-activations, already computed
+        from resident gate rows (then `rows` has no gate)."""
         t0, gated, packed = self._tic(), self.spec.gated_ffn, "down_t" in rows
-        if packed:  # one up(+gate) product; down as a contiguous [d, n] matrix
+        if gate_pre is not None:
+            up, pre = F.linear(x, rows["up"], up_bias), gate_pre
+        elif packed:  # one up(+gate) product; down as a contiguous [d, n] matrix
             z = F.linear(x, rows["up_gate"] if gated else rows["up"])
             up, pre = z.chunk(2, dim=-1) if gated else (z, z)
             up = up if up_bias is None else up + up_bias

@@ -83,7 +83,7 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     from .experts import POLICIES
     from .modes import PLANS
     from .options import BACKENDS, DTYPES, KERNELS, KV_BITS, ON_OVERFLOW, QUANTIZE_RESIDENT, LoadOptions
-    from .predictor import PREDICTORS
+    from .predictor import PREDICTOR_NAMES
 
     d = LoadOptions()
     group = parser.add_argument_group("loading")
@@ -97,9 +97,11 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--mode", default=d.mode, choices=list(PLANS), help="how layer weights are obtained: " + "; ".join(
         f"{name}: {cls.summary}" for name, cls in PLANS.items())
         + " (default: %(default)s)")
-    g.add_argument("--predictor", default=d.predictor, choices=list(PREDICTORS),
-                   help="sparse mode: trained low-rank predictors, the true activations (oracle), or a "
-                   "ReLU-gated model's own gate projection kept resident (gate) (default: %(default)s)")
+    g.add_argument("--predictor", default=d.predictor, choices=list(PREDICTOR_NAMES),
+                   help="sparse mode: trained low-rank predictors, the true activations (oracle), or a gated "
+                   "model's own gate rows kept resident (gate: exact; neurons are read without their gate row); "
+                   "auto: gate for a gated FFN made sparse by calibrated thresholds unless it leaves smaller "
+                   "caches than lowrank at this budget, else lowrank (default: %(default)s)")
     g.add_argument("--dram-budget", type=_budget, default=d.dram_budget, metavar="BUDGET",
                    help="DRAM for weights, caches and KV: a fraction of the model (0.5 or 50%%), a size (6GiB, "
                    "700MiB, 20M) or bytes (default: unlimited, as in the Python API)")

@@ -27,7 +27,9 @@ class LoadOptions:
     backend: str = "torch"
     device: str | None = None  # None: torch cpu, mlx Metal where present
     mode: str = "dense"  # a key of modes.PLANS
-    predictor: str | Callable = "lowrank"  # sparse mode: a key of predictor.PREDICTORS, or a builder
+    # sparse mode: auto, a key of predictor.PREDICTORS, or a builder; auto: the resident gate rows for a
+    # gated FFN with calibrated thresholds (unless they leave smaller caches), else the low-rank predictors
+    predictor: str | Callable = "auto"
     dram_budget: float | int | str | None = None
     gpu_budget: float | int | str | None = None
     window: int = 4  # sparse: tokens whose neurons stay cached
@@ -61,7 +63,7 @@ class LoadOptions:
     def __post_init__(self):
         from .experts import POLICIES
         from .modes import PLANS
-        from .predictor import PREDICTORS
+        from .predictor import PREDICTOR_NAMES
 
         def check(ok: bool, what: str):
             if not ok:
@@ -69,8 +71,8 @@ class LoadOptions:
 
         check(self.backend in BACKENDS, f"backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
         check(self.mode in PLANS, f"mode {self.mode!r}: expected one of {', '.join(PLANS)}")
-        check(callable(self.predictor) or self.predictor in PREDICTORS,
-              f"predictor {self.predictor!r}: expected one of {', '.join(PREDICTORS)}")
+        check(callable(self.predictor) or self.predictor in PREDICTOR_NAMES,
+              f"predictor {self.predictor!r}: expected one of {', '.join(PREDICTOR_NAMES)}")
         check(self.dtype is None or self.dtype in DTYPES, f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
         check(self.expert_policy in POLICIES, f"expert_policy {self.expert_policy!r}: expected one of {', '.join(POLICIES)}")
         check(self.expert_routing is None or callable(self.expert_routing),

@@ -193,15 +193,35 @@ def predict_scored(predictor, layer: int, x, pre=None) -> tuple[np.ndarray, np.n
     return (predictor.predict(layer, x), None) if scores is None else (scores > 0, scores)
 
 
-# Every predictor, by the name the API and the CLI use.
+def auto_predictor(ctx) -> str:
+    """`auto`: for a gated FFN made sparse by calibrated thresholds (SiLU/GELU), the resident gate rows
+    (exact, and a neuron read is 2/3 of a bundle) unless at this budget they leave fewer cache rows than
+    the trained low-rank predictors would (bench/results/silu_sparsity.md); for every other model lowrank."""
+    spec = ctx.spec
+    if not spec.gated_ffn or ctx.sparsity is None:
+        return "lowrank"
+    if ctx.budget is None or not (ctx.manifest.root / PREDICTOR_META).is_file():
+        return "gate"
+    B = ctx.backend
+    avail = ctx.budget - ctx.charged(B.staging_bytes(ctx.layout.stride), B.nbytes())  # left for predictor and caches
+    gate_rows = (avail - spec.n_layers * spec.d_ffn * spec.d_model * B.itemsize) // \
+        ctx.row_bytes(ctx.layout.only(("up", "down")))
+    lowrank_rows = (avail - LowRankPredictor(ctx).nbytes()) // ctx.row_bytes()
+    return "gate" if gate_rows >= lowrank_rows else "lowrank"
+
+
+# Every predictor, by the name the API and the CLI use; "auto" picks one of them per model and budget.
 PREDICTORS = {"lowrank": LowRankPredictor, "oracle": OraclePredictor, "gate": GatePredictor}
+PREDICTOR_NAMES = ("auto", *PREDICTORS)
 
 
 def make_predictor(kind, ctx):
     """A predictor by name, or built by `kind(ctx)` when kind is a callable (benchmarks' traces); `ctx`
     is the plan's PlanContext (spec, backend, manifest, read_layer_block, bundle_rows, biases)."""
+    if kind == "auto":
+        kind = auto_predictor(ctx)
     if callable(kind):
         return kind(ctx)
     if kind not in PREDICTORS:
-        raise FlashLLMError(f"predictor {kind!r}: expected one of {', '.join(PREDICTORS)}")
+        raise FlashLLMError(f"predictor {kind!r}: expected one of {', '.join(PREDICTOR_NAMES)}")
     return PREDICTORS[kind](ctx)

@@ -14,6 +14,7 @@ import flashllm
 from flashllm.cli import format_stats
 from flashllm.cli import main as cli_main
 from flashllm.predictors import calibrate as calib
+from flashllm.predictor import auto_predictor
 from flashllm.predictors import collect as col
 from flashllm.sparsity import sparsity_document
 from tiny import TEXT
@@ -211,6 +212,15 @@ def test_train_with_sparsity_writes_thresholds_and_trains_on_them(tiny_models, t
     assert code == 0 and "sparse mode skips FFN neurons with |silu(gate)|" in out
     # predictors trained for other thresholds, or thresholds gone: refused, saying what to do
     sparsity["layers"][0]["threshold"] *= 1.5
+    # the default predictor ("auto"): the resident gate rows, unless they leave fewer cache rows than lowrank
+    assert flashllm.load(model_dir, mode="sparse").predictor.kind == "gate"
+    B, spec, lay = model.backend, model.spec, model.layout
+    base = B.nbytes() + B.staging_bytes(lay.stride)
+    for rows, kind in ((spec.d_ffn // 4, "lowrank"), (spec.d_ffn, "gate")):  # cache rows per layer with lowrank
+        budget = base + model.predictor.nbytes() + spec.n_layers * rows * model.compute_row_bytes()
+        assert flashllm.load(model_dir, mode="sparse", dram_budget=budget).predictor.kind == kind
+    relu = flashllm.load(tiny_models("opt").model_dir, mode="dense").plan_context
+    assert auto_predictor(relu) == "lowrank"
     (model_dir / "sparsity.json").write_text(json.dumps(sparsity))
     with pytest.raises(flashllm.FlashLLMError, match="other calibrated thresholds"):
         flashllm.load(model_dir, mode="sparse", predictor="lowrank")

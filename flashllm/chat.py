@@ -15,12 +15,12 @@ HELP = "/reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
 def add_parser(sub) -> None:
     """The `flashllm chat` subcommand."""
-    from .cli import add_load_options, add_sampling_options
+    from .cli import add_load_options, add_model_dir, add_sampling_options
 
     c = sub.add_parser("chat", help="chat with a model in the terminal",
                        description="An interactive multi-turn chat through the model's chat template, streamed "
                        "as it is generated. " + HELP + ".")
-    c.add_argument("model_dir")
+    add_model_dir(c)
     c.add_argument("--system", help="system prompt that opens the conversation (default: none)")
     c.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file, or 'plain' (role-prefixed "
                    "turns, for base models) (default: the checkpoint's own)")

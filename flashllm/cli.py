@@ -16,14 +16,17 @@ from .errors import FlashLLMError
 
 
 class _HelpFormatter(argparse.HelpFormatter):
-    """Every option's help ends with its default, unless its text already states one."""
+    """Every option's help ends with its default, unless its text already states one; a required option
+    says so instead."""
 
     def _format_action(self, action):
         if action.option_strings and action.default is not argparse.SUPPRESS and action.help is not argparse.SUPPRESS \
-                and "default" not in (action.help or ""):
+                and "default" not in (action.help or "") and "required" not in (action.help or ""):
             shown = "off" if action.default is False else "none" if action.default is None else action.default
             action = copy.copy(action)
-            action.help = f"{action.help or ''} (default: {str(shown).replace('%', '%%')})".strip()
+            action.help = f"{action.help or ''} " + ("(required)" if action.required else
+                                                     f"(default: {str(shown).replace('%', '%%')})")
+            action.help = action.help.strip()
         return super()._format_action(action)
 
 
@@ -53,6 +56,7 @@ def _checked(convert, ok, what: str):
 
 
 _count = _checked(int, lambda v: v >= 0, "an integer of 0 or more")
+_fraction = _checked(float, lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
 _temperature = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number of 0 (greedy) or more")
 _top_p = _checked(float, lambda v: 0 < v <= 1, "a probability in (0, 1]")
 
@@ -75,6 +79,11 @@ def _budget(text: str):
         return parse_budget(text)
     except FlashLLMError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_model_dir(parser: argparse.ArgumentParser) -> None:
+    """The MODEL_DIR argument every command on a converted model takes."""
+    parser.add_argument("model_dir", help="a model directory written by `flashllm convert`")
 
 
 def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -107,7 +116,7 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                    "700MiB, 20M) or bytes (default: unlimited, as in the Python API)")
     g.add_argument("--gpu-budget", type=_budget, default=d.gpu_budget, metavar="BUDGET",
                    help="on a GPU: device memory for weights, KV and caches, same forms (default: unlimited)")
-    g.add_argument("--window", type=int, default=d.window,
+    g.add_argument("--window", type=_positive, default=d.window,
                    help="sparse mode: keep neurons active in the last K tokens (default: %(default)s)")
     g.add_argument("--on-overflow", default=d.on_overflow, choices=ON_OVERFLOW,
                    help="sparse mode, when a token's predicted neurons exceed a layer's cache: drop the "
@@ -119,10 +128,10 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--expert-prefetch", action="store_true", default=d.expert_prefetch,
                    help="mixture-of-experts sparse mode: while layer l computes, read the experts layer l+1's "
                    "router picks for layer l's input (exact either way; costs reads when wrong) (default: off)")
-    g.add_argument("--hybrid-fraction", type=float, default=d.hybrid_fraction,
+    g.add_argument("--hybrid-fraction", type=_fraction, default=d.hybrid_fraction,
                    help="hybrid mode: share of each FFN kept resident (default: sized by the budget)")
-    g.add_argument("--threads", type=int, default=d.threads, help="flash reads in flight (default: %(default)s)")
-    g.add_argument("--aio-depth", type=int, default=d.aio_depth,
+    g.add_argument("--threads", type=_positive, default=d.threads, help="flash reads in flight (default: %(default)s)")
+    g.add_argument("--aio-depth", type=_count, default=d.aio_depth,
                    help="Linux, direct I/O: serve the reads with native AIO, this many in flight per thread "
                         "(less CPU per read; 0: one blocking read per thread) (default: %(default)s)")
     g.add_argument("--gap-bytes", type=_gap_bytes, default=d.gap_bytes,
@@ -134,7 +143,7 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                    help="read layer l+1's weights while layer l computes (sparse: the neurons layer l+1's "
                         "predictor picks from layer l's residual stream; misses are read when l+1 runs) "
                         "(default: naive and hybrid only, where it measured faster)")
-    g.add_argument("--context", type=int, default=d.context,
+    g.add_argument("--context", type=_positive, default=d.context,
                    help="KV cache length (default: min(model, 4096))")
     g.add_argument("--quantize-resident", default=d.quantize_resident, choices=QUANTIZE_RESIDENT,
                    help="hold the attention, embedding and lm_head matrices quantized in DRAM (at load; torch CPU "
@@ -350,14 +359,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate text. Modes: dense (all weights resident), naive (every layer read "
                        "from flash per token), hybrid (part of each FFN resident), sparse (predicted neurons "
                        "streamed into a sliding-window cache).")
-    g.add_argument("model_dir", help="a model directory written by `flashllm convert`")
+    add_model_dir(g)
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="the prompt text; - reads it from stdin")
+    one_of = " (one of --prompt, --prompt-file, --batch-file is required)"
+    src.add_argument("--prompt", help="the prompt text; - reads it from stdin" + one_of)
     src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this file (verbatim, trailing "
-                     "newline included); - reads stdin")
+                     "newline included); - reads stdin" + one_of)
     src.add_argument("--batch-file", metavar="PATH", help="one prompt per line (blank lines skipped; - reads stdin): "
                      "decode them together, --batch-size at a time, each layer's weights read once per step for "
-                     "the whole batch (sparse: the union of their predicted neurons); --json prints `results`")
+                     "the whole batch (sparse: the union of their predicted neurons); --json prints `results`" + one_of)
     add_sampling_options(g)
     add_load_options(g)
     g.add_argument("--stats", action="store_true", help="print per-token stats to stderr (default: off)")
@@ -367,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="describe a model directory", description="Validate a model directory "
                        "(sizes; checksums of small files, or of all with --verify) and describe it.")
-    i.add_argument("model_dir", help="a model directory written by `flashllm convert`")
+    add_model_dir(i)
     i.add_argument("--verify", action="store_true", help="checksum every file (reads the whole model) "
                    "(default: off)")
     i.add_argument("--json", action="store_true", help="print one JSON object (default: off)")

@@ -21,7 +21,7 @@ def _log(quiet: bool):
 
 
 def add_parsers(sub) -> None:
-    from .cli import _budget
+    from .cli import _budget, add_model_dir
     from .options import DTYPES
     from .planner import CALIBRATE_TOKENS, MAX_DROPPED, SAMPLE_TOKENS
 
@@ -43,7 +43,7 @@ def add_parsers(sub) -> None:
                        "profile and the model's predictor statistics, print the chosen settings and the predicted "
                        "decode-token latency with its parts, and save the plan as plan.json in the model "
                        "directory (used by `--plan auto` on generate, serve and chat).")
-    q.add_argument("model_dir")
+    add_model_dir(q)
     q.add_argument("--dram-budget", type=_budget, required=True, metavar="BUDGET",
                    help="a fraction of the model (0.5 or 50%%), a size (6GiB, 700MiB) or bytes")
     q.add_argument("--dtypes", default=None, metavar="D1,D2",

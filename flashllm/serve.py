@@ -311,13 +311,13 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8080, log_level: st
 
 def add_parser(sub) -> None:
     """The `flashllm serve` subcommand."""
-    from .cli import add_load_options
+    from .cli import add_load_options, add_model_dir
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Load MODEL once and answer POST /v1/chat/completions, POST /v1/completions "
                        "(OpenAI-compatible, stream: true as server-sent events), GET /v1/models and GET /health. "
                        "One request decodes at a time; others wait in a bounded queue (503 when full).")
-    s.add_argument("model_dir")
+    add_model_dir(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback unless you open it up)")
     s.add_argument("--port", type=int, default=8080, help="TCP port")
     s.add_argument("--api-key", default=os.environ.get("FLASHLLM_API_KEY"),

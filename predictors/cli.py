@@ -56,14 +56,14 @@ def _dtypes(text: str) -> list[str]:
 
 def add_parsers(sub) -> None:
     """Add `train` and `eval` to the subparsers of `flashllm predictors`."""
-    from flashllm.cli import add_load_options
+    from flashllm.cli import add_load_options, add_model_dir
 
     from .train import DEFAULT_MAX_TOKENS, RANK_LADDER, TrainSettings
 
     d = TrainSettings()
     t = sub.add_parser("train", help="collect calibration data and train the predictors",
                        description=TRAIN_DESCRIPTION, epilog=_train_epilog())
-    t.add_argument("model_dir")
+    add_model_dir(t)
     t.add_argument("--data", required=True, help="calibration text file (UTF-8)")
     t.add_argument("--rank", type=int, default=None,
                    help=f"force this rank in every layer (default: by cost, from {list(RANK_LADDER)})")
@@ -85,14 +85,16 @@ def add_parsers(sub) -> None:
                        help="instead: in each layer the largest sparsity whose relative FFN output error is <= E")
     dense.add_argument("--activation-threshold", type=float, default=None, metavar="T",
                        help="instead: the same threshold T on |act(pre)| in every layer")
-    t.add_argument("--epochs", type=int, default=d.epochs)
-    t.add_argument("--batch-size", type=int, default=d.batch_size)
-    t.add_argument("--lr", type=float, default=d.lr)
+    t.add_argument("--epochs", type=int, default=d.epochs, help="training passes over each layer's samples (more on small calibration sets, for at least "
+                   "400 steps) (default: %(default)s)")
+    t.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per optimizer step (default: %(default)s)")
+    t.add_argument("--lr", type=float, default=d.lr, help="Adam's learning rate, decayed on a cosine (default: %(default)s)")
     t.add_argument("--seq-len", type=int, default=None, help="tokens per calibration sequence (default 256)")
     t.add_argument("--low-memory", action="store_true",
                    help="collect in naive mode: only one layer's weights in DRAM at a time (large models)")
     t.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="compute dtype of the calibration pass")
+                   help="compute dtype of the calibration pass (default: as flashllm.load: the storage dtype; "
+                   "float32 for float16 files on a CPU)")
     t.add_argument("--device", default="cpu", help="cpu or cuda (calibration pass and training)")
     t.add_argument("--workdir", default=None, help="directory for the temporary shards (default $FLASHLLM_TMPDIR "
                    "or the system temp dir)")
@@ -108,7 +110,7 @@ def add_parsers(sub) -> None:
 
     o = sub.add_parser("order", help="rewrite the model with neurons that are read together stored adjacently",
                        description=ORDER_DESCRIPTION)
-    o.add_argument("model_dir")
+    add_model_dir(o)
     o.add_argument("--data", required=True, help="calibration text file (UTF-8)")
     o.add_argument("--max-tokens", type=int, default=ORDER_TOKENS, help="calibration tokens at most")
     o.add_argument("--window", type=int, default=DEFAULT_WINDOW,
@@ -121,7 +123,8 @@ def add_parsers(sub) -> None:
     o.add_argument("--low-memory", action="store_true",
                    help="collect in naive mode: only one layer's weights in DRAM at a time (large models)")
     o.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="compute dtype of the calibration pass")
+                   help="compute dtype of the calibration pass (default: as flashllm.load: the storage dtype; "
+                   "float32 for float16 files on a CPU)")
     o.add_argument("--device", default="cpu", help="cpu or cuda")
     o.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     o.add_argument("--json", action="store_true", help="print the manifest's new neuron_order entry as JSON")
@@ -134,7 +137,7 @@ def add_parsers(sub) -> None:
                        "of what the FFN computed at that budget, neurons dropped, flash bytes and latency per token. "
                        "--sweep-budget evaluates several budgets (and --sweep-dtype several dtypes) and, with --out, "
                        "writes the quality-vs-memory table, JSON and plot.")
-    e.add_argument("model_dir")
+    add_model_dir(e)
     e.add_argument("--data", required=True, help="held-out text file (UTF-8)")
     e.add_argument("--max-tokens", type=int, default=2048, help="held-out tokens to score (default 2048)")
     e.add_argument("--gen-tokens", type=int, default=256, help="greedy tokens for the top-1 agreement (default 256)")

@@ -98,9 +98,17 @@ def read_data(data: str | Path, max_tokens: int | None) -> str:
     return read_text(data, None if max_tokens is None else max(4096, 16 * max_tokens))
 
 
+def sequence_length(seq_len: int | None) -> int:
+    """`seq_len` (--seq-len), or the default for None; at least 2 (a token and the one it predicts)."""
+    seq_len = DEFAULT_SEQ_LEN if seq_len is None else seq_len
+    if seq_len < 2:
+        raise FlashLLMError(f"--seq-len {seq_len}: must be at least 2")
+    return seq_len
+
+
 def chunk_text(model, text: str, seq_len: int | None, max_tokens: int | None, name: str = "data") -> list[list[int]]:
     """Tokenize and chunk text for `model` (sequences fit its KV cache); checks enough tokens came out."""
-    seq_len = min(seq_len or DEFAULT_SEQ_LEN, model.context)
+    seq_len = min(sequence_length(seq_len), model.context)
     chunks = token_chunks(model.tokenizer, text, seq_len, max_tokens)
     n = sum(map(len, chunks))
     if n < MIN_TOKENS:
@@ -310,7 +318,7 @@ def open_model(model_dir: str | Path, device: str = "cpu", dtype: str | None = N
     mask rows are read once more per layer)."""
     import flashllm
 
-    context = seq_len or DEFAULT_SEQ_LEN
+    context = sequence_length(seq_len)
     if low_memory:
         return flashllm.load(model_dir, device=device, mode="naive", dtype=dtype, threads=threads, context=context)
     return flashllm.load(model_dir, device=device, mode="dense", dtype=dtype, context=context)

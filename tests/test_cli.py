@@ -44,16 +44,22 @@ def all_parsers(parser):
                 yield from all_parsers(sub)
 
 
-def test_help_states_every_default_and_describes_own_options():
+def test_help_states_every_default_and_describes_every_argument():
+    """In every subcommand's --help: a line of help for each argument (MODEL_DIR included), the default of
+    each option, and "(required)" rather than "default: none" for a required one."""
     for parser in all_parsers(build_parser()):
         formatter = parser._get_formatter()
         for action in parser._actions:
+            where = (parser.prog, action.option_strings or action.dest)
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            assert action.help and not action.help.startswith("("), where  # says what it does, not only its default
             if not action.option_strings or action.default is argparse.SUPPRESS:
                 continue  # positionals, -h, --version
-            assert "default" in formatter._format_action(action), (parser.prog, action.option_strings)
-    generate = next(p for p in all_parsers(build_parser()) if p.prog.endswith(" generate"))
-    for action in generate._actions:
-        assert action.help, action.option_strings or action.dest  # every option says what it does
+            shown = " ".join(formatter._format_action(action).split())
+            one_of = any(g.required and action in g._group_actions for g in parser._mutually_exclusive_groups)
+            assert ("required" in shown and "default" not in shown) if action.required or one_of \
+                else "default" in shown, (where, shown)
 
 
 def test_version(capsys):
@@ -65,8 +71,10 @@ def test_version(capsys):
 
 @pytest.mark.parametrize("option,value", [("--max-new-tokens", "-1"), ("--temperature", "-0.5"),
                                           ("--temperature", "nan"), ("--top-p", "0"), ("--top-p", "1.5"),
-                                          ("--max-new-tokens", "ten")])
-def test_bad_sampling_options_are_one_line_errors(capsys, flash, option, value):
+                                          ("--max-new-tokens", "ten"), ("--window", "0"), ("--threads", "0"),
+                                          ("--context", "-5"), ("--aio-depth", "-1"), ("--hybrid-fraction", "2")])
+def test_bad_sampling_and_load_options_are_one_line_errors(capsys, flash, option, value):
+    """Each names the option as typed (not the Python field) and exits 2 before loading."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit:
         main(["generate", str(flash), "--prompt", PROMPT, option, value])

@@ -139,6 +139,15 @@ def test_bad_mode_and_device(flash):
             flashllm.load(flash, device="cuda")
 
 
+def test_mlx_backend_without_mlx_says_how_to_install(flash, monkeypatch):
+    """--backend mlx where MLX is not installed is a clear error, not a ModuleNotFoundError traceback."""
+    monkeypatch.delitem(sys.modules, "flashllm.backends.mlx_backend", raising=False)
+    monkeypatch.setitem(sys.modules, "mlx", None)  # import mlx.core now fails as if MLX were absent
+    monkeypatch.setitem(sys.modules, "mlx.core", None)
+    with pytest.raises(flashllm.FlashLLMError, match=r"MLX is not installed; install it with `pip install -e \"\.\[mlx\]\"`"):
+        flashllm.load(flash, backend="mlx")
+
+
 def test_console_script_exit_code(flash, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "flashllm.cli", "inspect", str(tmp_path / "nope")],
                           capture_output=True, text=True)

@@ -11,7 +11,7 @@ import flashllm
 from flashllm.cli import main as cli_main
 from flashllm.predictors import collect as col
 from flashllm.predictors import train as tr
-from tiny import TEXT, make_hf_model, save_checkpoint
+from tiny import TEXT, make_hf_model, save_checkpoint, write_random_predictors
 
 WORDS = TEXT.split()
 
@@ -160,6 +160,15 @@ def test_bad_data_file_is_a_one_line_error(tiny_models, tmp_path, capsys, proble
         code, out, err = run_cli(capsys, "predictors", command, tiny_models("opt").model_dir, "--data", path)
         assert code == 1 and out == ""
         assert err.startswith("flashllm: error: data file") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("command", ["train", "order", "eval"])
+def test_bad_sequence_length_is_a_one_line_error(tiny_models, texts, tmp_path, capsys, command):
+    """--seq-len 0 is refused before any work (it used to mean the default of 256)."""
+    model_dir = own_copy(tiny_models, "opt", tmp_path)
+    write_random_predictors(model_dir)  # eval needs some
+    code, out, err = run_cli(capsys, "predictors", command, model_dir, "--data", texts["train"], "--seq-len", 0)
+    assert code == 1 and out == "" and err == "flashllm: error: --seq-len 0: must be at least 2\n", err
 
 
 def test_invalid_model_dir_is_a_one_line_error(tmp_path, texts, capsys):

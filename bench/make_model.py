@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
@@ -119,24 +118,28 @@ class RandomWeights:
 
     def quantized_expert_bundles(self, layout, layer: int):
         """Stored bundles of quantized experts drawn directly as codes: uniform random codes, and per group
-        the float16 scale and minimum that N(0, 0.02²) rows of d_model values get (their mean over 64
-        sample rows). Quantizing 30B random floats would take this machine most of an hour; the bytes
-        read and computed per expert are the same."""
-        q, rows = layout.quant, len(layout.parts) * layout.d_ffn
-        pieces = q.part_layout(layout.d_model)
-        sample = q.quantize(self.stored("quant.sample", (64, layout.d_model)).astype(np.float32))
-        typical = {k: np.frombuffer(sample[:, o:o + n].tobytes(), np.float16).reshape(64, -1).astype(np.float32)
-                   .mean().astype(np.float16) for k, (o, n) in pieces.items() if k != "codes"}
-        template = np.zeros((rows, layout.row_bytes), dtype=np.uint8)
-        for k, value in typical.items():
-            o, n = pieces[k]
-            template[:, o:o + n] = np.full(n // 2, value, dtype=np.float16).view(np.uint8)
-        o, n = pieces["codes"]
+        the float16 scale and minimum that N(0, 0.02²) rows get (their mean over 64 sample rows).
+        Quantizing 30B random floats would take this machine most of an hour; the bytes read and
+        computed per expert are the same."""
+        q, template = layout.quant, np.zeros(layout.bundle_bytes, dtype=np.uint8)
+        codes = []  # per part: its rows' code bytes, as views of the template
+        for part in layout.parts:
+            rows, n = layout.part_shape(part)
+            pieces = q.part_layout(n)
+            sample = q.quantize(self.stored("quant.sample", (64, n)).astype(np.float32))
+            stored = template[layout.part_range(part)].reshape(rows, layout.row_bytes(part))
+            for k, (o, size) in pieces.items():
+                if k != "codes":
+                    typical = sample[:, o:o + size].copy().view(np.float16).astype(np.float32).mean()
+                    stored[:, o:o + size] = np.full(size // 2, typical, dtype=np.float16).view(np.uint8)
+            o, size = pieces["codes"]
+            codes.append(stored[:, o:o + size])
         for e in range(layout.n_experts):
             rng = np.random.default_rng(_seed(self.seed, f"layers.{layer}.experts.{e}"))
-            template[:, o:o + n] = rng.integers(0, 256, (rows, n), dtype=np.uint8)
+            for view in codes:
+                view[:] = rng.integers(0, 256, view.shape, dtype=np.uint8)
             bundle = np.zeros(layout.stride, dtype=np.uint8)
-            bundle[:layout.bundle_bytes] = template.reshape(-1)
+            bundle[:layout.bundle_bytes] = template
             yield bundle
 
     def ffn_rows(self, layer: int) -> dict[str, np.ndarray]:

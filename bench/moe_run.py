@@ -73,12 +73,15 @@ def routing_for(run: dict):
 
 def run_one(run: dict) -> dict:
     """One measured run in this process: load, prefill, decode; the stats that matter here."""
+    import torch
+
     import flashllm
 
+    torch.set_num_threads(run["torch_threads"])
     t0 = time.perf_counter()
     model = flashllm.load(run["model_dir"], mode="sparse", dram_budget=run["budget_bytes"], dtype=run["dtype"],
                           expert_policy=run["policy"], expert_prefetch=run["prefetch"], window=run["window"],
-                          threads=run["threads"], context=run["prompt"] + run["tokens"],
+                          threads=run["threads"], context=run["prompt"] + run["tokens"], kernels=run["kernels"],
                           expert_routing=routing_for(run))
     load_s = time.perf_counter() - t0
     ids = np.random.default_rng(run["seed"]).integers(3, model.spec.vocab_size, run["prompt"] + run["tokens"])
@@ -114,6 +117,7 @@ def markdown(report: dict) -> str:
              f"- routing: {report['routing']}",
              f"- tokens: {report['prompt']}-token prompt, then {report['tokens']} decode tokens averaged; "
              f"load average at start {report['load_average']:.1f}; OMP_WAIT_POLICY={report['omp_wait_policy']}; "
+             f"torch threads {report['torch_threads']}; "
              f"code {report['code']}", "",
              "| run | ms/token | tokens/s | GB read/token | io ms | mem ms | compute ms | expert hit rate | "
              "prefetch recall | prefetched/token (wasted) | peak cgroup GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -144,11 +148,18 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens", type=int, default=24, help="decode tokens averaged (default: %(default)s)")
     p.add_argument("--window", type=int, default=4, help="window of the lfu/window policies (default: %(default)s)")
     p.add_argument("--threads", type=int, default=32, help="flash reads in flight (default: %(default)s)")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch compute threads (default: %(default)s; on this loaded 2-core machine a second "
+                   "thread made an int4 expert 50x slower, bench/results/moe_expert_kernels.md)")
     p.add_argument("--policies", default="lru,lfu,window", help="expert-cache policies (default: %(default)s)")
     p.add_argument("--routing", default="model,uniform",
                    help="model: the model's own router; uniform: k experts drawn uniformly per token and layer, "
                    "the worst case for a cache; replay:TRACE.npz: a recorded trace (bench/moe_trace.py) "
                    "(default: %(default)s)")
+    p.add_argument("--kernels", default="tuned",
+                   help="comma list: tuned (int4 experts in torch's int4 kernel layout), plain (dequantized; the "
+                   "reference) (default: %(default)s)")
+    p.add_argument("--no-prefetch-run", action="store_true", help="skip the lru + prefetch run of each routing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cgroup", action="store_true", help="no memory group (the budget is then only accounting)")
     p.add_argument("--cgroup-slack", type=int, default=512, help="MiB above budget + baseline (default: %(default)s)")
@@ -202,13 +213,18 @@ def main(argv=None) -> dict:
                                 f"(measured) + {args.cgroup_slack} MiB slack")
         log(f"memory limit: {memory_limit}")
         base_run = dict(model_dir=str(model_dir), budget_bytes=budget_bytes, dtype=args.dtype, window=args.window,
-                        threads=args.threads, seed=args.seed, prompt=args.prompt, tokens=args.tokens)
+                        threads=args.threads, torch_threads=args.torch_threads, seed=args.seed, prompt=args.prompt,
+                        tokens=args.tokens)
         runs = []
-        for routing in args.routing.split(","):
-            name = routing.split(":", 1)[0]
-            runs += [dict(base_run, routing=routing, policy=pol, prefetch=False, label=f"{name}: {pol}")
-                     for pol in args.policies.split(",")]
-            runs.append(dict(base_run, routing=routing, policy="lru", prefetch=True, label=f"{name}: lru + prefetch"))
+        for kernels in args.kernels.split(","):
+            tag = "" if kernels == "tuned" else f" [{kernels} kernels]"
+            for routing in args.routing.split(","):
+                name = routing.split(":", 1)[0]
+                runs += [dict(base_run, routing=routing, policy=pol, prefetch=False, kernels=kernels,
+                              label=f"{name}: {pol}{tag}") for pol in args.policies.split(",")]
+                if not args.no_prefetch_run:
+                    runs.append(dict(base_run, routing=routing, policy="lru", prefetch=True, kernels=kernels,
+                                     label=f"{name}: lru + prefetch{tag}"))
         results = []
         for run in runs:
             tables.drop_page_cache(tables.model_files(model_dir))
@@ -232,7 +248,7 @@ def main(argv=None) -> dict:
                   "n_experts": spec.n_experts, "top_k": spec.top_k, "memory_limit": memory_limit,
                   "routing": "; ".join(routings[r.split(":", 1)[0]] for r in args.routing.split(",")),
                   "prompt": args.prompt, "tokens": args.tokens, "load_average": os.getloadavg()[0],
-                  "omp_wait_policy": OMP_WAIT_POLICY, "code": tables.code_version(),
+                  "omp_wait_policy": OMP_WAIT_POLICY, "torch_threads": args.torch_threads, "code": tables.code_version(),
                   "command": "python bench/moe_run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "runs": results}
     finally:

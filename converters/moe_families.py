@@ -121,12 +121,15 @@ MOE_FAMILIES = [
 
 
 def expert_bundles(layout: ExpertLayout, experts, dtype: str):
-    """Per expert (part -> [d_ffn, d_model] float values) its stored bundle: uint8 [stride], each part
-    group-wise quantized (layout.quant) or stored as `dtype`, zero padded to the stride."""
+    """Per expert (part -> [d_ffn, d_model] float values, down transposed) its stored bundle: uint8
+    [stride], each part stored as `dtype`, or group-wise quantized (layout.quant) in its
+    `layout.part_shape` (a quantized down projection as W_down), zero padded to the stride."""
     for parts in experts:
         bundle = np.zeros(layout.stride, dtype=np.uint8)
         for part in layout.parts:
             w = parts[part]
+            if layout.quant and layout.part_shape(part) != w.shape:
+                w = w.T
             raw = layout.quant.quantize(np.ascontiguousarray(w, dtype=np.float32)) if layout.quant else \
                 storage_bytes(w, dtype)
             bundle[layout.part_range(part)] = raw.reshape(-1)

@@ -1,9 +1,11 @@
 """The expert file of a mixture-of-experts model: one contiguous, 4096-aligned bundle per expert.
 
-An expert bundle holds the expert's gate rows, up rows and down columns as three [d_ffn, d_model]
-matrices back to back, so one read brings a whole expert into one cache slot. Quantized models
-store each of those d_ffn * 3 rows group-wise quantized along d_model (quant.py's part layout per
-row: codes, scales, mins). See docs/format.md.
+An expert bundle holds the expert's three matrices back to back, so one read brings a whole expert
+into one cache slot: gate and up rows [d_ffn, d_model], and the down projection, transposed
+([d_ffn, d_model]) in a float model or as it is ([d_model, d_ffn]) in a quantized one. Quantized
+parts are group-wise quantized along each row (quant.py's part layout per row: codes, scales, mins),
+so every part has its groups along its matmul's input dimension, the layout of weight-only int4
+kernels (torch's, MLX's quantized_matmul). See docs/format.md.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import FlashLLMError
 from .quant import QuantScheme
 from .spec import ArchSpec
 
@@ -33,18 +36,25 @@ class ExpertLayout:
     itemsize: int
     stride: int  # bytes from one expert bundle to the next (a multiple of 4096)
     layer_offsets: tuple[int, ...]
-    parts: tuple[str, ...] = ("gate", "up", "down")  # each [d_ffn, d_model]; down is W_down transposed
+    parts: tuple[str, ...] = ("gate", "up", "down")  # see part_shape
     bundled: bool = True
     quant: QuantScheme | None = None
 
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one stored row of d_model values (quantized: codes, scales and mins)."""
-        return self.quant.part_bytes(self.d_model) if self.quant else self.d_model * self.itemsize
+    def part_shape(self, part: str) -> tuple[int, int]:
+        """(rows, values per row) of one stored part: [d_ffn, d_model], except a quantized down
+        projection, stored as W_down [d_model, d_ffn] (groups along d_ffn, its input dimension)."""
+        return (self.d_model, self.d_ffn) if part == "down" and self.quant else (self.d_ffn, self.d_model)
+
+    def row_bytes(self, part: str) -> int:
+        """Bytes of one stored row of a part (quantized: codes, scales and mins)."""
+        n = self.part_shape(part)[1]
+        return self.quant.part_bytes(n) if self.quant else n * self.itemsize
 
     @property
     def part_bytes(self) -> int:
-        return self.d_ffn * self.row_bytes
+        """Bytes of one part; the same for every part (a quantized layout's group divides both dims)."""
+        rows, _ = self.part_shape(self.parts[0])
+        return rows * self.row_bytes(self.parts[0])
 
     @property
     def bundle_bytes(self) -> int:
@@ -68,11 +78,19 @@ class ExpertLayout:
         k = self.parts.index(part)
         return slice(k * self.part_bytes, (k + 1) * self.part_bytes)
 
+    def part_raw(self, raw: np.ndarray, part: str) -> np.ndarray:
+        """One stored part of a bundle (uint8, >= bundle_bytes) as [rows, row_bytes]."""
+        return raw[self.part_range(part)].reshape(self.part_shape(part)[0], self.row_bytes(part))
+
     def dequantize(self, raw: np.ndarray) -> np.ndarray:
-        """A quantized expert bundle (uint8, >= bundle_bytes) -> float32 values [parts * d_ffn * d_model]
-        (so `part_slice` indexes the result as it indexes an unquantized bundle's values)."""
-        rows = raw[:self.bundle_bytes].reshape(len(self.parts) * self.d_ffn, self.row_bytes)
-        return self.quant.dequantize(rows, self.d_model).reshape(-1)
+        """A quantized expert bundle (uint8, >= bundle_bytes) -> float32 values [parts * d_ffn * d_model],
+        every part [d_ffn, d_model] (down transposed back), so `part_slice` indexes the result as it
+        indexes an unquantized bundle's values."""
+        out = np.empty((len(self.parts), self.d_ffn, self.d_model), dtype=np.float32)
+        for k, part in enumerate(self.parts):
+            values = self.quant.dequantize(self.part_raw(raw, part), self.part_shape(part)[1])
+            out[k] = values.T if part == "down" else values
+        return out.reshape(-1)
 
     def segments(self, layer: int) -> list[tuple[int, int, int, int]]:
         """(file base, file stride, bytes per expert, offset in the memory row): one read per expert."""
@@ -80,6 +98,9 @@ class ExpertLayout:
 
     @classmethod
     def plan(cls, spec: ArchSpec, itemsize: int, quant: QuantScheme | None = None) -> "ExpertLayout":
+        if quant and spec.d_ffn % quant.group_size:
+            raise FlashLLMError(f"group size {quant.group_size}: does not divide the experts' d_ffn {spec.d_ffn} "
+                                "(quantized down projections are grouped along d_ffn)")
         probe = cls(spec.d_model, spec.d_ffn, spec.n_experts, itemsize, 0, (), quant=quant)
         stride = _round_up(probe.bundle_bytes, EXPERT_ALIGN)
         return cls(spec.d_model, spec.d_ffn, spec.n_experts, itemsize, stride,
@@ -91,9 +112,12 @@ class ExpertLayout:
                "layer_offsets": list(self.layer_offsets), "layer_bytes": self.layer_bytes,
                "layer_alignment": EXPERT_ALIGN, "bundled": True}
         if self.quant:
-            out.update(quantization=self.quant.to_dict(), row_bytes=self.row_bytes, part_bytes=self.part_bytes,
+            out.update(quantization=self.quant.to_dict(), part_bytes=self.part_bytes,
+                       part_shapes={p: list(self.part_shape(p)) for p in self.parts},
+                       row_bytes={p: self.row_bytes(p) for p in self.parts},
                        part_offsets={p: self.part_range(p).start for p in self.parts},
-                       row_layout={k: list(v) for k, v in self.quant.part_layout(self.d_model).items()})
+                       row_layout={p: {k: list(v) for k, v in self.quant.part_layout(self.part_shape(p)[1]).items()}
+                                   for p in self.parts})
         return out
 
 

@@ -5,9 +5,10 @@ by the DRAM budget: per token the router picks the top-k experts, the ones not c
 one I/O submission per layer into slots freed by the eviction policy. On the CPU in the storage
 dtype the slots are one preallocated buffer per layer that direct I/O fills in place; otherwise
 (quantized experts, MLX, CUDA, another compute dtype) experts pass through a staging buffer and are
-dequantized or converted into a preallocated per-layer slot array in the compute dtype. A layer may
-have fewer slots than top-k (a token's experts then pass through them in chunks). The result is
-exactly the dense one, whatever the budget (only bytes read change).
+inserted into preallocated per-layer slots: int4 experts repacked into the backend's int4 kernel
+layout where it has one (torch on the CPU), else dequantized or converted to the compute dtype. A
+layer may have fewer slots than top-k (a token's experts then pass through them in chunks). The
+result is exactly the dense one, whatever the budget (only bytes read change).
 
 `LoadOptions.expert_routing` replaces the router's choice (benchmarks replay recorded routing);
 the weights of the chosen experts still come from the router's own logits.
@@ -161,6 +162,28 @@ def expert_views(ctx: PlanContext, raw: np.ndarray) -> dict:
     return {p: ctx.backend.tensor(values[k]) for k, p in enumerate(ctx.layout.parts)}
 
 
+class ConvertedSlots:
+    """One layer's expert slots in the compute dtype, one preallocated array: a stored bundle is
+    dequantized or converted when it is inserted."""
+
+    def __init__(self, ctx: PlanContext, capacity: int):
+        lay, self.ctx = ctx.layout, ctx
+        self.array = ctx.backend.zeros((capacity, len(lay.parts), lay.d_ffn, lay.d_model))
+
+    def insert(self, slot: int, raw: np.ndarray) -> None:
+        self.array[slot] = self.ctx.backend.tensor(expert_values(self.ctx, raw))
+
+    def rows(self, slot: int) -> dict:
+        return {p: self.array[slot, k] for k, p in enumerate(self.ctx.layout.parts)}
+
+
+def expert_slots(ctx: PlanContext, capacity: int):
+    """A layer's `capacity` slots: in the backend's quantized kernel layout where it has one, else converted."""
+    if ctx.layout.quant and ctx.backend.expert_slot_bytes(ctx.layout):
+        return ctx.backend.expert_slots(ctx.layout, capacity)
+    return ConvertedSlots(ctx, capacity)
+
+
 class MoEPlan(Plan):
     """Shared by the MoE plans: routing, the shared expert and the weighted sum of expert outputs (in float32,
     so dense and streamed plans, which add the experts in different groups, agree)."""
@@ -197,11 +220,18 @@ class MoEDensePlan(MoEPlan):
         lay, E = self.lay, self.spec.n_experts
         reader = ctx.ffn_reader(threads=4, verify=False)
         self.experts = []
+        kernel = lay.quant and self.backend.expert_slot_bytes(lay)  # experts stay quantized, as when streamed
         try:
             for layer in range(self.spec.n_layers):
                 buf = self.backend.host_buffer((E, lay.stride))
                 reader.read(layer, np.arange(E), buf, np.arange(E))
-                self.experts.append([expert_views(ctx, buf[e]) for e in range(E)])
+                if kernel:
+                    slots = expert_slots(ctx, E)
+                    for e in range(E):
+                        slots.insert(e, buf[e])
+                    self.experts.append([slots.rows(e) for e in range(E)])
+                else:
+                    self.experts.append([expert_views(ctx, buf[e]) for e in range(E)])
         finally:
             reader.close()
         ctx.check_fits(ctx.charged(0, self.backend.nbytes() + self.device_bytes()), "all weights and the KV cache")
@@ -228,13 +258,15 @@ class MoESparsePlan(MoEPlan):
         self.prefetch = options.expert_prefetch
         self.pending: dict[int, tuple] = {}  # layer -> (predicted experts, experts read, PendingRead)
         # slots hold experts as stored (reads land in them: CPU in the storage dtype, or quantized experts
-        # when fewer than top-k dequantized ones would fit per layer, dequantized at each use), or
-        # converted/dequantized to the compute dtype on insert, through a staging buffer holding one
-        # token's experts (and, with prefetch, a second one for the next layer's guesses)
+        # without a kernel layout when fewer than top-k dequantized ones would fit per layer, dequantized
+        # at each use), or inserted through a staging buffer holding one token's experts (and, with
+        # prefetch, a second one for the next layer's guesses): repacked for the backend's int4 kernel,
+        # or converted/dequantized to the compute dtype
         self.in_place = B.reads_in_place()
-        converted = len(lay.parts) * lay.d_ffn * lay.d_model * B.itemsize
+        self.kernel = not self.in_place and lay.quant is not None and bool(B.expert_slot_bytes(lay))
+        converted = B.expert_slot_bytes(lay) if self.kernel else len(lay.parts) * lay.d_ffn * lay.d_model * B.itemsize
         staging_bytes = (2 if self.prefetch else 1) * s.top_k * lay.stride
-        self.as_stored = self.in_place or (lay.quant is not None and budget is not None and
+        self.as_stored = self.in_place or (lay.quant is not None and not self.kernel and budget is not None and
                                            budget - ctx.charged(staging_bytes, B.nbytes()) < s.n_layers * s.top_k * converted)
         self.staging = [] if self.as_stored else \
             [B.host_buffer((s.top_k, lay.stride)) for _ in range(2 if self.prefetch else 1)]
@@ -254,13 +286,14 @@ class MoESparsePlan(MoEPlan):
             if self.in_place:  # zero-copy views, made once
                 self.views = [[expert_views(ctx, r[i]) for i in range(capacity)] for r in self.raw]
         else:  # preallocated once; inserting an expert writes its slot
-            self.arrays = [B.zeros((capacity, len(lay.parts), lay.d_ffn, lay.d_model)) for _ in range(s.n_layers)]
+            self.slots = [expert_slots(ctx, capacity) for _ in range(s.n_layers)]
         self.reader = ctx.ffn_reader(verify=False)
 
     def describe(self) -> dict:
         return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind,
                 "expert_slots": "in place (as stored)" if self.in_place else
                 "quantized as stored (dequantized at each use)" if self.as_stored else
+                "int4 kernel layout (repacked on insert)" if self.kernel else
                 "dequantized on insert" if self.lay.quant else "converted on insert"}
 
     def reset(self) -> None:
@@ -276,13 +309,12 @@ class MoESparsePlan(MoEPlan):
             return self.views[layer][slot]
         if self.as_stored:
             return expert_views(self.ctx, self.raw[layer][slot])
-        a = self.arrays[layer]
-        return {p: a[slot, k] for k, p in enumerate(self.lay.parts)}
+        return self.slots[layer].rows(slot)
 
     def _insert(self, layer: int, raw: np.ndarray, slots: np.ndarray) -> None:
-        """Staged bundles raw[j] into `slots`: dequantized or converted to the compute dtype."""
+        """Staged bundles raw[j] into `slots` (repacked, dequantized or converted)."""
         for j, slot in enumerate(slots):
-            self.arrays[layer][int(slot)] = self.backend.tensor(expert_values(self.ctx, raw[j]))
+            self.slots[layer].insert(int(slot), raw[j])
 
     def _prefetch(self, layer: int, x, cost) -> None:
         """Start reading the experts layer `layer`'s router picks for `x` (the previous layer's FFN input):

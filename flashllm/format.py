@@ -260,6 +260,9 @@ def read_manifest(model_dir: str | Path, verify: bool | None = None) -> Manifest
         itemsize = STORAGE_DTYPES[data["dtype"]]
         layout = ExpertLayout.plan(spec, itemsize, quant) if spec.is_moe else \
             FFNLayout.plan(spec, itemsize, ffn.get("bundled", True), quant)
+        if spec.is_moe and quant and "part_shapes" not in ffn:
+            raise FlashLLMError(f"{mpath}: quantized experts in an older layout (down projections grouped "
+                                "along d_model); convert the model again")
         if layout.to_dict() != {k: ffn.get(k) for k in layout.to_dict()}:
             raise FlashLLMError(f"{mpath}: FFN layout in the manifest does not match the architecture spec")
         manifest = Manifest(root, data, spec, layout)

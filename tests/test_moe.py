@@ -126,23 +126,26 @@ def test_moe_quantized_expert_bundles_are_aligned_and_within_bounds(quantized_mo
     raw = np.fromfile(manifest.path("ffn"), dtype=np.uint8, count=lay.stride, offset=lay.layer_offsets[1] + 5 * lay.stride)
     values = expert_values(model, raw)
     gate, up = experts.gate_up_proj[5].detach().chunk(2, dim=0)
-    for k, want in enumerate((gate, up, experts.down_proj[5].detach().t())):
-        groups = want.float().numpy().reshape(spec.d_ffn, -1, 32)
+    # gate and up rows are grouped along d_model; the down projection W_down along d_ffn (its input)
+    for k, want in enumerate((gate, up, experts.down_proj[5].detach())):
+        got = np.asarray(values[k]).T if k == 2 else np.asarray(values[k])
+        groups = want.float().numpy().reshape(want.shape[0], -1, 32)
         step = ((groups.max(-1) - groups.min(-1)) / ((1 << q.bits) - 1))[..., None]
-        err = np.abs(np.asarray(values[k]).reshape(groups.shape) - groups)
+        err = np.abs(got.reshape(groups.shape) - groups)
         assert (err <= step / 2 * (1 + 1e-3) + 1e-7).all()
         assert err.max() > 0  # it is quantized
 
 
 def test_moe_quantized_streamed_equals_dense_and_transformers_on_the_dequantized_weights(quantized_moe):
     """Parity: the quantized model (dense, and streamed through 2 slots) computes what transformers computes
-    with every expert replaced by its dequantized weights; against the float weights int8 stays close."""
+    with every expert replaced by its dequantized weights; against the float weights int8 stays close.
+    (The plain kernels: dequantized experts; the int4 kernel slots are checked against them below.)"""
     import copy
 
     from flashllm.experts import expert_values
 
     tiny, out, name = quantized_moe
-    dense_model = flashllm.load(out, mode="dense")
+    dense_model = flashllm.load(out, mode="dense", kernels="plain")
     lay = dense_model.layout
     hf = copy.deepcopy(tiny.hf)
     with torch.no_grad():
@@ -156,8 +159,8 @@ def test_moe_quantized_streamed_equals_dense_and_transformers_on_the_dequantized
                 ex.down_proj[e] = down.t()
     dense = dense_model.logits(IDS, prefill=4)
     np.testing.assert_allclose(dense, hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
-    budget = _budget_for_slots(out, 2)
-    model = flashllm.load(out, mode="sparse", dram_budget=budget)
+    budget = _budget_for_slots(out, 2, kernels="plain")
+    model = flashllm.load(out, mode="sparse", dram_budget=budget, kernels="plain")
     assert not model.plan.in_place and model.plan.capacities == [2] * model.spec.n_layers
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
     stats = model.stats
@@ -170,18 +173,72 @@ def test_moe_quantized_streamed_equals_dense_and_transformers_on_the_dequantized
 
 def test_moe_quantized_slots_when_top_k_dequantized_experts_do_not_fit(quantized_moe):
     """Below top-k dequantized experts per layer the slots keep experts as stored (more of them) and
-    dequantize at each use; still exactly the dense result."""
+    dequantize at each use (no int4 kernel layout: the plain kernels); still exactly the dense result."""
     tiny, out, name = quantized_moe
-    dense = flashllm.load(out, mode="dense").logits(IDS, prefill=4)
-    probe = flashllm.load(out, mode="sparse")
+    dense = flashllm.load(out, mode="dense", kernels="plain").logits(IDS, prefill=4)
+    probe = flashllm.load(out, mode="sparse", kernels="plain")
     L, stride = probe.spec.n_layers, probe.layout.stride
     budget = probe.charged(0, probe.backend.nbytes()) + L * 3 * stride
     assert L * 3 * stride < L * probe.spec.top_k * probe.plan.slot_bytes  # 2 dequantized experts do not fit
-    model = flashllm.load(out, mode="sparse", dram_budget=budget)
+    model = flashllm.load(out, mode="sparse", dram_budget=budget, kernels="plain")
     assert model.plan.capacities == [3] * L and model.plan.slot_bytes == stride
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
     assert model.stats["expert_slots"] == "quantized as stored (dequantized at each use)"
     assert model.stats["dram_bytes"] <= budget and model.stats["expert_misses"] > 0
+
+
+def test_moe_int4_kernel_slots_equal_dense_and_stay_close_to_dequantized(quantized_moe):
+    """Int4 experts kept in torch's int4 kernel layout (repacked on insert): streamed through 2 slots
+    equals dense (both use the kernel), and both stay within bfloat16 rounding of the dequantized
+    experts (the plain kernels); int8 experts have no kernel layout and are dequantized."""
+    tiny, out, name = quantized_moe
+    plain = flashllm.load(out, mode="dense", kernels="plain").logits(IDS, prefill=4)
+    dense_model = flashllm.load(out, mode="dense")
+    dense = dense_model.logits(IDS, prefill=4)
+    kw = dict(expert_prefetch=name == "int4")  # prefetched experts are inserted from the second staging buffer
+    budget = _budget_for_slots(out, 2, **kw)
+    model = flashllm.load(out, mode="sparse", dram_budget=budget, **kw)
+    assert model.plan.capacities == [2] * model.spec.n_layers
+    np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
+    stats = model.stats
+    assert stats["expert_misses"] > 0 and stats["dram_bytes"] <= budget
+    if name == "int8":
+        assert stats["expert_slots"] == "dequantized on insert"
+        np.testing.assert_allclose(dense, plain, atol=1e-5, rtol=1e-5)
+        return
+    assert stats["expert_slots"] == "int4 kernel layout (repacked on insert)"
+    lay = model.layout
+    assert model.plan.slot_bytes <= lay.bundle_bytes * 1.01 < 3 * lay.d_ffn * lay.d_model * 4  # stays int4
+    rel = np.abs(dense - plain).max() / np.abs(plain).max()
+    assert 0 < rel < 0.05  # bfloat16 activations, scales and zeros; not the same numbers, close ones
+    assert (dense.argmax(-1) == plain.argmax(-1)).mean() >= 0.75
+
+
+def test_int4_kernel_packing_matches_torchs_converter():
+    """The nibble permutation that repacks int4 codes equals torch's own converter (or falls back to it)."""
+    from flashllm.backends.torch_quant import pack_int4
+
+    codes = torch.randint(0, 16, (192, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    want = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    stored = (codes[:, 0::2] | (codes[:, 1::2] << 4)).numpy()
+    for blocks in ([stored], [stored[:128], stored[128:]], [stored[:48], stored[48:]]):  # 48: not whole blocks
+        out = torch.zeros_like(want)
+        pack_int4(blocks, out)
+        assert torch.equal(out, want)
+    assert not torch.equal(want, torch.from_numpy(stored))  # a real permutation
+
+
+def test_quantized_experts_of_an_older_layout_are_refused(quantized_moe, tmp_path):
+    import shutil
+
+    _, out, _ = quantized_moe
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    data = json.loads((old / fmt.MANIFEST).read_text())
+    del data["ffn"]["part_shapes"]
+    (old / fmt.MANIFEST).write_text(json.dumps(data))
+    with pytest.raises(FlashLLMError, match="older layout .*convert the model again"):
+        fmt.read_manifest(old)
 
 
 def test_expert_layout_is_aligned_and_validated(tiny_models, tmp_path):

@@ -94,6 +94,16 @@ class Backend:
         """Whether flash reads can land in cache rows directly (host memory, compute dtype = storage)."""
         raise NotImplementedError
 
+    def expert_slot_bytes(self, layout) -> int | None:
+        """Bytes of one expert cache slot when the backend keeps quantized experts in a kernel's own
+        layout (`expert_slots`), or None (experts are dequantized)."""
+        return None
+
+    def expert_slots(self, layout, capacity: int):
+        """`capacity` preallocated slots in that layout: `insert(slot, raw bundle)`, `rows(slot)` (what
+        `ffn` takes), `nbytes()`."""
+        raise NotImplementedError
+
     def row_store(self, capacity: int, layout, biases: dict):
         """A neuron cache's rows: move(dst, src), fill(read, ids, rows, cost), views(n), nbytes()."""
         raise NotImplementedError

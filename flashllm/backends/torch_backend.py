@@ -12,7 +12,7 @@ from ..stats import untimed
 from ..spec import ArchSpec
 from .base import Backend, compute_threads, default_compute_dtype
 from .staging import StagingRing, bundle_values, host_array
-from .torch_quant import KVCache, QuantMatrix
+from .torch_quant import Int4ExpertSlots, KVCache, QuantMatrix
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -80,6 +80,14 @@ class TorchBackend(Backend):
 
     def reads_in_place(self) -> bool:
         return self.device.type == "cpu" and self.dtype == self.storage_dtype and not self.quantized_ffn
+
+    def expert_slot_bytes(self, layout) -> int | None:
+        """Int4 experts stay quantized in torch's CPU int4 kernel layout (tuned kernels on the CPU)."""
+        ok = self.tuned and self.device.type == "cpu" and Int4ExpertSlots.fits(layout)
+        return Int4ExpertSlots.slot_bytes(layout) if ok else None
+
+    def expert_slots(self, layout, capacity: int) -> Int4ExpertSlots:
+        return Int4ExpertSlots(capacity, layout, self.dtype)
 
     def staging(self, stride: int) -> StagingRing:
         """One staging ring shared by every cache of this backend (caches fill one after another)."""
@@ -264,8 +272,8 @@ class TorchBackend(Backend):
         t0, gated, packed = self._tic(), self.spec.gated_ffn, "down_t" in rows
         if gate_pre is not None:
             up, pre = F.linear(x, rows["up"], up_bias), gate_pre
-        elif packed:  # one up(+gate) product; down as a contiguous [d, n] matrix
-            z = F.linear(x, rows["up_gate"] if gated else rows["up"])
+        elif packed:  # one up(+gate) product; down as a contiguous [d, n] matrix (or int4 expert slots)
+            z = self.linear(x, rows["up_gate"] if gated else rows["up"], None)
             up, pre = z.chunk(2, dim=-1) if gated else (z, z)
             up = up if up_bias is None else up + up_bias
             pre = (pre if gate_bias is None else pre + gate_bias) if gated else up
@@ -277,7 +285,7 @@ class TorchBackend(Backend):
             a = a * (a.abs() > threshold)
         h = a * up if gated else a
         if packed:
-            return self._toc("ffn", t0, F.linear(h, rows["down_t"], down_bias))
+            return self._toc("ffn", t0, self.linear(h, rows["down_t"], down_bias))
         y = self._down(h, rows["down"])
         return self._toc("ffn", t0, y + down_bias if down_bias is not None else y)
 

@@ -12,6 +12,7 @@ with their own float32 scale and minimum (FlexGen's grouping), dequantized when 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -100,6 +101,16 @@ class QuantMatrix:
             codes = F.pad(codes, (0, 0, 0, min(step, rows - a) - m))  # the last block's padding rows
             self.codes[a:a + len(codes)] = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
 
+    @classmethod
+    def int4_packed(cls, codes: torch.Tensor, scales: torch.Tensor, group: int, shape: tuple[int, int],
+                    out_dtype: torch.dtype) -> "QuantMatrix":
+        """An int4 [out, in] matrix whose codes and [G, out, 2] scales are already in the kernel's layout
+        (e.g. views of an expert cache slot)."""
+        m = cls.__new__(cls)
+        m.bits, m.out_dtype, m.shape, m.row_codes = 4, out_dtype, tuple(shape), None
+        m.codes, m.scales, m.group = codes, scales, group
+        return m
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.row_codes) if t is not None)
@@ -161,3 +172,116 @@ class KVCache:
         c, s = codes[layer, lo:end], sm[layer, lo:end]
         g = c.reshape(*c.shape[:2], -1, self.group).float() * s[..., :1] + s[..., 1:]
         return g.reshape(c.shape).to(self.dtype)
+
+
+_PACK_BLOCK: list = []  # the int4 kernel's block of output rows on this CPU (0: pack with torch's converter)
+
+
+def _pack_block() -> int:
+    """The block of N that torch's CPU int4 layout interleaves ([N / B, K, B / 2] bytes, row n and row
+    n + B/2 of a block in one byte's low and high nibble), found by comparing with torch's own converter
+    on random codes; 0 when no block matches (then the converter packs)."""
+    if not _PACK_BLOCK:
+        codes = torch.randint(0, 16, (128, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        want = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        stored = (codes[:, 0::2] | (codes[:, 1::2] << 4)).numpy()
+        found = 0
+        for block in (64, 32, 16):
+            got = np.zeros((128, 32), dtype=np.uint8)
+            _pack_nibbles(stored, got, block)
+            if torch.equal(torch.from_numpy(got), want):
+                found = block
+                break
+        _PACK_BLOCK.append(found)
+    return _PACK_BLOCK[0]
+
+
+def _pack_nibbles(stored: np.ndarray, out: np.ndarray, block: int) -> None:
+    """Codes packed along K as stored (value 2j low nibble, 2j+1 high; uint8 [N, K / 2], rows may be
+    strided) -> `out` (uint8 [N, K / 2]) in the kernel's layout for a block of `block` rows."""
+    N, half = stored.shape
+    b = stored.reshape(N // block, 2, block // 2, half)
+    first, second = b[:, 0], b[:, 1]  # rows n and n + block/2 of each block: [blocks, block/2, K/2]
+    o = out.reshape(N // block, half, 2, block // 2)  # [blocks, K/2, even/odd k, block/2]
+    np.bitwise_or(first & 15, second << 4, out=o[:, :, 0, :].transpose(0, 2, 1))
+    np.bitwise_or(first >> 4, second & 0xF0, out=o[:, :, 1, :].transpose(0, 2, 1))
+
+
+def pack_int4(stored: list[np.ndarray], out: torch.Tensor) -> None:
+    """int4 codes packed along K as stored (uint8 [n_i, K / 2] blocks of rows, stacked along N) into
+    `out` (a contiguous uint8 [N, K / 2] tensor) in torch's CPU int4 kernel layout: a permutation of
+    nibbles where that layout is known (`_pack_block`) and each block of rows is whole blocks of it,
+    else through torch's converter."""
+    block = _pack_block()
+    if block and all(len(rows) % block == 0 for rows in stored):
+        dst, start = out.numpy(), 0
+        for rows in stored:
+            _pack_nibbles(rows, dst[start:start + len(rows)], block)
+            start += len(rows)
+        return
+    codes = np.concatenate([np.stack((rows & 15, rows >> 4), 2).reshape(len(rows), -1) for rows in stored])
+    out.copy_(torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes).to(torch.int32), 1))
+
+
+class Int4ExpertSlots:
+    """Preallocated expert cache slots that keep int4 experts quantized, in the layout of torch's CPU
+    weight-only int4 kernel: per slot the up and gate rows as one [2 d_ffn, d_model] matrix and the
+    down projection [d_model, d_ffn], each as packed codes plus [groups, rows, 2] bfloat16 (scale,
+    zero). A stored bundle (expert_format.py, groups along each part's input dimension) is repacked
+    once when it is inserted (a nibble permutation; scales to bfloat16, zero = min + 8 * scale);
+    each use is then two kernel calls with bfloat16 activations (`QuantMatrix.linear`), instead of
+    dequantizing 3 * d_ffn * d_model values. The bfloat16 rounding of scales, zeros and activations
+    is a quality cost, measured in bench/results (the "plain" kernels dequantize instead)."""
+
+    @staticmethod
+    def fits(layout) -> bool:
+        q = layout.quant
+        return q is not None and q.bits == 4 and q.group_size in INT4_GROUPS and layout.d_model % 16 == 0 \
+            and layout.d_ffn % 16 == 0  # the kernel's rows come in blocks of 16
+
+    @staticmethod
+    def slot_bytes(layout) -> int:
+        d, f, g = layout.d_model, layout.d_ffn, layout.quant.group_size
+        return 2 * f * d // 2 + d // g * 2 * f * 4 + d * f // 2 + f // g * d * 4
+
+    def __init__(self, capacity: int, layout, out_dtype: torch.dtype):
+        self.layout, self.out_dtype = layout, out_dtype
+        d, f, g = layout.d_model, layout.d_ffn, layout.quant.group_size
+        self.up_gate = torch.zeros((capacity, 2 * f, d // 2), dtype=torch.uint8)
+        self.up_gate_sz = torch.zeros((capacity, d // g, 2 * f, 2), dtype=KERNEL_DTYPE)
+        self.down = torch.zeros((capacity, d, f // 2), dtype=torch.uint8)
+        self.down_sz = torch.zeros((capacity, f // g, d, 2), dtype=KERNEL_DTYPE)
+        self.views = [{"up_gate": QuantMatrix.int4_packed(self.up_gate[i], self.up_gate_sz[i], g, (2 * f, d), out_dtype),
+                       "down_t": QuantMatrix.int4_packed(self.down[i], self.down_sz[i], g, (d, f), out_dtype)}
+                      for i in range(capacity)]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.up_gate, self.up_gate_sz, self.down, self.down_sz))
+
+    def rows(self, slot: int) -> dict:
+        """The slot's matrices as the packed FFN rows `TorchBackend.ffn` takes."""
+        return self.views[slot]
+
+    def _put(self, raw: np.ndarray, parts: tuple[str, ...], codes: torch.Tensor, sz: torch.Tensor) -> None:
+        """Stored parts (stacked along their rows) into a slot's codes [rows, K / 2] and (scale, zero)
+        [G, rows, 2]."""
+        lay, q = self.layout, self.layout.quant
+        stored = [lay.part_raw(raw, p) for p in parts]
+        pieces = q.part_layout(lay.part_shape(parts[0])[1])
+        (co, cn), (so, sn) = pieces["codes"], pieces["scales"]
+        pack_int4([rows[:, co:co + cn] for rows in stored], codes)
+        start = 0
+        for rows in stored:
+            scale = torch.from_numpy(rows[:, so:so + sn].copy().view(np.float16)).float()
+            if "mins" in pieces:  # w = q * s + m = (q - 8) * s + (m + 8 s)
+                mo, mn = pieces["mins"]
+                zero = torch.from_numpy(rows[:, mo:mo + mn].copy().view(np.float16)).float() + 8 * scale
+            else:  # symmetric codes are stored as q + 8: w = (c - 8) * s
+                zero = torch.zeros_like(scale)
+            sz[:, start:start + len(rows), 0], sz[:, start:start + len(rows), 1] = scale.t(), zero.t()
+            start += len(rows)
+
+    def insert(self, slot: int, raw: np.ndarray) -> None:
+        """One stored expert bundle (uint8, >= bundle_bytes) into `slot`."""
+        self._put(raw, ("up", "gate"), self.up_gate[slot], self.up_gate_sz[slot])
+        self._put(raw, ("down",), self.down[slot], self.down_sz[slot])

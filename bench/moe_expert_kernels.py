@@ -4,7 +4,7 @@ For one expert of a bench/make_model.py MoE shape (gate, up, down; int4 asymmetr
 in one process, interleaved rounds, median ms:
 - `dequantize at each use`: the slots hold the stored bundle; each use dequantizes it (numpy, as
   `expert_values`) and computes in the compute dtype (the path for quantized slots without a kernel);
-- `int4 kernel, use`: the slot holds torch's int4 kernel layout; a use is two weight-only kernel calls
+- `int4 kernel, use`: the slot holds torch's int4 kernel layout (the default for int4 on the CPU); a use is two weight-only kernel calls
   with bfloat16 activations (`Int4ExpertSlots`); `int4 kernel, insert`: the repack of a stored bundle;
 - `dequantized slot, use` / `insert`: the slot holds the dequantized expert in the compute dtype.
 Each at 1 and 2 torch threads (on a loaded 2-core machine the second thread can cost more than it gives).
@@ -69,16 +69,17 @@ def measure(shape: str, rounds: int, threads: tuple[int, ...], dtype: str) -> li
              "int4 kernel, insert": lambda: kernel.insert(0, bundle),
              "dequantized slot, use": lambda: backend.ffn(x, rows(slot[0]), None, None, None),
              "dequantized slot, insert": dequantize_insert}
-    times = {(n, k): [] for n in threads for k in cases}
+    wall, cpu = ({(n, k): [] for n in threads for k in cases} for _ in range(2))
     for _ in range(rounds):
         for n in threads:
             torch.set_num_threads(n)
             for k, f in cases.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 f()
-                times[n, k].append(1e3 * (time.perf_counter() - t0))
-    return [{"threads": n, "case": k, "median_ms": float(np.median(v)), "min_ms": float(np.min(v))}
-            for (n, k), v in times.items()]
+                wall[n, k].append(1e3 * (time.perf_counter() - t0))
+                cpu[n, k].append(1e3 * (time.process_time() - c0))
+    return [{"threads": n, "case": k, "median_ms": float(np.median(v)), "min_ms": float(np.min(v)),
+             "cpu_ms": float(np.median(cpu[n, k]))} for (n, k), v in wall.items()]
 
 
 def main(argv=None) -> list[dict]:
@@ -94,10 +95,11 @@ def main(argv=None) -> list[dict]:
     rows = measure(args.shape, args.rounds, threads, args.dtype)
     cases = list(dict.fromkeys(r["case"] for r in rows))
     lines = [f"One int4 expert of the `{args.shape}` shape; torch {torch.__version__}, compute {args.dtype}; "
-             f"median (min) ms over {args.rounds} interleaved rounds; load average {load:.1f} at start.", "",
+             f"wall ms median (min) / process CPU ms median over {args.rounds} interleaved rounds; load average "
+             f"{load:.1f} at start (wall time includes waiting for a core; CPU time is the work).", "",
              "| torch threads | " + " | ".join(cases) + " |", "|---" * (len(cases) + 1) + "|"]
     for n in threads:
-        cells = [f"{r['median_ms']:.2f} ({r['min_ms']:.2f})" for c in cases for r in rows
+        cells = [f"{r['median_ms']:.2f} ({r['min_ms']:.2f}) / {r['cpu_ms']:.2f}" for c in cases for r in rows
                  if r["threads"] == n and r["case"] == c]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"

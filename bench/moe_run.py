@@ -84,13 +84,25 @@ def run_one(run: dict) -> dict:
                           threads=run["threads"], context=run["prompt"] + run["tokens"], kernels=run["kernels"],
                           expert_routing=routing_for(run))
     load_s = time.perf_counter() - t0
-    ids = np.random.default_rng(run["seed"]).integers(3, model.spec.vocab_size, run["prompt"] + run["tokens"])
-    model.logits(ids.tolist(), prefill=run["prompt"])
+    from flashllm.stats import PartTimer
+
+    ids = np.random.default_rng(run["seed"]).integers(3, model.spec.vocab_size, run["prompt"] + run["tokens"]).tolist()
+    timer = PartTimer(model.backend.sync)
+    model._costs = []  # as model.logits(ids, prefill=prompt) does, with the compute parts timed on decode tokens
+    model.forward(ids[:run["prompt"]], 0)
+    model.backend.parts = timer
+    cpu0 = time.process_time()  # this process's CPU time: on a shared machine wall time also counts waiting for a core
+    for i, t in enumerate(ids[run["prompt"]:]):
+        model.forward([t], run["prompt"] + i)
+    cpu_ms = (time.process_time() - cpu0) * 1e3 / run["tokens"]
+    model.backend.parts = None
     st = model.stats
+    parts = {k: v / run["tokens"] for k, v in timer.ms.items()}
     keys = ("total_ms", "io_ms", "mem_ms", "compute_ms", "predictor_ms", "bytes_read", "reads", "expert_hits",
             "expert_misses", "expert_hit_rate", "prefetch_recall", "experts_prefetched", "prefetch_wasted",
             "dram_bytes", "cache_capacity", "tokens_per_s", "expert_slots")
-    return {**{k: st.get(k) for k in keys}, "prompt": st["prompt"], "load_s": load_s, "label": run["label"]}
+    return {**{k: st.get(k) for k in keys}, "prompt": st["prompt"], "load_s": load_s, "label": run["label"],
+            "parts_ms": parts, "cpu_ms": cpu_ms}
 
 
 def child(run: dict, group) -> dict:
@@ -119,17 +131,22 @@ def markdown(report: dict) -> str:
              f"load average at start {report['load_average']:.1f}; OMP_WAIT_POLICY={report['omp_wait_policy']}; "
              f"torch threads {report['torch_threads']}; "
              f"code {report['code']}", "",
-             "| run | ms/token | tokens/s | GB read/token | io ms | mem ms | compute ms | expert hit rate | "
-             "prefetch recall | prefetched/token (wasted) | peak cgroup GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| run | ms/token | CPU ms/token | tokens/s | GB read/token | io ms | mem ms | compute ms (experts, attention, head) | "
+             "expert hit rate | prefetch recall | prefetched/token (wasted) | peak cgroup GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} |  |  |  |  |  |  |  |  |  |")
+            lines.append(f"| {r['label']} | failed: {r['error']} |" + "  |" * 10)
             continue
         pre = "" if r.get("prefetch_recall") is None else f"{r['prefetch_recall']:.3f}"
         pf = "" if r.get("experts_prefetched") is None else f"{r['experts_prefetched']:.1f} ({r['prefetch_wasted']:.1f})"
         peak = (r.get("cgroup_usage") or {}).get("peak_bytes")
-        lines.append(f"| {r['label']} | {r['total_ms']:.0f} | {r['tokens_per_s']:.2f} | {r['bytes_read'] / GB:.3f} | "
-                     f"{r['io_ms']:.0f} | {r['mem_ms']:.0f} | {r['compute_ms']:.0f} | {r['expert_hit_rate']:.3f} | {pre} | {pf} | "
+        parts = r.get("parts_ms") or {}
+        split = f" ({parts['ffn']:.0f}, {parts['attn_proj'] + parts['attention']:.0f}, {parts['logits']:.0f})" if parts else ""
+        cpu = "" if r.get("cpu_ms") is None else f"{r['cpu_ms']:.0f}"
+        lines.append(f"| {r['label']} | {r['total_ms']:.0f} | {cpu} | {r['tokens_per_s']:.2f} | {r['bytes_read'] / GB:.3f} | "
+                     f"{r['io_ms']:.0f} | {r['mem_ms']:.0f} | {r['compute_ms']:.0f}{split} | {r['expert_hit_rate']:.3f} | "
+                     f"{pre} | {pf} | "
                      f"{'' if peak is None else f'{peak / GB:.2f}'} |")
     return "\n".join(lines) + "\n"
 

@@ -1,6 +1,6 @@
 """Where an int4 expert's time goes on the CPU: per use and per insert, each way the runtime can hold it.
 
-For one expert of a bench/make_model.py MoE shape (gate, up, down; int4 asymmetric, groups of 64),
+For one expert of a bench/make_model.py MoE shape (gate, up, down; int4 asymmetric, groups of --group),
 in one process, interleaved rounds, median ms:
 - `dequantize at each use`: the slots hold the stored bundle; each use dequantizes it (numpy, as
   `expert_values`) and computes in the compute dtype (the path for quantized slots without a kernel);
@@ -40,12 +40,12 @@ def expert_bundle(layout: ExpertLayout, seed: int) -> np.ndarray:
     return bundle
 
 
-def measure(shape: str, rounds: int, threads: tuple[int, ...], dtype: str) -> list[dict]:
+def measure(shape: str, rounds: int, threads: tuple[int, ...], dtype: str, group: int = 64) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import make_model
 
     spec = make_model.spec_for(shape)
-    layout = ExpertLayout.plan(spec, 2, QuantScheme.named("int4", 64))
+    layout = ExpertLayout.plan(spec, 2, QuantScheme.named("int4", group))
     backend = TorchBackend(spec, "cpu", dtype, "float16", context=4, quantized_ffn=True)
     bundle = expert_bundle(layout, 0)
     kernel = Int4ExpertSlots(1, layout, backend.dtype)
@@ -88,11 +88,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default: %(default)s)")
     p.add_argument("--threads", default="1,2", help="torch thread counts (default: %(default)s)")
     p.add_argument("--dtype", default="float16", help="compute dtype (default: %(default)s)")
+    p.add_argument("--group", type=int, default=64, help="int4 group size (default: %(default)s)")
     p.add_argument("--out", help="also write the markdown table here")
     args = p.parse_args(argv)
     threads = tuple(int(t) for t in args.threads.split(","))
     load = os.getloadavg()[0]
-    rows = measure(args.shape, args.rounds, threads, args.dtype)
+    rows = measure(args.shape, args.rounds, threads, args.dtype, args.group)
     cases = list(dict.fromkeys(r["case"] for r in rows))
     lines = [f"One int4 expert of the `{args.shape}` shape; torch {torch.__version__}, compute {args.dtype}; "
              f"wall ms median (min) / process CPU ms median over {args.rounds} interleaved rounds; load average "

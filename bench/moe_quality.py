@@ -46,7 +46,8 @@ ROWS = [  # label, convert dtype, quantize, load options (the float32 reference 
 ]
 
 
-def measure(model_dir: Path, chunks, prompt, gen, opts: dict, budget_bytes: int | None, budget_tokens: int) -> dict:
+def measure(model_dir: Path, chunks, prompt, gen, opts: dict, budget_bytes: int | None, budget_tokens: int,
+            context: int = 256) -> dict:
     dense = flashllm.load(model_dir, **opts)
     losses = np.concatenate([nll(dense.logits(c)[:-1], c[1:]) for c in chunks])
     follow = np.argmax(dense.logits(prompt + gen[:-1])[len(prompt) - 1:], axis=1) == np.array(gen)
@@ -54,7 +55,7 @@ def measure(model_dir: Path, chunks, prompt, gen, opts: dict, budget_bytes: int 
            "scored_tokens": int(len(losses)), "experts_file_bytes": (model_dir / "experts.bin").stat().st_size}
     if budget_bytes is None:
         return out
-    at = flashllm.load(model_dir, mode="sparse", dram_budget=budget_bytes, expert_prefetch=True, **opts)
+    at = flashllm.load(model_dir, mode="sparse", dram_budget=budget_bytes, expert_prefetch=True, context=context, **opts)
     scored, diff, n = [], 0.0, 0
     for c in chunks:
         if n >= budget_tokens:
@@ -81,6 +82,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--budget", type=float, default=0.5,
                     help="DRAM budget, fraction of the float16 model (default: %(default)s, the demo's)")
     ap.add_argument("--budget-tokens", type=int, default=256, help="tokens decoded at --budget (default: %(default)s)")
+    ap.add_argument("--context", type=int, default=256, help="KV cache length at --budget (default: %(default)s, "
+                    "the demo's)")
     ap.add_argument("--out", type=Path, help="write the markdown table here (and JSON beside it)")
     args = ap.parse_args(argv)
 
@@ -106,7 +109,7 @@ def main(argv=None) -> dict:
             print(f"{label} ...", file=sys.stderr, flush=True)
             budget = None if dtype == "float32" else budget_bytes
             results.append({"label": label, **measure(dirs[dtype, quant], chunks, prompt, gen, opts, budget,
-                                                      args.budget_tokens)})
+                                                      args.budget_tokens, args.context)})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     base, budgeted = results[0], results[1]
@@ -114,7 +117,8 @@ def main(argv=None) -> dict:
              f"Command: `python bench/moe_quality.py {' '.join(argv if argv is not None else sys.argv[1:])}`", "",
              f"Held-out: {base['scored_tokens']} tokens of {args.data} in sequences of {args.seq_len}; greedy agreement "
              f"over {len(gen)} tokens after a {len(prompt)}-token prompt; budget {args.budget:.0%} of the float16 "
-             f"model = {budget_bytes / 2**20:.2f} MiB, sparse mode with router prefetch, float16 compute, "
+             f"model = {budget_bytes / 2**20:.2f} MiB, sparse mode with router prefetch, float16 compute, context "
+             f"{args.context}, "
              f"{budgeted['budget_tokens']} tokens decoded one by one; groups of {args.group}.", "",
              "| experts | experts.bin MiB | ppl | ppl vs float32 | greedy agreement | slots per layer at budget | "
              "expert slots | ppl at budget | max logit diff, budget vs dense |", "|---|---|---|---|---|---|---|---|---|"]

@@ -103,6 +103,31 @@ def test_moe_run_reports_each_policy_and_removes_its_model(tmp_path):
     assert not (tmp_path / "tiny-moe").exists()
 
 
+def test_moe_expert_kernels_times_each_way_to_hold_an_int4_expert():
+    rows = bench("moe_expert_kernels").main(["--shape", "tiny-moe", "--group", "32", "--rounds", "2", "--threads", "1"])
+    assert {r["case"] for r in rows} == {"dequantize at each use", "int4 kernel, use", "int4 kernel, insert",
+                                         "dequantized slot, use", "dequantized slot, insert"}
+    assert all(r["median_ms"] >= r["min_ms"] > 0 and r["cpu_ms"] > 0 for r in rows)
+
+
+def test_moe_quality_bench_compares_quantized_experts_with_float32(tiny_models, tmp_path):
+    from tiny import TEXT
+
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(np.random.default_rng(0).choice(TEXT.split(), 400)) + "\n")
+    out = bench("moe_quality").main(["--model", str(tiny_models("qwen3_moe").ckpt), "--data", str(text), "--group", "32",
+                                     "--max-tokens", "96", "--seq-len", "32", "--gen-tokens", "8", "--prompt-tokens", "8",
+                                     "--budget-tokens", "16", "--context", "64", "--budget", "1.5",
+                                     "--out", str(tmp_path / "q.md")])
+    rows = out["rows"]
+    assert rows[0]["label"] == "float32" and rows[0]["top1_agreement"] == 1.0 and "slots" not in rows[0]
+    for r in rows[1:]:
+        assert r["budget_max_logit_diff"] < 1e-3 and r["slots"] >= 1  # streamed = dense at the budget
+    assert rows[3]["expert_slots"] == "int4 kernel layout (repacked on insert)"
+    assert rows[4]["expert_slots"] != rows[3]["expert_slots"]
+    assert "| float32 |" in (tmp_path / "q.md").read_text()
+
+
 def test_silu_sparsity_bench_runs_and_writes_its_table(tiny_models, tmp_path, capsys):
     from tiny import TEXT
 

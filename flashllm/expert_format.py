@@ -39,6 +39,7 @@ class ExpertLayout:
     parts: tuple[str, ...] = ("gate", "up", "down")  # see part_shape
     bundled: bool = True
     quant: QuantScheme | None = None
+    file_parts: tuple[str, ...] | None = None  # as FFNLayout's: an expert is always read whole
 
     def part_shape(self, part: str) -> tuple[int, int]:
         """(rows, values per row) of one stored part: [d_ffn, d_model], except a quantized down

@@ -1,9 +1,10 @@
-"""Linux native AIO (io_submit/io_getevents) through ctypes: many direct reads per GIL release.
+"""Linux native AIO (io_submit/io_getevents) through ctypes: many direct reads per syscall, no threads.
 
-A flash reader thread that calls ``os.preadv`` once per 16 KiB bundle spends most of its time
-handing the GIL back and forth; with AIO a thread submits a batch of reads in one syscall and
-reaps them in another, with the request records built by numpy. Only used for O_DIRECT reads
-(buffered AIO is synchronous) on little-endian Linux; ``AioContext.open`` returns None elsewhere.
+Reader threads that call ``os.preadv`` once per bundle spend their time handing the GIL back and
+forth and, on a loaded machine, waiting to be scheduled: every call wakes several of them. With AIO
+the calling thread submits a call's reads in one syscall and, when it waits, reaps them in another
+(``AioQueue``), with the request records built by numpy. Only used for O_DIRECT reads (buffered AIO
+is synchronous) on little-endian Linux; ``AioContext.open`` returns None elsewhere.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import errno
 import os
 import platform
 import sys
+import threading
+import time
+from collections import deque
 
 import numpy as np
 
@@ -61,7 +65,7 @@ def gathered_iocbs(iocbs: np.ndarray, which: np.ndarray, iovecs: np.ndarray, fir
 
 
 class AioContext:
-    """One kernel AIO context with room for ``depth`` reads in flight (one per reader thread)."""
+    """One kernel AIO context with room for ``depth`` reads in flight."""
 
     def __init__(self, ctx: int, depth: int):
         self.ctx, self.depth = ctx, depth
@@ -83,9 +87,12 @@ class AioContext:
             _LIBC.syscall(_DESTROY, ctypes.c_ulong(self.ctx))
             self.ctx = 0
 
-    def submit(self, iocbs: np.ndarray) -> None:
-        """Queue all of ``iocbs`` (a contiguous slice of an iocb array); raises OSError if the kernel refuses."""
+    def submit(self, iocbs: np.ndarray) -> int:
+        """Queue ``iocbs`` (a contiguous slice of an iocb array); returns how many the kernel took (all, or
+        those before it refused); raises OSError if it took none."""
         n = len(iocbs)
+        if len(self._ptrs) < n:
+            self._ptrs = np.zeros(n, dtype=np.uint64)
         ptrs = self._ptrs[:n]
         ptrs[:] = iocbs.ctypes.data + np.arange(n, dtype=np.uint64) * IOCB.itemsize
         done = 0
@@ -94,10 +101,13 @@ class AioContext:
                                 ctypes.c_void_p(ptrs.ctypes.data + 8 * done))
             if got < 0:
                 err = ctypes.get_errno()
-                if err != errno.EINTR:
-                    raise OSError(err, os.strerror(err))
-                continue
+                if err == errno.EINTR:
+                    continue
+                if done:
+                    return done
+                raise OSError(err, os.strerror(err))
             done += got
+        return done
 
     def reap(self, min_nr: int, max_nr: int) -> np.ndarray:
         """Wait until at least ``min_nr`` submitted reads are done; their io_events (at most ``max_nr``)."""
@@ -109,3 +119,106 @@ class AioContext:
             err = ctypes.get_errno()
             if err != errno.EINTR:
                 raise OSError(err, os.strerror(err))  # cannot happen with a valid context
+
+
+class AioJob:
+    """The reads of one engine call in an AioQueue: iocbs[:submitted] went to the kernel, `done` came back."""
+
+    def __init__(self, iocbs: np.ndarray, want: np.ndarray, finish, describe, keep):
+        self.iocbs, self.want, self.finish, self.describe, self.keep = iocbs, want, finish, describe, keep
+        self.submitted = self.done = self.nbytes = 0
+        self.error: BaseException | None = None
+
+    @property
+    def over(self) -> bool:
+        """Every read submitted came back, and none is left to submit (or an error stopped submitting)."""
+        return self.done == self.submitted and (self.error is not None or self.submitted == len(self.iocbs))
+
+
+class AioQueue:
+    """One AIO context shared by a reader's calls and driven by whoever waits: `add` submits a call's
+    reads (as many as fit in ``depth``), `progress` reaps completions, credits them to their calls
+    (``data`` = call id << 32 | read index), tops up the kernel queue and finishes the calls that are
+    over. A failed call stops submitting but reaps what it has in flight before it finishes, so no read
+    lands in a buffer its caller already gave up."""
+
+    SPIN_S = 0.002  # a waiter polls this long before it sleeps (waking a sleeper may take ms on a busy machine)
+
+    def __init__(self, ctx: AioContext):
+        self.ctx = ctx
+        self.lock = threading.Lock()
+        self.jobs: dict[int, AioJob] = {}
+        self.waiting: deque = deque()  # ids of jobs with reads left to submit, oldest first
+        self.inflight, self._next = 0, 0
+
+    def add(self, job: AioJob) -> None:
+        with self.lock:
+            jid, self._next = self._next, (self._next + 1) & 0xFFFFFFFF
+            job.iocbs["data"] = (np.uint64(jid) << np.uint64(32)) | np.arange(len(job.iocbs), dtype=np.uint64)
+            self.jobs[jid] = job
+            self.waiting.append(jid)
+            self._top_up()
+
+    def progress(self, block: bool = True) -> None:
+        """Reap what has completed (with `block`, at least one read, if any is in flight) and top up."""
+        with self.lock:
+            if self.inflight:
+                try:
+                    events = self._reap(block)
+                except OSError as e:  # the context itself failed: fail every call that has reads in flight
+                    for job in self.jobs.values():
+                        job.error = job.error or e
+                        job.done = job.submitted
+                    self.inflight = 0
+                    events = self.ctx.events[:0]
+                self.inflight -= len(events)
+                self._credit(events)
+            self._top_up()
+
+    def _reap(self, block: bool) -> np.ndarray:
+        """Completed reads: polled for up to SPIN_S, then (with `block`) waited for."""
+        deadline = time.perf_counter() + (self.SPIN_S if block else 0.0)
+        while True:
+            events = self.ctx.reap(0, self.inflight)
+            if len(events) or time.perf_counter() >= deadline:
+                break
+        return events if len(events) or not block else self.ctx.reap(1, self.inflight)
+
+    def _credit(self, events: np.ndarray) -> None:
+        ids = (events["data"] >> np.uint64(32)).astype(np.int64)
+        index = (events["data"] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        for jid in np.unique(ids).tolist():
+            job, mine = self.jobs[jid], ids == jid
+            res, k = events["res"][mine], index[mine]
+            job.done += len(res)
+            bad = np.flatnonzero(res != job.want[k])
+            if len(bad) and job.error is None:
+                job.error = job.describe(int(k[bad[0]]), int(res[bad[0]]))
+            job.nbytes += int(res[res > 0].sum())
+
+    def _top_up(self) -> None:
+        """Submit waiting reads while there is room; finish the jobs that are over."""
+        while self.waiting and self.inflight < self.ctx.depth:
+            jid = self.waiting[0]
+            job = self.jobs[jid]
+            n = min(len(job.iocbs) - job.submitted, self.ctx.depth - self.inflight)
+            if job.error is None and n > 0:
+                batch = job.iocbs[job.submitted:job.submitted + n]
+                try:
+                    got = self.ctx.submit(batch)
+                    job.submitted += got
+                    self.inflight += got
+                except OSError as e:  # refused (e.g. EAGAIN): the call fails once its reads in flight are back
+                    job.error = job.describe(job.submitted, None, e)
+            if job.error is not None or job.submitted == len(job.iocbs):
+                self.waiting.popleft()
+        for jid in [j for j, job in self.jobs.items() if job.over]:
+            job = self.jobs.pop(jid)
+            job.finish(job.nbytes, job.done, job.error)
+            job.keep = None
+
+    def close(self) -> None:
+        with self.lock:
+            while self.inflight:  # never free buffers the kernel still writes into
+                self.inflight -= len(self.ctx.reap(1, self.inflight))
+            self.ctx.close()

@@ -118,6 +118,10 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                    help="on a GPU: device memory for weights, KV and caches, same forms (default: unlimited)")
     g.add_argument("--window", type=_positive, default=d.window,
                    help="sparse mode: keep neurons active in the last K tokens (default: %(default)s)")
+    g.add_argument("--pin-hot", action=argparse.BooleanOptionalAction, default=d.pin_hot,
+                   help="sparse mode: keep each layer's most frequently active neurons cached for good, as many as "
+                   "its cache holds beside the window's expected need (needs the activation frequencies "
+                   "`predictors train` saves) (default: %(default)s)")
     g.add_argument("--on-overflow", default=d.on_overflow, choices=ON_OVERFLOW,
                    help="sparse mode, when a token's predicted neurons exceed a layer's cache: drop the "
                    "lowest-scored ones (warned once on stderr) or stop with an error (default: %(default)s)")

@@ -6,10 +6,10 @@ from one shared iterator so that none idles while reads are left. Rows adjacent 
 one read even when their destinations are not (a vectored read), and with ``gap_bytes`` so do rows
 separated by at most that many bytes: the gap is read into a junk buffer, because one read through
 it costs less than a second read (disk_profile.py measures where that holds). With ``aio_depth > 0`` aligned
-direct reads go through Linux native AIO instead (aio.py): ``threads`` reads kept in flight by
-ceil(threads / aio_depth) threads. That costs half the CPU or less, but on a loaded 2-core machine
-it measured 5-15% below the preadv threads at 16-32 KiB (bench/results/io_throughput.md), so it
-is opt-in. ``read_*`` wait for the reads;
+direct reads go through Linux native AIO instead (aio.py): the calling thread submits a call's reads
+in one syscall, ``aio_depth`` in flight, and reaps them when it waits; no thread is woken, which on
+a loaded machine is most of what a small call costs (bench/results/io_pipeline.md). Unaligned
+reads still go to the threads. ``read_*`` wait for the reads;
 ``submit_*`` return a handle to wait on later, so that I/O overlaps compute or the next call.
 One Python task per read is measurably slower (bench/io_throughput.py --per-read-tasks).
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashllm.aio import IOVEC, AioContext, gathered_iocbs, make_iocbs
+from flashllm.aio import IOVEC, AioContext, AioJob, AioQueue, gathered_iocbs, make_iocbs
 from flashllm.read_plan import Reads, split
 from flashllm.errors import FlashLLMError
 
@@ -92,8 +92,14 @@ def dio_alignment(path: str) -> tuple[int, int]:
 class PendingRead:
     """A submitted call: ``wait()`` blocks until all its reads are done, then returns IOStats or raises."""
 
-    def __init__(self, path: str, pending: int, requested: int, t0: float, fadvise=None):
+    def __init__(self, path: str, pending: int, requested: int, t0: float, fadvise=None, driver=None,
+                 total: int | None = None, helper=None):
+        """`pending`: workers serving the call; `total`: its reads (it is over when all are counted, without
+        waiting for workers woken too late to find any left); `helper`: does reads of the call in the
+        waiting thread, which is running already (a woken worker may wait long for a core on a loaded
+        machine); `driver`: an AioQueue whose `progress` the waiting thread calls (AIO reads)."""
         self.path, self.pending, self._requested, self._t0, self._fadvise = path, pending, requested, t0, fadvise
+        self._driver, self._total, self._helper = driver, total, helper
         self._t1 = t0  # when the last read finished
         self.lock, self.event = threading.Lock(), threading.Event()
         self.bytes_read = self.reads = 0
@@ -102,29 +108,37 @@ class PendingRead:
         if pending == 0:
             self.event.set()
 
-    def finish(self, nbytes: int, nreads: int, error: BaseException | None) -> None:
-        """Called by each worker once it has no more reads of this call."""
+    def finish(self, nbytes: int, nreads: int, error: BaseException | None, worker: bool = True) -> None:
+        """Called by each worker once it has no more reads of this call (and by the helper, `worker` False)."""
         with self.lock:
             self.bytes_read += nbytes
             self.reads += nreads
             if error is not None and self.error is None:
                 self.error = error
-            self.pending -= 1
-            if self.pending:
+            self.pending -= worker
+            all_read = self.error is None and self._total is not None and self.reads >= self._total
+            if self.event.is_set() or (self.pending and not all_read):
                 return
             self._t1 = time.perf_counter()
+            self.event.set()
         if self._fadvise is not None:  # buffered fallback: drop what this call read from the page cache
             try:
                 os.posix_fadvise(*self._fadvise, os.POSIX_FADV_DONTNEED)
             except OSError:
                 pass  # only a hint
-        self.event.set()
 
     def done(self) -> bool:
+        if self._driver is not None and not self.event.is_set():
+            self._driver.progress(block=False)
         return self.event.is_set()
 
     def wait(self) -> IOStats:
         """Wait for the reads; raise the first error (a failed call must not be treated as loaded)."""
+        while self._driver is not None and not self.event.is_set():
+            self._driver.progress()
+        if self._helper is not None and not self.event.is_set():
+            self._helper()
+        self._helper = None
         self.event.wait()
         if self.error is not None:
             raise self.error
@@ -133,19 +147,17 @@ class PendingRead:
         return self._stats
 
 
-def _worker(fd: int, jobs: queue.SimpleQueue, bounce: memoryview, align: int, aio: AioContext | None) -> None:
+def _worker(fd: int, jobs: queue.SimpleQueue, bounce: memoryview, align: int) -> None:
     """Serve jobs until the ``None`` sentinel (holding no reference to a job's buffer in between)."""
-    while _serve(fd, bounce, align, aio, jobs.get()):
+    while _serve(fd, bounce, align, jobs.get()):
         pass
 
 
-def _serve(fd: int, bounce: memoryview, align: int, aio: AioContext | None, job) -> bool:
-    """Do the reads of one job; errors go back to the caller through ``PendingRead``. False on the sentinel."""
+def _serve(fd: int, bounce: memoryview, align: int, job, worker: bool = True) -> bool:
+    """Do the reads of one job (a worker's, or the waiting thread's help with ``worker`` False); errors go
+    back to the caller through ``PendingRead``. False on the sentinel."""
     if job is None:
         return False
-    if isinstance(job[1], np.ndarray):
-        _serve_aio(aio, *job[:5])  # job[5]: the destination (and iovecs), held until the reads are reaped
-        return True
     call, dest, reads, junk = job
     nbytes = nreads = off = n = 0
     error = None
@@ -175,72 +187,22 @@ def _serve(fd: int, bounce: memoryview, align: int, aio: AioContext | None, job)
         error.__cause__ = e
     except BaseException as e:  # FlashIOError (short read) or a bug: re-raised in the caller
         error = e
-    call.finish(nbytes, nreads, error)
+    call.finish(nbytes, nreads, error, worker)
     return True
-
-
-def _serve_aio(aio: AioContext, call: "PendingRead", iocbs: np.ndarray, want_bytes: np.ndarray, groups,
-               group: int) -> None:
-    """Keep up to ``aio.depth`` reads in flight, topping up from the shared ``groups`` as reads complete.
-
-    Every submitted read is reaped before returning, even after an error, so that no read still
-    writes into the destination once the caller has been told the call is over.
-    """
-    nbytes = nreads = inflight = 0
-    error = None
-    more = True
-    while True:
-        try:
-            while more and error is None and inflight + group <= aio.depth:
-                start = next(groups, None)
-                if start is None:
-                    more = False
-                    break
-                batch = iocbs[start:start + group]
-                try:
-                    aio.submit(batch)
-                except OSError as e:
-                    raise FlashIOError(f"{call.path}: {len(batch)} reads from offset {int(batch['offset'][0])} "
-                                       f"could not be submitted: {e.strerror}") from e
-                inflight += len(batch)
-            if inflight == 0:
-                break
-            events = aio.reap(1, inflight)
-            inflight -= len(events)
-            if error is not None:
-                continue
-            want = want_bytes[events["data"]]
-            res = events["res"]
-            bad = np.flatnonzero(res != want)
-            if len(bad):
-                i, got = bad[0], int(res[bad[0]])
-                off, n = int(iocbs["offset"][events["data"][i]]), int(want[i])
-                if got >= 0:
-                    raise _short(call.path, off, n, got)
-                raise FlashIOError(f"{call.path}: read of {n} bytes at offset {off} failed: "
-                                   f"[{errno.errorcode.get(-got, -got)}] {os.strerror(-got)}")
-            nbytes += int(res.sum())
-            nreads += len(events)
-        except BaseException as e:  # FlashIOError or a bug: re-raised in the caller once all reads are reaped
-            if error is None:
-                error = e
-            if isinstance(e, OSError) or inflight == 0:
-                break  # reap itself failed (invalid context), or nothing left to wait for
-    call.finish(nbytes, nreads, error)
 
 
 def _short(path: str, off: int, n: int, got: int) -> FlashIOError:
     return FlashIOError(f"{path}: short read at offset {off}: got {got} of {n} bytes (file truncated?)")
 
 
-def _shutdown(fd: int, queues: list, threads: list, aios: list) -> None:
+def _shutdown(fd: int, queues: list, threads: list, aio: AioQueue | None) -> None:
     for q in queues:
         q.put(None)
     for t in threads:
         if t is not threading.current_thread():
             t.join()
-    for a in aios:
-        a.close()
+    if aio is not None:
+        aio.close()
     os.close(fd)
 
 
@@ -249,9 +211,9 @@ class FlashReader:
 
     ``direct=True`` uses O_DIRECT (Linux) / F_NOCACHE (macOS); where the file system refuses, it warns
     once and falls back to buffered reads plus ``posix_fadvise(DONTNEED)``, like ``direct=False``.
-    ``threads`` is the number of reads in flight: by default one blocking preadv per read in each of
-    ``threads`` threads. ``aio_depth > 0`` sends aligned reads through native AIO where it works
-    (Linux, direct I/O), ``aio_depth`` in flight per AIO thread. ``engine`` says which one is in use.
+    ``threads``: reads in flight as one blocking preadv per read in each of ``threads`` threads.
+    ``aio_depth > 0`` sends aligned reads through native AIO from the calling thread where it works
+    (Linux, direct I/O), ``aio_depth`` in flight. ``engine`` says which one is in use.
     ``gap_bytes``: rows at most this far apart in the file are read with the gap in one read.
     """
 
@@ -269,27 +231,21 @@ class FlashReader:
         self._junk, self._junk_addr = memoryview(junk), junk.ctypes.data  # gaps read through land here
         self.size = os.fstat(self._fd).st_size
         bounce_bytes = self.max_chunk_bytes + 2 * self.alignment
-        depth = min(int(aio_depth), self.threads)
-        n_aio = -(-self.threads // depth) if self.direct and depth > 0 else 0
-        self._aios = [AioContext.open(depth) for _ in range(n_aio)]
-        if None in self._aios:  # unavailable (or aio-max-nr reached): all reads take the preadv path
-            for a in self._aios:
-                if a is not None:
-                    a.close()
-            self._aios = []
-        self.engine = "aio" if self._aios else "preadv"
-        self.aio_depth = depth if self._aios else 0
-        aios = self._aios + [None] * (self.threads - len(self._aios))  # the first workers also serve AIO
+        ctx = AioContext.open(int(aio_depth)) if self.direct and aio_depth > 0 else None
+        self._aio = AioQueue(ctx) if ctx is not None else None  # None: unavailable, all reads take preadv
+        self.engine = "aio" if self._aio else "preadv"
+        self.aio_depth = int(aio_depth) if self._aio else 0
         self._queues = [queue.SimpleQueue() for _ in range(self.threads)]
         self._threads = [
             threading.Thread(target=_worker, name=f"flashio-{i}", daemon=True,
-                             args=(self._fd, q, memoryview(aligned_empty(bounce_bytes, np.uint8)),
-                                   self.alignment, a))
-            for i, (q, a) in enumerate(zip(self._queues, aios))]
+                             args=(self._fd, q, memoryview(aligned_empty(bounce_bytes, np.uint8)), self.alignment))
+            for i, q in enumerate(self._queues)]
         for t in self._threads:
             t.start()
         self._next = 0
-        self._finalizer = weakref.finalize(self, _shutdown, self._fd, self._queues, self._threads, self._aios)
+        self._help_bounce = memoryview(aligned_empty(bounce_bytes, np.uint8))  # the waiting thread's
+        self._help_lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _shutdown, self._fd, self._queues, self._threads, self._aio)
 
     def _open(self, direct: bool) -> int:
         """Open with direct I/O where possible (setting direct/alignment); else buffered, with a warning."""
@@ -456,20 +412,30 @@ class FlashReader:
         if not self.direct and hasattr(os, "posix_fadvise"):
             lo = int(reads.off.min())
             fadvise = (self._fd, lo, int((reads.off + reads.len).max()) - lo)
-        call = PendingRead(self.path, nw, requested, t0, fadvise)
         mv = memoryview(flat)
+        shared = zip(*cols)
+        call = PendingRead(self.path, nw, requested, t0, fadvise, total=len(reads),
+                           helper=(lambda: self._help(call, mv, shared)) if _GIL else None)
         # Work-sharing: all workers pull from one iterator, so none idles while reads are left (no straggler
         # tail). next() on a zip of list iterators is atomic under the GIL; do not put map() or anything that
         # allocates between the items in here: a GC run mid-item can switch threads and mix up reads.
-        shared = zip(*cols)
         for w in range(nw):
             share = shared if _GIL else zip(*(c[w::nw] for c in cols))  # free-threaded: fixed shares
             self._queues[(self._next + w) % self.threads].put((call, mv, share, self._junk))
         self._next = (self._next + nw) % self.threads
         return call
 
+    def _help(self, call: PendingRead, mv: memoryview, shared) -> None:
+        """The waiting thread takes reads of its call from the shared iterator too (unless another one is
+        helping: the bounce buffer is one)."""
+        if self._help_lock.acquire(blocking=False):
+            try:
+                _serve(self._fd, self._help_bounce, self.alignment, (call, mv, shared, self._junk), worker=False)
+            finally:
+                self._help_lock.release()
+
     def _submit_aio(self, flat: np.ndarray, reads: "Reads", requested: int, t0: float) -> PendingRead:
-        """Queue the reads as groups that the AIO workers take in turn, each keeping ``aio_depth`` in flight."""
+        """Submit the reads to the AIO queue from this thread; the returned handle reaps them when waited on."""
         base = flat.ctypes.data
         iocbs = make_iocbs(self._fd, base + reads.doff.astype(np.uint64), reads.off, reads.len)
         iovecs = None
@@ -479,12 +445,18 @@ class FlashReader:
             iovecs["base"] = np.where(reads.p_doff >= 0, base + reads.p_doff, self._junk_addr).astype(np.uint64)
             iovecs["len"] = reads.p_len
             gathered_iocbs(iocbs, multi, iovecs, reads.p_start)
-        group = max(1, self.aio_depth // 4)
-        starts = range(0, len(reads), group)
-        nw = min(len(self._aios), len(starts))
-        call = PendingRead(self.path, nw, requested, t0)
-        shared = iter(starts)  # next() on a range iterator is atomic under the GIL
-        for w in range(nw):
-            share = shared if _GIL else iter(starts[w::nw])
-            self._queues[w].put((call, iocbs, reads.len, share, group, (flat, iovecs)))
+        call = PendingRead(self.path, 1, requested, t0, driver=self._aio)
+        offs, lens = reads.off, reads.len
+
+        def describe(k: int, res: int | None, exc: OSError | None = None) -> FlashIOError:
+            off, n = int(offs[k]), int(lens[k])
+            if exc is not None:
+                return FlashIOError(f"{self.path}: {len(offs) - k} reads from offset {off} could not be submitted: "
+                                    f"{exc.strerror}")
+            if res >= 0:
+                return _short(self.path, off, n, res)
+            return FlashIOError(f"{self.path}: read of {n} bytes at offset {off} failed: "
+                                f"[{errno.errorcode.get(-res, -res)}] {os.strerror(-res)}")
+
+        self._aio.add(AioJob(iocbs, lens.astype(np.int64), call.finish, describe, (flat, iovecs)))
         return call

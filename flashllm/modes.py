@@ -16,10 +16,10 @@ import numpy as np
 from . import budget as budget_mod
 from .budget import split_rows  # noqa: F401  (re-exported: cache sizing lives in budget)
 from .flashio import FlashReader
-from .neuron_cache import NeuronCache
+from .neuron_cache import NeuronCache, pinned_rows
 from .errors import FlashLLMError
 from .plan_context import PlanContext
-from .predictor import make_predictor, predict_scored
+from .predictor import PREDICTOR_FILE, make_predictor, predict_scored
 from .st_io import SafetensorsFile
 
 
@@ -299,6 +299,19 @@ class SparsePlan(StreamingPlan):
             b = ctx.biases(i)
             store = B.row_store(capacity, lay, {p: b[p] for p in ("up", "gate") if p in lay.parts})
             self.caches.append(NeuronCache(capacity, lay.d_ffn, store))
+        self._pin_hot()
+
+    def _pin_hot(self) -> None:
+        """PowerInfer's hot neurons: with `pin_hot` and the activation frequencies `predictors train` saved,
+        each cache holds its layer's most frequent neurons for good, as many as leave the window room
+        for its expected need (neuron_cache.pinned_rows); the window caches the rest."""
+        freqs = activation_frequencies(self.ctx) if self.ctx.options.pin_hot else None
+        if freqs is None:
+            return
+        for i, (cache, f) in enumerate(zip(self.caches, freqs)):
+            h = pinned_rows(f, cache.capacity, self.window)
+            if h:
+                cache.pin(np.argsort(-f, kind="stable")[:h], self.reader.reader_for(i))  # most frequent first
 
     def _prefetch_rows(self, avail: int | None, row: int, need: list[float] | None) -> int:
         """Rows of the lookahead's read buffer: the largest per-layer predicted set when the predictor
@@ -331,6 +344,7 @@ class SparsePlan(StreamingPlan):
     def describe(self) -> dict:
         sparsity = self.ctx.sparsity
         return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind,
+                "pinned_neurons": [c.pinned for c in self.caches],
                 "gap_bytes": self.reader.io.gap_bytes, "prefetch_rows": self.prefetch_rows,
                 **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
 
@@ -410,9 +424,16 @@ class SparsePlan(StreamingPlan):
     def _fit(self, layer: int, active: np.ndarray, scores: np.ndarray | None, cost) -> np.ndarray:
         """The active set cut to the cache's capacity, keeping the highest-scored neurons; the dropped
         count and score mass are recorded (or, with on_overflow "error", refused)."""
-        capacity = self.caches[layer].capacity
+        cache = self.caches[layer]
         if scores is not None:
             cost.predicted_mass += float(scores[active].sum())
+        while cache.pinned:  # pinned neurons need no row; the others must fit the rest, else unpin the last
+            rows = cache.row_of[active]
+            over = int(((rows < 0) | (rows >= cache.pinned)).sum()) - (cache.capacity - cache.pinned)
+            if over <= 0:
+                return active
+            cache.unpin(over)
+        capacity = cache.capacity
         if len(active) <= capacity:
             return active
         if self.on_overflow == "error":
@@ -425,11 +446,14 @@ class SparsePlan(StreamingPlan):
             cost.dropped_mass += float(scores[dropped].sum())
         return keep
 
-    def _compute(self, layer: int, x, n: int, with_down_bias: bool, pre=None):
-        """The FFN over cache rows :n; `pre`: the resident gate's pre-activations of every neuron."""
+    def _compute(self, layer: int, x, n: int, with_down_bias: bool, pre=None, first: int = 0):
+        """The FFN over cache rows first..n-1 (the down bias once, in the part that has it); `pre`: the
+        resident gate's pre-activations of every neuron."""
         rows, bias = self.caches[layer].store.views(n)
+        if first:
+            rows, bias = {k: v[first:] for k, v in rows.items()}, {k: v[first:] for k, v in bias.items()}
         down_b = self.ctx.biases(layer)["down"] if with_down_bias else None
-        gate_pre = None if pre is None else self.backend.columns(pre, self.caches[layer].pointer[:n])
+        gate_pre = None if pre is None else self.backend.columns(pre, self.caches[layer].pointer[first:n])
         return self.backend.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b, self.ffn_thresholds[layer],
                                 gate_pre=gate_pre)
 
@@ -453,18 +477,21 @@ class SparsePlan(StreamingPlan):
         """Several tokens at once: stream the predicted union (or the whole layer, if cheaper) through
         the cache rows in chunks, then leave the cache as if the last `window` tokens were decoded."""
         cache, B = self.caches[layer], self.backend
+        cache.reset()  # the window's rows serve as the read buffer below; pinned rows stay and are computed
+        h = cache.pinned
         union = np.flatnonzero(mask.any(axis=0))
+        union = union[cache.row_of[union] < 0]
         sparse_cost = len(union) * self.RANDOM_READ_PENALTY
-        ids, strategy = (union, "sparse-union") if sparse_cost < self.lay.d_ffn else \
-            (np.arange(self.lay.d_ffn), "dense-stream")
+        ids, strategy = (union, "sparse-union") if sparse_cost < self.lay.d_ffn - h else \
+            (np.flatnonzero(cache.row_of < 0), "dense-stream")
         cost.prefill_strategy = strategy
-        cache.reset()
-        y = None
-        for k in range(0, len(ids), cache.capacity):  # the cache rows as a buffer: reset again below
-            chunk = ids[k:k + cache.capacity]
-            cost.add_io(cache.store.fill(self.reader.reader_for(layer), chunk, np.arange(len(chunk)), cost))
-            cache.pointer[:len(chunk)] = chunk  # the rows' neurons (the cache is reset below)
-            part = self._compute(layer, x, len(chunk), y is None, pre)
+        y = self._compute(layer, x, h, True, pre) if h else None
+        room = cache.capacity - h
+        for k in range(0, len(ids), room):  # the window's rows as a buffer: reset again below
+            chunk = ids[k:k + room]
+            cost.add_io(cache.store.fill(self.reader.reader_for(layer), chunk, h + np.arange(len(chunk)), cost))
+            cache.pointer[h:h + len(chunk)] = chunk  # the rows' neurons (the cache is reset below)
+            part = self._compute(layer, x, h + len(chunk), y is None, pre, first=h)
             y = part if y is None else B.add(y, part)
         cache.reset()
         loaded = 0
@@ -495,6 +522,19 @@ def union(mask: np.ndarray, scores: np.ndarray | None) -> tuple[np.ndarray, np.n
     """The neurons predicted for any of the tokens of a decode step ([tokens, n] -> [n]) and, to rank
     them, each one's highest score (one token: its own mask and scores)."""
     return mask.any(axis=0), None if scores is None else scores.max(axis=0)
+
+
+def activation_frequencies(ctx: PlanContext) -> list[np.ndarray] | None:
+    """Per layer, the share of calibration tokens each neuron was active on (`layers.{i}.freq` of the
+    trained predictors); None when the model directory has none."""
+    path = ctx.manifest.root / PREDICTOR_FILE
+    if not path.is_file():
+        return None
+    st = SafetensorsFile(path)
+    names = [f"layers.{i}.freq" for i in range(ctx.spec.n_layers)]
+    if not all(n in st.entries and st.shape(n) == (ctx.spec.d_ffn,) for n in names):
+        return None
+    return [st.read(n).astype(np.float64) for n in names]
 
 
 # Every mode, by the name the API and the CLI use; each plan's docstring line is its description.

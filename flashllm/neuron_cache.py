@@ -4,6 +4,12 @@ Rows [:num_used] of a preallocated matrix hold the bundles of the neurons active
 tokens; `pointer[row]` is the neuron id in that row. Per token: evict neurons not active in the
 last k tokens by moving the last used rows into their places, then append the new neurons'
 bundles at num_used. The matrix itself lives in a backend RowStore (move / fill / views).
+
+Hot neurons (PowerInfer) may be pinned: rows [:pinned] hold a set of the layer's most frequently
+active neurons, filled once (`pin`) and not evicted; the window works on the rows after them. A token
+whose other neurons do not fit the rest releases the least frequent pinned ones (`unpin`), so
+pinning never drops a neuron that a cache without it would hold. `pinned_rows` sizes the set from
+the activation frequencies and the capacity.
 """
 
 from __future__ import annotations
@@ -13,20 +19,65 @@ import numpy as np
 NEVER = -(1 << 62)
 
 
+SPREAD = 2.0  # margin of the window's rows, in standard deviations of one token's unpinned active set
+
+
+def pinned_rows(freq: np.ndarray, capacity: int, window: int) -> int:
+    """How many of a layer's most frequently active neurons to pin in a cache of `capacity` rows, from
+    their activation frequencies: the count that minimises the expected reads per token. Neurons are
+    taken as active independently, neuron i on a share f_i of tokens: unpinned, it is read when active
+    and absent from the last k tokens (f_i (1 - f_i)^k per token), and it holds a window row with
+    probability 1 - (1 - f_i)^k; k is the longest window up to `window` whose expected rows, plus SPREAD
+    standard deviations of one token's unpinned set, fit beside the pinned ones (the cache shrinks its
+    window the same way; a token whose unpinned set overflows the rest drops neurons, counted). At least
+    one row is left to the window."""
+    f = np.sort(np.clip(np.asarray(freq, dtype=np.float64), 0.0, 1.0))[::-1]
+    count = np.arange(len(f) + 1)
+
+    def suffix(v):  # [h]: the sum over the neurons left unpinned when the h most frequent are pinned
+        return np.append(np.cumsum(v[::-1])[::-1], 0.0)
+
+    misses = np.full(len(f) + 1, np.inf)
+    spread = SPREAD * np.sqrt(suffix(f * (1.0 - f)))  # one token's active unpinned set varies by this much
+    for k in range(1, window + 1):  # a longer window that fits reads less: the last that fits wins
+        fits = count + suffix(1.0 - (1.0 - f) ** k) + spread <= capacity
+        misses[fits] = suffix(f * (1.0 - f) ** k)[fits]
+    misses[min(capacity, len(f) + 1):] = np.inf
+    return int(np.argmin(misses)) if np.isfinite(misses).any() else 0
+
 class NeuronCache:
     def __init__(self, capacity: int, d_ffn: int, store):
         self.capacity, self.d_ffn, self.store = capacity, d_ffn, store
         self.pointer = np.full(capacity, -1, dtype=np.int64)  # neuron id held by each row
         self.row_of = np.full(d_ffn, -1, dtype=np.int64)  # row holding each neuron, -1 if absent
         self.last_active = np.full(d_ffn, NEVER, dtype=np.int64)  # last token each neuron was active
+        self.pinned = 0  # rows [:pinned] hold pinned neurons (never evicted)
         self.num_used = 0
         self.token = -1
 
     def reset(self) -> None:
-        self.pointer[:] = -1
-        self.row_of[:] = -1
+        """A new sequence: the window's rows are forgotten, pinned rows stay."""
+        h = self.pinned
+        self.row_of[self.pointer[h:self.num_used]] = -1
+        self.pointer[h:] = -1
         self.last_active[:] = NEVER
-        self.num_used, self.token = 0, -1
+        self.num_used, self.token = h, -1
+
+    def pin(self, ids: np.ndarray, read, cost=None):
+        """Read neurons `ids` (most valuable first) into rows 0.. and hold them until `unpin` (once, before
+        the first token; fewer than the capacity, so that the window keeps a row). Returns the IOStats."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.pinned or len(ids) >= self.capacity:
+            raise ValueError(f"pin {len(ids)} neurons: once per cache, and fewer than its {self.capacity} rows")
+        self.reset()
+        io = self.insert(ids, read, cost)
+        self.pinned = len(ids)
+        return io
+
+    def unpin(self, count: int) -> None:
+        """Release the last `count` pinned neurons (the least valuable) to the window, which evicts them
+        by its rule from the next token on: for a token whose other neurons need more rows than are left."""
+        self.pinned = max(0, self.pinned - count)
 
     def evict(self, active: np.ndarray, window: int) -> tuple[np.ndarray, int, int]:
         """Start a token with active neuron ids `active`: delete rows outside the window.
@@ -36,29 +87,30 @@ class NeuronCache:
         token when the union of the last `window` tokens would not fit (paper App. C.3).
         """
         self.token += 1
-        t, n = self.token, self.num_used
+        t, n, h = self.token, self.num_used, self.pinned
         self.last_active[active] = t
-        cached = self.pointer[:n]
+        cached = self.pointer[h:n]  # the window's rows (pinned rows never leave)
         missing = np.sort(active[self.row_of[active] < 0])
+        room = self.capacity - h
         k = window
         while True:
             keep = self.last_active[cached] > t - k
-            if k == 1 or int(keep.sum()) + len(missing) <= self.capacity:
+            if k == 1 or int(keep.sum()) + len(missing) <= room:
                 break
             k -= 1
         n_keep = int(keep.sum())
-        dropped = max(0, n_keep + len(missing) - self.capacity)
+        dropped = max(0, n_keep + len(missing) - room)
         if dropped:
             missing = missing[:len(missing) - dropped]
-        holes = np.flatnonzero(~keep[:n_keep])  # stale rows inside the part that stays
-        movers = n_keep + np.flatnonzero(keep[n_keep:])  # live rows beyond it, moved into the holes
+        holes = h + np.flatnonzero(~keep[:n_keep])  # stale rows inside the part that stays
+        movers = h + n_keep + np.flatnonzero(keep[n_keep:])  # live rows beyond it, moved into the holes
         self.row_of[cached[~keep]] = -1
         if len(holes):
             self.store.move(holes, movers)
             self.pointer[holes] = self.pointer[movers]
             self.row_of[self.pointer[holes]] = holes
-        self.pointer[n_keep:n] = -1
-        self.num_used = n_keep
+        self.pointer[h + n_keep:n] = -1
+        self.num_used = h + n_keep
         return missing, k, dropped
 
     def insert(self, ids: np.ndarray, read, cost=None):

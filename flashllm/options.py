@@ -44,6 +44,9 @@ class LoadOptions:
     verify: bool | None = None  # checksums at load: None small files (FFN layers verified on first full read)
     hybrid_fraction: float | None = None  # hybrid: resident share of each FFN (None: sized by the budget)
     cache_rows: tuple[int, ...] | None = None  # sparse: neuron cache rows per layer (None: sized by the budget)
+    # sparse: keep each layer's most frequently active neurons cached for good (PowerInfer), as many as the
+    # cache holds beside the window's expected need (needs the frequencies `predictors train` saves)
+    pin_hot: bool = True
     on_overflow: str = "drop"  # sparse: when a token's predicted set exceeds a cache, drop (warned) or error
     expert_policy: str = "lru"  # MoE sparse: which cached expert a new one replaces (experts.POLICIES)
     expert_prefetch: bool = False  # MoE sparse: read layer l+1's predicted experts while layer l computes

@@ -217,7 +217,8 @@ def test_aio_errors_name_the_read_and_leave_workers_alive(data_file, monkeypatch
                            (100, r"ffn\.bin: short read at offset \d+: got 100 of 4096 bytes")]:
             def bad_event(self, min_nr, max_nr, res=res):
                 events = real(self, min_nr, max_nr)
-                events["res"][-1] = res
+                if len(events):  # a poll may find none done yet
+                    events["res"][-1] = res
                 return events
             monkeypatch.setattr(flashio.AioContext, "reap", bad_event)
             with pytest.raises(FlashIOError, match=match):

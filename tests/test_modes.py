@@ -154,3 +154,35 @@ def test_cache_rows_follow_each_layers_need():
     assert split_rows(50, [0.7, 0.1, 0.2], 1000) == [35, 5, 10]
     assert split_rows(500, [1.0, 1.0], 100) == [100, 100]
     assert sum(split_rows(97, [0.3, 0.3, 0.4], 1000)) == 97
+
+
+def test_pinned_hot_neurons_keep_the_result_and_save_reads(tiny_models, dense_logits, tmp_path):
+    """Frequencies measured on the run itself, pinned at a budget that holds part of each FFN: the same
+    logits as dense (pinned rows are computed like cached ones), fewer bytes than without pinning."""
+    import shutil
+
+    from flashllm.predictor import PREDICTOR_FILE
+    from flashllm.st_io import write_safetensors
+
+    tiny = tiny_models("opt")
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny.model_dir, model_dir)
+    counts, tokens = {}, [0]
+    ref = flashllm.load(model_dir, mode="sparse", predictor="oracle")
+
+    def count(layer, mask):
+        counts[layer] = counts.get(layer, 0) + mask.sum(axis=0)
+        tokens[0] += len(mask) * (layer == 0)
+
+    with ref.hooks.observing("predict", count):
+        ref.logits(IDS, prefill=PREFILL)
+    freqs = {f"layers.{i}.freq": (c / tokens[0]).astype(np.float32) for i, c in counts.items()}
+    write_safetensors(model_dir / PREDICTOR_FILE, [(n, "float32", f.shape) for n, f in freqs.items()], freqs.__getitem__)
+    spec = fmt.read_manifest(model_dir).spec
+    runs = {pin: flashllm.load(model_dir, mode="sparse", predictor="oracle", cache_rows=(spec.d_ffn * 3 // 4,) * spec.n_layers,
+                               window=2, threads=2, pin_hot=pin) for pin in (True, False)}
+    for pin, model in runs.items():
+        np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
+        pinned = model.stats["pinned_neurons"]
+        assert (min(pinned) > 0) if pin else not any(pinned)
+    assert runs[True].stats["bytes_read"] < runs[False].stats["bytes_read"]

@@ -148,3 +148,45 @@ def test_a_layout_of_some_parts_reads_just_those(tmp_path, bundled):
     assert io.bytes_requested == len(ids) * view.stride
     with pytest.raises(FlashLLMError, match="not adjacent"):
         full.only(("gate", "down"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens, st.integers(6, 30), st.sets(st.integers(0, D_FFN - 1), min_size=1, max_size=5))
+def test_pinned_neurons_stay_and_the_window_works_on_the_other_rows(ffn_file, seq, capacity, hot):
+    _, data, path = ffn_file
+    cache = make_cache(ffn_file, capacity)
+    with FlashReader(path, threads=2) as reader:
+        layout = cache.store.layout
+        cache.pin(np.array(sorted(hot)), lambda ids, dest, rows: reader.read_rows(0, layout.stride, layout.stride,
+                                                                                   ids, dest, rows))
+        assert cache.pinned == len(hot) and set(cache.pointer[:len(hot)].tolist()) == hot
+        history, held = [], set()
+        for active, window in seq:
+            history.append(active)
+            k, dropped = step(cache, reader, active, window)
+            assert set(cache.pointer[:len(hot)].tolist()) == hot  # never evicted, never moved
+            cached = set(cache.pointer[:cache.num_used].tolist())
+            assert cache.num_used <= capacity and dropped == max(0, len(active - hot) - (capacity - len(hot)))
+            if not dropped:
+                held = (held | active) & set().union(*history[-k:])
+                assert cached == hot | held and active <= cached
+            held = cached - hot
+            check_rows(cache, data)
+        cache.reset()  # a new sequence: the window's rows go, the pinned ones stay
+        assert cache.num_used == len(hot) and set(np.flatnonzero(cache.row_of >= 0).tolist()) == hot
+    with pytest.raises(ValueError, match="once per cache"):
+        cache.pin(np.array([0]), None)
+
+
+def test_pinned_rows_leave_the_window_its_expected_need():
+    from flashllm.neuron_cache import pinned_rows
+
+    freq = np.array([0.9] * 10 + [0.02] * 90)
+    h = pinned_rows(freq, 40, 4)
+    cold = np.sort(freq)[::-1][h:]
+    assert 10 <= h < 40 and h + cold.sum() <= 40  # the hot ones pinned, the rest fits a window of 1 at least
+    assert pinned_rows(freq, 16, 4) >= 10  # the hot ones, and a window of one token (with a margin) for the rest
+    assert pinned_rows(freq, 5, 4) == 0  # not even one token's expected set fits: nothing is pinned
+    assert pinned_rows(freq, 100, 4) == 99  # a cache of the whole layer: all but the window's one row
+    assert pinned_rows(np.zeros(100), 50, 4) == 0  # nothing is ever active: nothing worth a row
+    assert [pinned_rows(freq, c, 4) for c in (20, 40, 60, 80)] == sorted(pinned_rows(freq, c, 4) for c in (20, 40, 60, 80))

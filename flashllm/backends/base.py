@@ -252,9 +252,12 @@ class Backend:
         """Bytes held: resident weights plus the KV cache."""
         return sum(map(self.nbytes_of, self.w.values())) + self.kv_bytes()
 
+    STAGING_MIN_ROWS = 64  # a decode token's missing neurons of a layer go to the engine in one call, mostly
+
     def staging_rows(self, stride: int) -> int:
-        """Bundle rows one staging buffer holds: STAGING_BYTES worth, at most one layer."""
-        return max(1, min(self.STAGING_BYTES // stride, self.spec.d_ffn))
+        """Bundle rows one staging buffer holds: STAGING_BYTES worth but at least STAGING_MIN_ROWS, at most
+        one layer. Every byte of it is taken from the neuron caches at a budget."""
+        return max(1, min(max(self.STAGING_BYTES // stride, self.STAGING_MIN_ROWS), self.spec.d_ffn))
 
     def bundle_rows(self, block: np.ndarray, layout, parts: tuple[str, ...] | None = None,
                     keep_quantized: bool = False) -> dict:

@@ -1,8 +1,9 @@
 """Host staging for flash reads bound for device memory or another dtype (torch backend).
 
-Two page-aligned buffers take turns. On CUDA they are pinned, each buffer's host->device copy runs
+Page-aligned buffers take turns. On CUDA there are two, pinned; each buffer's host->device copy runs
 on a side stream, and the compute stream waits on that copy's event (no global synchronize), so
-the read into the other buffer overlaps the copy in flight. On the CPU the copy is a dtype cast.
+the read into the other buffer overlaps the copy in flight. On the CPU the copy is a dtype cast that
+finishes before the next read starts, so one buffer does (a second would only take DRAM from the caches).
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ def bundle_values(layout, block: np.ndarray, storage_dtype: torch.dtype) -> torc
 
 
 class StagingRing:
-    def __init__(self, rows: int, stride: int, device: torch.device):
+    def __init__(self, rows: int, stride: int, device: torch.device, count: int = 2):
         self.device, self.cuda = device, device.type == "cuda"
-        self.buffers = [host_array(rows * stride, self.cuda).reshape(rows, stride) for _ in range(2)]
-        self.events: list = [None, None]
+        self.buffers = [host_array(rows * stride, self.cuda).reshape(rows, stride) for _ in range(count)]
+        self.events: list = [None] * count
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.turn = 0
 
@@ -50,7 +51,7 @@ class StagingRing:
 
     def acquire(self) -> int:
         """The next buffer to read into, once the copy that last used it has finished."""
-        b, self.turn = self.turn, self.turn ^ 1
+        b, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
         if self.events[b] is not None:
             self.events[b].synchronize()
             self.events[b] = None

@@ -28,13 +28,15 @@ class TorchBackend(Backend):
     """Holds resident weights and the KV cache on one torch device and computes one decoder."""
 
     name = "torch"
-    STAGING_BYTES = 1 << 20  # per staging buffer; the I/O engine's largest read
-    STAGING_BUFFERS = 2  # a ring: one is read into while the other's copy is in flight
+    STAGING_BYTES = 256 << 10  # per staging buffer (bench/results/io_pipeline.md: more is taken from the caches)
+    STAGING_BUFFERS = 2  # on CUDA a ring: one is read into while the other's copy is in flight (CPU: 1)
 
     def __init__(self, spec: ArchSpec, device: str, dtype: str | None, storage_dtype: str, context: int,
                  quantized_ffn: bool = False, kv_bits: int = 16, kernels: str = "tuned", threads: int | None = None):
         self.spec = spec
         self.device = torch.device(_device(device))
+        if self.device.type == "cpu":
+            self.STAGING_BUFFERS = 1  # the cast out of staging is synchronous: nothing to overlap
         self.dtype_name = default_compute_dtype(dtype, storage_dtype, self.device.type == "cpu")
         self.storage_dtype_name = storage_dtype
         self.dtype = cdt = DTYPES[self.dtype_name]
@@ -92,7 +94,7 @@ class TorchBackend(Backend):
     def staging(self, stride: int) -> StagingRing:
         """One staging ring shared by every cache of this backend (caches fill one after another)."""
         if getattr(self, "_staging", None) is None or self._staging.buffers[0].shape[1] != stride:
-            self._staging = StagingRing(self.staging_rows(stride), stride, self.device)
+            self._staging = StagingRing(self.staging_rows(stride), stride, self.device, self.STAGING_BUFFERS)
         return self._staging
 
     def host_buffer(self, shape) -> np.ndarray:

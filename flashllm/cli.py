@@ -265,7 +265,8 @@ def cmd_generate(args) -> None:
 
 def format_stats(stats: dict) -> str:
     """A few human-readable lines of the per-token stats."""
-    lines = [f"mode {stats['mode']}  backend {stats['backend']}  decode tokens {stats['decode_tokens']}  "
+    predictor = f"  predictor {stats['predictor']}" if stats.get("predictor") else ""
+    lines = [f"mode {stats['mode']}{predictor}  backend {stats['backend']}  decode tokens {stats['decode_tokens']}  "
              f"DRAM {stats['dram_bytes'] / 2**20:.1f} MiB"]
     lines.append("per decode token: " + "  ".join(
         f"{k.removesuffix('_ms')} {stats[k]:.2f} ms" for k in ("total_ms", "io_ms", "mem_ms", "compute_ms", "predictor_ms")))

@@ -208,6 +208,7 @@ def test_train_with_sparsity_writes_thresholds_and_trains_on_them(tiny_models, t
         code, out, err = run_cli(capsys, "generate", model_dir, "--prompt", "the quick", "--max-new-tokens", 3,
                                  "--mode", "sparse", "--stats")
     assert code == 0 and "calibrated activation sparsity: 40% of FFN neurons skipped" in err
+    assert "mode sparse  predictor gate" in err  # the default ("auto") with unlimited DRAM
     code, out, _ = run_cli(capsys, "inspect", model_dir)
     assert code == 0 and "sparse mode skips FFN neurons with |silu(gate)|" in out
     # predictors trained for other thresholds, or thresholds gone: refused, saying what to do

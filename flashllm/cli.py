@@ -109,8 +109,8 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--predictor", default=d.predictor, choices=list(PREDICTOR_NAMES),
                    help="sparse mode: trained low-rank predictors, the true activations (oracle), or a gated "
                    "model's own gate rows kept resident (gate: exact; neurons are read without their gate row); "
-                   "auto: gate for a gated FFN made sparse by calibrated thresholds unless it leaves smaller "
-                   "caches than lowrank at this budget, else lowrank (default: %(default)s)")
+                   "auto: gate for a gated FFN made sparse by calibrated thresholds when the budget holds its "
+                   "rows, else lowrank (default: %(default)s)")
     g.add_argument("--dram-budget", type=_budget, default=d.dram_budget, metavar="BUDGET",
                    help="DRAM for weights, caches and KV: a fraction of the model (0.5 or 50%%), a size (6GiB, "
                    "700MiB, 20M) or bytes (default: unlimited, as in the Python API)")

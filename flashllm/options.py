@@ -28,7 +28,7 @@ class LoadOptions:
     device: str | None = None  # None: torch cpu, mlx Metal where present
     mode: str = "dense"  # a key of modes.PLANS
     # sparse mode: auto, a key of predictor.PREDICTORS, or a builder; auto: the resident gate rows for a
-    # gated FFN with calibrated thresholds (unless they leave smaller caches), else the low-rank predictors
+    # gated FFN with calibrated thresholds (when the budget holds them), else the low-rank predictors
     predictor: str | Callable = "auto"
     dram_budget: float | int | str | None = None
     gpu_budget: float | int | str | None = None

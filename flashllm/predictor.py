@@ -195,8 +195,9 @@ def predict_scored(predictor, layer: int, x, pre=None) -> tuple[np.ndarray, np.n
 
 def auto_predictor(ctx) -> str:
     """`auto`: for a gated FFN made sparse by calibrated thresholds (SiLU/GELU), the resident gate rows
-    (exact, and a neuron read is 2/3 of a bundle) unless at this budget they leave fewer cache rows than
-    the trained low-rank predictors would (bench/results/silu_sparsity.md); for every other model lowrank."""
+    (exact, and a neuron read is 2/3 of a bundle) whenever the budget holds them and a cache row per
+    layer: measured better than the low-rank predictors at every budget, even where it leaves half the
+    cache rows (bench/results/silu_sparsity.md); else, and for every other model, lowrank."""
     spec = ctx.spec
     if not spec.gated_ffn or ctx.sparsity is None:
         return "lowrank"
@@ -204,10 +205,9 @@ def auto_predictor(ctx) -> str:
         return "gate"
     B = ctx.backend
     avail = ctx.budget - ctx.charged(B.staging_bytes(ctx.layout.stride), B.nbytes())  # left for predictor and caches
-    gate_rows = (avail - spec.n_layers * spec.d_ffn * spec.d_model * B.itemsize) // \
-        ctx.row_bytes(ctx.layout.only(("up", "down")))
-    lowrank_rows = (avail - LowRankPredictor(ctx).nbytes()) // ctx.row_bytes()
-    return "gate" if gate_rows >= lowrank_rows else "lowrank"
+    gate_bytes = spec.n_layers * spec.d_ffn * spec.d_model * B.itemsize
+    fits = avail - gate_bytes >= spec.n_layers * ctx.row_bytes(ctx.layout.only(("up", "down")))
+    return "gate" if fits else "lowrank"
 
 
 # Every predictor, by the name the API and the CLI use; "auto" picks one of them per model and budget.

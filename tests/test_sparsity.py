@@ -213,13 +213,13 @@ def test_train_with_sparsity_writes_thresholds_and_trains_on_them(tiny_models, t
     assert code == 0 and "sparse mode skips FFN neurons with |silu(gate)|" in out
     # predictors trained for other thresholds, or thresholds gone: refused, saying what to do
     sparsity["layers"][0]["threshold"] *= 1.5
-    # the default predictor ("auto"): the resident gate rows, unless they leave fewer cache rows than lowrank
+    # the default predictor ("auto"): the resident gate rows whenever the budget holds them, else lowrank
     assert flashllm.load(model_dir, mode="sparse").predictor.kind == "gate"
     B, spec, lay = model.backend, model.spec, model.layout
     base = B.nbytes() + B.staging_bytes(lay.stride)
-    for rows, kind in ((spec.d_ffn // 4, "lowrank"), (spec.d_ffn, "gate")):  # cache rows per layer with lowrank
-        budget = base + model.predictor.nbytes() + spec.n_layers * rows * model.compute_row_bytes()
-        assert flashllm.load(model_dir, mode="sparse", dram_budget=budget).predictor.kind == kind
+    gate_bytes, gate_row = spec.n_layers * spec.d_ffn * spec.d_model * B.itemsize, 2 * lay.part_bytes + 2 * B.itemsize
+    for extra, kind in ((spec.n_layers * gate_row - 1, "lowrank"), (spec.n_layers * gate_row, "gate")):
+        assert flashllm.load(model_dir, mode="sparse", dram_budget=base + gate_bytes + extra).predictor.kind == kind
     relu = flashllm.load(tiny_models("opt").model_dir, mode="dense").plan_context
     assert auto_predictor(relu) == "lowrank"
     (model_dir / "sparsity.json").write_text(json.dumps(sparsity))

@@ -22,7 +22,7 @@ class LayerChecksums:
 
     def __init__(self, path, layout: FFNLayout, layer_sha256: list[str] | None):
         self.path, self.layout = path, layout
-        usable = bool(layer_sha256) and layout.bundled and not layout.file_parts and \
+        usable = bool(layer_sha256) and layout.bundled and not getattr(layout, "file_parts", None) and \
             len(layer_sha256) == len(layout.layer_offsets)
         self.expected = list(layer_sha256) if usable else None
         self.verified: set[int] = set()

@@ -151,7 +151,7 @@ def add_parsers(sub) -> None:
                    "table and plot), e.g. bench/results/quality_vs_memory")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.add_argument("--json", action="store_true", help="print one JSON object")
-    add_load_options(e, skip=("mode", "predictor", "plan", "batch_size"))  # the same options, help and defaults as generate
+    add_load_options(e, skip=("mode", "plan", "batch_size"))  # the same options, help and defaults as generate
     e.set_defaults(func=cmd_eval)
 
 

@@ -175,7 +175,7 @@ def _computed_counts(model, ref: Reference, chunk_index: list, counts: Counts):
 
 def evaluate_load(model_dir, ref: Reference, options, progress: bool = True, predictor: str = "lowrank") -> dict:
     """Quality, drops, bytes and latency of the sparse model loaded with `options` (one budget) and
-    `predictor` (the trained ones; "oracle" or "gate" measure what exact predictors would give)."""
+    `predictor` (the trained ones; "auto" what the runtime picks, "oracle" or "gate" exact predictors)."""
     import flashllm
     from tqdm import tqdm
 
@@ -209,7 +209,7 @@ def evaluate_load(model_dir, ref: Reference, options, progress: bool = True, pre
     per = {k: v / max(tokens, 1) for k, v in sums.items()}
     return {
         "dram_budget": options.dram_budget, "budget_bytes": sparse.dram_budget, "dram_bytes": dram,
-        "predictor": predictor, "predictor_bytes": sparse.predictor.nbytes(),
+        "predictor": getattr(sparse.predictor, "kind", str(predictor)), "predictor_bytes": sparse.predictor.nbytes(),
         "model_bytes": sparse.model_bytes, "cache_capacity": list(sparse.plan.capacities),
         "ppl_dense": ppl_dense, "ppl_sparse": ppl_sparse, "ppl_ratio": ppl_sparse / ppl_dense,
         "top1_agreement": float(follow.mean()), "top1_agreement_tokens": len(ref.gen),
@@ -238,8 +238,8 @@ def naive_bytes(model_dir, ref: Reference, options) -> float | None:
 def evaluate(model_dir: str | Path, data: str | Path, options=None, budgets: list | None = None,
              max_tokens: int | None = 2048, gen_tokens: int = 256, prompt_tokens: int = 32,
              seq_len: int | None = None, progress: bool = True) -> dict:
-    """Evaluate the trained predictors of `model_dir` on the held-out text `data`, loaded with
-    `options` (a flashllm.LoadOptions; mode and predictor are sparse and lowrank) at each DRAM budget
+    """Evaluate sparse mode with the trained predictors of `model_dir` on the held-out text `data`, loaded
+    with `options` (a flashllm.LoadOptions; mode sparse, its predictor: auto by default) at each DRAM budget
     of `budgets` (default: the options' own). The top-level keys describe the first budget;
     `points` holds all."""
     from flashllm import LoadOptions
@@ -247,7 +247,7 @@ def evaluate(model_dir: str | Path, data: str | Path, options=None, budgets: lis
     options = options or LoadOptions()
     ref = dense_reference(model_dir, data, options, max_tokens, gen_tokens, prompt_tokens, seq_len, progress)
     budgets = budgets if budgets else [options.dram_budget]
-    points = [evaluate_load(model_dir, ref, options.replace(dram_budget=b), progress) for b in budgets]
+    points = [evaluate_load(model_dir, ref, options.replace(dram_budget=b), progress, options.predictor) for b in budgets]
     naive = naive_bytes(model_dir, ref, options)
     for p in points:
         if "refused" not in p:
@@ -265,7 +265,7 @@ def evaluate(model_dir: str | Path, data: str | Path, options=None, budgets: lis
         "predicted_fraction": float(np.mean([r["predicted_fraction"] for r in ref.layers])),
         "true_fraction": float(np.mean([r["true_fraction"] for r in ref.layers])),
         "ppl_dense": float(math.exp(ref.nll.mean())), "bytes_per_token_naive": naive,
-        **{k: first.get(k) for k in ("dram_budget", "refused", "ppl_sparse", "ppl_ratio", "top1_agreement",
+        **{k: first.get(k) for k in ("dram_budget", "predictor", "refused", "ppl_sparse", "ppl_ratio", "top1_agreement",
                                      "top1_agreement_tokens", "top1_agreement_heldout", "free_run_agreement",
                                      "free_run_first_divergence", "neurons_dropped_per_token", "naive_over_sparse",
                                      "latency_ms_per_token")},

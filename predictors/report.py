@@ -29,7 +29,8 @@ def format_point(p: dict) -> list[str]:
     held = "unlimited" if p["budget_bytes"] is None else _mib(p["budget_bytes"])
     ratio = "n/a" if p.get("naive_over_sparse") is None else f"{p['naive_over_sparse']:.1f}x fewer than naive"
     lines = [
-        f"{head} ({held}; DRAM held {_mib(p['dram_bytes'])}; cache rows per layer {p['cache_capacity']}):",
+        f"{head} ({held}; predictor {p['predictor']}; DRAM held {_mib(p['dram_bytes'])}; cache rows per layer "
+        f"{p['cache_capacity']}):",
         f"  perplexity: dense {p['ppl_dense']:.4f}  sparse {p['ppl_sparse']:.4f}  ({(p['ppl_ratio'] - 1) * 100:+.2f}%)",
         f"  greedy top-1 agreement: {p['top1_agreement'] * 100:.1f}% over {p['top1_agreement_tokens']} tokens "
         f"(held-out text {p['top1_agreement_heldout'] * 100:.1f}%; free-running {p['free_run_agreement'] * 100:.1f}%, "

@@ -178,7 +178,8 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-new-tokens", type=_count, default=32, help="stop after this many new tokens "
                    "(default: %(default)s)")
     g.add_argument("--stop", action="append", default=[], metavar="STRING",
-                   help="stop before this text appears (repeatable; default: only the end-of-sequence tokens)")
+                   help="stop before this text appears, taken literally (a newline in bash: $'\\n'; "
+                   "repeatable; default: only the end-of-sequence tokens)")
     g.add_argument("--temperature", type=_temperature, default=0.0,
                    help="sampling temperature; 0 picks the most likely token (default: %(default)s)")
     g.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling: sample from the smallest set "

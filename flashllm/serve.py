@@ -295,8 +295,8 @@ def _require():
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        raise FlashLLMError(f"flashllm serve needs the 'serve' extra ({exc.name} is missing): "
-                            f"pip install 'flashllm[serve]'") from None
+        raise FlashLLMError(f"flashllm serve needs the 'serve' extra ({exc.name} is missing): in the "
+                            f"flashllm checkout, pip install -e \".[serve]\"") from None
     return anyio
 
 

@@ -148,6 +148,16 @@ def test_mlx_backend_without_mlx_says_how_to_install(flash, monkeypatch):
         flashllm.load(flash, backend="mlx")
 
 
+def test_serve_without_its_extra_says_how_to_install(monkeypatch):
+    """The install hint is the checkout's extra (flashllm is not a PyPI package: `pip install flashllm[serve]`
+    would fetch something else or nothing)."""
+    from flashllm import serve
+
+    monkeypatch.setitem(sys.modules, "starlette", None)
+    with pytest.raises(flashllm.FlashLLMError, match=r"starlette is missing\): in the flashllm checkout, pip install -e \"\.\[serve\]\""):
+        serve._require()
+
+
 def test_console_script_exit_code(flash, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "flashllm.cli", "inspect", str(tmp_path / "nope")],
                           capture_output=True, text=True)

@@ -1,11 +1,13 @@
 """The I/O pipeline step by step on one model, side by side in interleaved rounds.
 
-Configurations (each loaded fresh, decoding the same prompt greedily at the same DRAM budget):
-naive with (its default) and without read-ahead; sparse at its default (no gap-filling, no read-ahead);
-with lookahead read-ahead, with gap-filling (the disk profile's cost model), with both; and the
-default runtime on native AIO instead of preadv threads (the engine choice). Every round runs every
-configuration once, in a rotated order; the table shows medians and [min, max] over the rounds, and
-the sparse/naive latency ratio is taken within each round (the machine is shared and noisy).
+Configurations (each loaded fresh, decoding the same prompt greedily at the same DRAM budget): naive
+with (its default) and without read-ahead; sparse at its defaults (hot neurons pinned, no gap-filling,
+no read-ahead); without pinning; with lookahead read-ahead; with gap-filling (the disk profile's cost
+model); and both modes on the other I/O engine (native AIO from the calling thread vs preadv worker
+threads: the engine choice). Every round runs every configuration once, in a rotated order; the table
+shows medians and [min, max] over the rounds, and ratios are taken within each round (the machine is
+shared and noisy). Process CPU time per decode token is reported beside the wall time: on a loaded
+machine a token's wall time is mostly its wait for a core, in proportion to the CPU it needs.
 
     python bench/io_pipeline.py [MODEL_DIR] --rounds 5 --tokens 24 --markdown bench/results/io_pipeline.md
 
@@ -20,22 +22,32 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-KEYS = ("total_ms", "io_ms", "read_ms", "mem_ms", "compute_ms", "predictor_ms", "reads", "bytes_read")
-CONFIGS = {
-    "naive, no read-ahead": dict(mode="naive", prefetch=False),
-    "naive (default: read-ahead)": dict(mode="naive"),
-    "sparse (default: no gap-filling, no read-ahead)": dict(mode="sparse"),
-    "sparse + read-ahead": dict(mode="sparse", prefetch=True),
-    "sparse + gap-filling": dict(mode="sparse", gap_bytes=None),
-    "sparse + gap-filling + read-ahead": dict(mode="sparse", gap_bytes=None, prefetch=True),
-    "sparse default, native AIO": dict(mode="sparse", aio_depth=8),
-}
-NAIVE, DEFAULT = "naive (default: read-ahead)", "sparse (default: no gap-filling, no read-ahead)"
-GAP, AHEAD = "sparse + gap-filling", "sparse + read-ahead"
+KEYS = ("total_ms", "cpu_ms", "io_ms", "read_ms", "mem_ms", "compute_ms", "predictor_ms", "reads", "bytes_read")
+AIO, PREADV = dict(aio_depth=64), dict(aio_depth=0)
+
+
+def configs() -> dict:
+    """The configurations, by name; the engine that is not the default gets its own rows."""
+    from flashllm.options import LoadOptions
+
+    other, other_name = (PREADV, "preadv threads") if LoadOptions().aio_depth else (AIO, "native AIO")
+    return {"naive, no read-ahead": dict(mode="naive", prefetch=False),
+            NAIVE: dict(mode="naive"),
+            DEFAULT: dict(mode="sparse"),
+            NOPIN: dict(mode="sparse", pin_hot=False),
+            AHEAD: dict(mode="sparse", prefetch=True),
+            GAP: dict(mode="sparse", gap_bytes=None),
+            f"naive, {other_name}": dict(mode="naive", **other),
+            f"sparse, {other_name}": dict(mode="sparse", **other)}
+
+
+NAIVE, DEFAULT = "naive (default: read-ahead)", "sparse (default: hot neurons pinned)"
+NOPIN, GAP, AHEAD = "sparse, no pinning", "sparse + gap-filling", "sparse + read-ahead"
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -55,13 +67,19 @@ def run_one(model_dir, settings: dict, budget, prompt_ids, tokens: int, config: 
     import flashllm
 
     model = flashllm.load(model_dir, predictor="lowrank", dram_budget=budget, window=4, **settings, **config)
-    list(model.generate_ids(prompt_ids, tokens))
+    steps = model.generate_ids(prompt_ids, tokens)
+    next(steps)  # the prompt: its CPU time is not a decode token's
+    cpu0 = time.process_time()
+    n = sum(1 for _ in steps)
+    cpu_ms = (time.process_time() - cpu0) * 1e3 / max(n, 1)
     s = model.stats
-    out = {k: s[k] for k in KEYS}
+    out = {k: s[k] for k in KEYS if k in s}
+    out["cpu_ms"] = cpu_ms
     for k in ("lookahead_recall", "lookahead_recall_per_layer", "neurons_prefetched", "prefetch_unused",
-              "gap_bytes", "neurons_dropped"):
+              "gap_bytes", "neurons_dropped", "pinned_neurons", "cache_capacity"):
         if k in s:
             out[k] = s[k]
+    out["engine"] = model.plan.reader.io.engine
     return out
 
 
@@ -81,6 +99,8 @@ def main(argv=None) -> dict:
 
     prompt_ids = flashllm.load(model_dir, mode="dense", **settings).tokenizer.encode(prompt)
     profile = disk_profile.profile(model_dir / "ffn.bin", quick=True)
+    load0 = os.getloadavg()
+    CONFIGS = configs()
     names = list(CONFIGS)
     rounds = []
     for r in range(args.rounds):
@@ -94,6 +114,7 @@ def main(argv=None) -> dict:
               "command": " ".join(["python", "bench/io_pipeline.py", *(argv if argv is not None else sys.argv[1:])]),
               "model_dir": str(model_dir), "settings": settings, "dram_budget": args.dram_budget,
               "tokens": args.tokens, "torch_threads": args.torch_threads, "load_average": os.getloadavg(),
+              "load_average_start": load0, "configs": {k: {n: str(v) for n, v in c.items()} for k, c in CONFIGS.items()},
               "disk_profile": profile.to_dict(), "disk_table": profile.table(), "rounds": rounds}
     md = markdown(report)
     if args.markdown:
@@ -112,34 +133,48 @@ def _med(vals, nd: int = 1) -> str:
 
 def markdown(rep: dict) -> str:
     rounds = rep["rounds"]
+    names = list(rounds[0])
+    other = [n for n in names if n.startswith("naive, ") and n != "naive, no read-ahead"][0].split(", ", 1)[1]
     L = [f"# The I/O pipeline step by step ({rep['date']})", "",
          f"- command: `{rep['command']}`",
          f"- model: `{rep['model_dir']}` {rep['settings']}, DRAM budget {rep['dram_budget']}, window 4, "
-         f"lowrank predictors, {rep['tokens']} greedy decode tokens per run, torch threads {rep['torch_threads']}",
+         f"lowrank predictors, {rep['tokens']} greedy decode tokens per run, torch threads {rep['torch_threads']}; "
+         f"default engine: {rounds[0][DEFAULT]['engine']}",
          f"- {len(rounds)} interleaved rounds (rotated order); cells: median [min, max] over the rounds, per decode token",
-         f"- load average at the end: {', '.join(f'{x:.1f}' for x in rep['load_average'])} (2 cores, shared)",
-         "- io_ms: time the token waited for reads; read_ms: the engine's own time of the token's reads "
-         "(overlapped or not); mem_ms: placing rows (copy/cast into the cache)", "",
-         "| configuration | total (ms) | io_ms | read_ms | mem_ms | compute_ms | reads | KiB read | lookahead recall |",
-         "|---|---|---|---|---|---|---|---|---|"]
-    for name in CONFIGS:
+         f"- load average at the start / end: {', '.join(f'{x:.1f}' for x in rep['load_average_start'])} / "
+         f"{', '.join(f'{x:.1f}' for x in rep['load_average'])} (2 cores, shared by other work)",
+         "- cpu_ms: the process's CPU time per decode token; io_ms: time the token waited for reads; read_ms: the "
+         "engine's own time of the token's reads (overlapped or not); mem_ms: placing rows (copy/cast into the cache)", "",
+         "| configuration | total (ms) | cpu_ms | io_ms | read_ms | mem_ms | compute_ms | reads | KiB read | dropped | "
+         "lookahead recall |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in names:
         rs = [r[name] for r in rounds]
-        L.append(f"| {name} | " + " | ".join(_med([x[k] for x in rs]) for k in KEYS[:5]) +
+        L.append(f"| {name} | " + " | ".join(_med([x[k] for x in rs]) for k in KEYS[:6]) +
                  f" | {_med([x['reads'] for x in rs])} | {_med([x['bytes_read'] / 1024 for x in rs])} | "
-                 f"{_med([x.get('lookahead_recall') for x in rs], 2)} |")
-    ratios = [r[NAIVE]["total_ms"] / r[DEFAULT]["total_ms"] for r in rounds]
-    ratios0 = [r["naive, no read-ahead"]["total_ms"] / r[DEFAULT]["total_ms"] for r in rounds]
-    gap = [r[GAP]["total_ms"] / r[DEFAULT]["total_ms"] for r in rounds]
-    ahead = [r[AHEAD]["total_ms"] / r[DEFAULT]["total_ms"] for r in rounds]
-    aio = [r["sparse default, native AIO"]["total_ms"] / r[DEFAULT]["total_ms"] for r in rounds]
+                 f"{_med([x.get('neurons_dropped') for x in rs])} | {_med([x.get('lookahead_recall') for x in rs], 2)} |")
+
+    def ratio(a, b, key="total_ms"):
+        return [r[a][key] / r[b][key] for r in rounds]
+
     def line(what, xs, unit=""):
         return f"- {what}: {_med(xs, 2)}{unit} (per round: {', '.join(f'{x:.2f}' for x in xs)})"
 
-    L += ["", line("sparse vs naive, both at their defaults, same round (naive latency / sparse)", ratios, "x"),
-          line("sparse vs naive without read-ahead (naive's old path)", ratios0, "x"),
-          line("gap-filling: latency with / without (< 1: it pays)", gap),
-          line("sparse read-ahead: latency with / without (< 1: it pays)", ahead),
-          line("native AIO (4 threads x 8 in flight) / 32 preadv threads, sparse default (< 1: AIO faster)", aio)]
+    d = rounds[0][DEFAULT]
+    L += ["", line("**sparse vs naive, both at their defaults, same round (naive latency / sparse)**",
+                   ratio(NAIVE, DEFAULT), "x"),
+          line("the same in CPU time per token (naive / sparse)", ratio(NAIVE, DEFAULT, "cpu_ms"), "x"),
+          line("sparse vs naive without read-ahead", ratio("naive, no read-ahead", DEFAULT), "x"),
+          line("hot-neuron pinning: latency without / with (> 1: it pays)", ratio(NOPIN, DEFAULT)),
+          f"- pinning at the same budget: {rounds[0][NOPIN]['bytes_read'] / 1024:,.1f} KiB and "
+          f"{rounds[0][NOPIN]['reads']:.1f} reads per token without, {d['bytes_read'] / 1024:,.1f} KiB and "
+          f"{d['reads']:.1f} with; neurons pinned per layer at the end {d.get('pinned_neurons')} of cache rows "
+          f"{d.get('cache_capacity')}",
+          line("gap-filling: latency with / without (< 1: it pays)", ratio(GAP, DEFAULT)),
+          line("sparse read-ahead: latency with / without (< 1: it pays)", ratio(AHEAD, DEFAULT)),
+          line(f"engine: sparse on {other} / on the default (> 1: the default is faster)",
+               ratio(f"sparse, {other}", DEFAULT)),
+          line(f"engine: naive on {other} / on the default (> 1: the default is faster)",
+               ratio(f"naive, {other}", NAIVE))]
     per_layer = [r[AHEAD].get("lookahead_recall_per_layer") for r in rounds]
     if per_layer and per_layer[0]:
         cols = list(zip(*per_layer))

@@ -39,10 +39,10 @@ from flashllm.predictors.evaluate import _nll as nll  # noqa: E402  (the same me
 
 ROWS = [  # label, convert dtype, quantize, load options (the float32 reference is not run at the budget)
     ("float32", "float32", "none", {"dtype": "float32"}),
-    ("float16 (demo)", "float16", "none", {}),
-    ("int8 experts", "float16", "int8", {}),
-    ("int4 experts, int4 kernel slots (default)", "float16", "int4", {}),
-    ("int4 experts, dequantized (--kernels plain)", "float16", "int4", {"kernels": "plain"}),
+    ("float16 (demo)", "float16", "none", {"dtype": "float16"}),
+    ("int8 experts", "float16", "int8", {"dtype": "float16"}),
+    ("int4 experts, int4 kernel slots (default)", "float16", "int4", {"dtype": "float16"}),
+    ("int4 experts, dequantized (--kernels plain)", "float16", "int4", {"dtype": "float16", "kernels": "plain"}),
 ]
 
 

@@ -65,8 +65,8 @@ def record(model_dir: Path, tokens: int, seq_len: int) -> dict:
             for start in range(0, tokens, seq_len - 1):
                 seq = [bos] + ids[start:start + min(seq_len - 1, tokens - start)]
                 model.logits(seq, prefill=len(seq))
-                logits = [B.numpy(B.linear(inputs[m], B.w[f"layers.{m}.router.weight"], None)) for m in range(spec.n_layers)]
-                early = [B.numpy(B.linear(inputs[(m - 1) % spec.n_layers], B.w[f"layers.{m}.router.weight"], None))
+                logits = [B.to_host(B.linear(inputs[m], B.w[f"layers.{m}.router.weight"], None)) for m in range(spec.n_layers)]
+                early = [B.to_host(B.linear(inputs[(m - 1) % spec.n_layers], B.w[f"layers.{m}.router.weight"], None))
                          for m in range(spec.n_layers)]
                 routed.append(np.stack([route(lg, spec)[0][1:] for lg in logits]))  # BOS left out
                 guessed.append(np.stack([route(lg, spec)[0][1:] for lg in early]))

@@ -97,12 +97,16 @@ MOE_SETTINGS = dict(dtype="float16", context=256)
 
 
 def prepare_moe(out: Path | None = None) -> Path:
-    """The converted embedded MoE model (converted once, then reused)."""
+    """The converted embedded MoE model (converted once per checkpoint, then reused: the cache directory
+    is named by the checkpoint's hash, so a newer embedded model is converted again)."""
+    import hashlib
+
     from .converters import convert
 
-    out = out or cache_dir() / "tiny-moe"
-    if not (EMBEDDED_MOE / "config.json").is_file():
+    weights = EMBEDDED_MOE / "model.safetensors"
+    if not (EMBEDDED_MOE / "config.json").is_file() or not weights.is_file():
         raise FlashLLMError(f"{EMBEDDED_MOE}: the embedded MoE model is missing from this installation")
+    out = out or cache_dir() / f"tiny-moe-{hashlib.sha256(weights.read_bytes()).hexdigest()[:12]}"
     try:
         fmt.read_manifest(out)
     except FlashLLMError:

@@ -11,7 +11,7 @@ weights, KV cache, caches, read buffers); `transient` = peak - held: what loadin
 Quantizing each resident tensor as it is read keeps `transient` near one stored tensor; quantizing
 after loading everything in the compute dtype needs the float copy of every resident matrix.
 
-    python bench/quant_load_peak.py MODEL_DIR [--quantize-resident int4] [--mode hybrid] [--out X.md]
+    python bench/quant_load_peak.py MODEL_DIR [--quantize-resident int4,none] [--out X.md]
     python bench/quant_load_peak.py --shape opt-1.3b  # writes the random model, measures, deletes it
 """
 
@@ -62,7 +62,9 @@ def measure(model_dir, **options) -> dict:
     """Load `model_dir` with LoadOptions `options` in a child process; its measurements (bytes)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
     out = subprocess.run([sys.executable, __file__, "--child", str(model_dir), json.dumps(options)],
-                         check=True, capture_output=True, text=True, env=env)
+                         capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise SystemExit(f"loading {model_dir} with {options} failed: {out.stderr.strip().splitlines()[-1:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -73,9 +75,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "directory under --work-dir, measure it, delete it")
     p.add_argument("--work-dir", default=tempfile.gettempdir(), help="(default: %(default)s)")
     p.add_argument("--quantize-resident", default="int4,int8,none", help="comma-separated (default: %(default)s)")
-    p.add_argument("--mode", default="hybrid", help="load mode (its caches count as held; naive reads no layer's "
-                   "resident tensors at load) (default: %(default)s)")
-    p.add_argument("--dram-budget", default="0.5", help="(default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype (default: %(default)s)")
     p.add_argument("--out", help="markdown report to write")
     return p
 
@@ -98,7 +98,10 @@ def main(argv=None) -> None:
             model_dir = args.model_dir
         rows = []
         for q in args.quantize_resident.split(","):
-            opts = {"mode": args.mode, "quantize_resident": q, "dram_budget": args.dram_budget, "context": 64}
+            # hybrid with no resident FFN rows: the resident tensors, a 64-token KV cache and one layer's
+            # (untouched) read buffer, so the peak is the resident loading's
+            opts = {"mode": "hybrid", "hybrid_fraction": 0.0, "quantize_resident": q, "context": 64,
+                    "dtype": args.dtype}
             print(f"loading with --quantize-resident {q} ...", file=sys.stderr, flush=True)
             rows.append({"quantize_resident": q, **measure(model_dir, **opts)})
     finally:

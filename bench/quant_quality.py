@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import flashllm  # noqa: E402
+from flashllm.budget import BudgetTooSmall  # noqa: E402
 from flashllm.converters import convert  # noqa: E402
 from flashllm.demo import SETTINGS as DEMO  # noqa: E402  (bfloat16, context 256)
 from flashllm.predictors import collect  # noqa: E402
@@ -62,8 +63,11 @@ def at_budget(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, bud
     """Sparse mode (oracle) at `budget` (bytes, or a fraction of this model) in the demo's dtype, token by
     token: perplexity over the first `budget_tokens` held-out tokens, greedy top-1 agreement on `gen`."""
     seq = prompt + gen
-    at = flashllm.load(model_dir, mode="sparse", predictor="oracle", window=window, dram_budget=budget,
-                       **{**DEMO, "context": max(DEMO["context"], len(seq))}, **opts)
+    try:
+        at = flashllm.load(model_dir, mode="sparse", predictor="oracle", window=window, dram_budget=budget,
+                           **{**DEMO, "context": max(DEMO["context"], len(seq))}, **opts)
+    except BudgetTooSmall as exc:
+        return {"error": "does not fit: " + str(exc).split(";")[0]}
     scored, dropped, n = [], 0.0, 0
     for c in chunks:
         if n >= budget_tokens:
@@ -92,6 +96,7 @@ def main(argv=None):
     ap.add_argument("--budget-tokens", type=int, default=256, help="held-out tokens scored at --budget "
                     "(default: %(default)s)")
     ap.add_argument("--budget-only", action="store_true", help="only the --budget table (default: off)")
+    ap.add_argument("--rows", help="comma-separated row names to measure (float32 always; default: all)")
     ap.add_argument("--no-bytes", action="store_true", help="skip the flash-bytes measurement (default: off)")
     ap.add_argument("--out", type=Path, help="write the markdown table here (and JSON beside it)")
     args = ap.parse_args(argv)
@@ -112,6 +117,9 @@ def main(argv=None):
                          "KV int8": (dirs["float32"], {"kv_bits": 8}),
                          f"int4 g{g} + resident int4 + KV int8": (dirs[f"int4 g{g}"],
                                                                   {"quantize_resident": "int4", "kv_bits": 8})})
+        if args.rows:
+            keep = {"float32", *args.rows.split(",")}
+            variants = {name: v for name, v in variants.items() if name in keep}
         ref = flashllm.load(dirs["float32"])
         chunks = collect.chunk_text(ref, collect.read_data(args.data, args.max_tokens), args.seq_len,
                                     args.max_tokens, str(args.data))
@@ -162,6 +170,9 @@ def budget_table(args, budgets: dict, ref_ppl: float, n_gen: int) -> list[str]:
     for name, by in budgets.items():
         for kind, r in by.items():
             if kind == "of its own size" and r is by["of float32"]:
+                continue
+            if "error" in r:
+                lines.append(f"| {name} | {args.budget} {kind} | | {r['error']} |" + " |" * 5)
                 continue
             lines.append(f"| {name} | {args.budget} {kind} | {r['budget_bytes'] / 2**20:.2f} | {r['cache_rows']} | "
                          f"{r['dropped_per_token']:.0f} | {r['ppl']:.4f} | {(r['ppl'] / ref_ppl - 1) * 100:+.2f}% | "

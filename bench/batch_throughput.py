@@ -134,7 +134,7 @@ def main(argv=None) -> list[dict]:
         tokenizer = flashllm.load(model_dir).tokenizer
         prompts = [tokenizer.encode(t) for t in text_prompts(args.prompts)]
         rows += measure(model_dir, prompts, float(args.budget), args.modes.split(","), batches,
-                        args.tokens, args.rounds, demo.SETTINGS | {"context": None})
+                        args.tokens, args.rounds, {k: v for k, v in demo.SETTINGS.items() if k != "context"})
     if args.opt13:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from plan_check import random_predictors

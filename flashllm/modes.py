@@ -462,7 +462,9 @@ class SparsePlan(StreamingPlan):
             pre = self.predictor.pre(layer, x) if self.resident_part else None
             mask, scores = predict_scored(self.predictor, layer, x, pre)
         self.ctx.hooks.emit("predict", layer, mask)
-        if mask.shape[0] == cost.batch:  # decode: one token, or one per sequence of a batch (their union)
+        if mask.shape[0] == cost.batch and (cost.batch == 1 or mask.any(axis=0).sum() <= self.caches[layer].capacity):
+            # decode: one token, or one per sequence of a batch whose union fits the cache (a union that does
+            # not fit is streamed through the cache rows like a prompt: exact, never dropped for batching)
             mask, scores = union(mask, scores)
             active = self._fit(layer, np.flatnonzero(mask), scores, cost)
             cost.lookahead_found.append(0)

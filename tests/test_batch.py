@@ -74,6 +74,18 @@ def test_sparse_batch_reads_the_union_once(tiny_models):
         assert cost["neurons_cached"][layer] == mask.any(axis=0).sum()  # window 1: exactly the union
 
 
+def test_sparse_batch_whose_union_overflows_the_cache_streams_it_exactly(tiny_models):
+    """At a budget whose caches hold one token's set but not a batch's union, nothing is dropped for batching."""
+    tiny = tiny_models("opt")
+    rows = (100,) * 2  # of 128 neurons: about half fire per token on random weights, three tokens need more
+    alone = one_at_a_time(tiny.model_dir, mode="sparse", predictor="oracle", window=1, cache_rows=rows)
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=1, cache_rows=rows, batch_size=3)
+    model.generate_batch(PROMPTS, max_new_tokens=NEW)
+    assert [g.token_ids for g in model.last_generations] == alone
+    steps = [c for c in model.token_stats if c["batch"] > 1]
+    assert any(c["neurons_streamed"] for c in steps) and not any(c["neurons_dropped"] for c in steps)
+
+
 def test_batch_needs_enough_kv_caches_and_a_backend_that_batches(tiny_models):
     tiny = tiny_models("llama")
     with pytest.raises(flashllm.FlashLLMError, match="batch_size=3"):

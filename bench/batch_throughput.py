@@ -67,15 +67,21 @@ def measure(model_dir, prompts: list[list[int]], budget, modes, batches, tokens,
     rows = []
     context = max(len(p) for p in prompts) + tokens
     for mode in modes:
-        runs = {b: [] for b in batches}
-        models = {b: flashllm.load(model_dir, dram_budget=budget, batch_size=b, context=context, **settings,
-                                   **MODES[mode]) for b in batches}
+        models = {}
+        for b in batches:
+            try:
+                models[b] = flashllm.load(model_dir, dram_budget=budget, batch_size=b, context=context, **settings,
+                                          **MODES[mode])
+            except flashllm.FlashLLMError as exc:  # e.g. b KV caches do not fit the budget: say so in the table
+                rows.append({"model": Path(model_dir).name, "budget": budget, "mode": mode, "batch": b,
+                             "error": str(exc).split(";")[0]})
+        runs = {b: [] for b in models}
         caps = {b: sum(m.stats.get("cache_capacity") or [0]) for b, m in models.items()}
         for _ in range(rounds):
-            for b in batches:  # interleaved: the machine's load changes between rounds, not within
+            for b in models:  # interleaved: the machine's load changes between rounds, not within
                 runs[b].append(run_batches(models[b], prompts, b, tokens))
-        one = runs[batches[0]][0]["ids"]
-        for b in batches:
+        one = runs[batches[0]][0]["ids"] if batches[0] in runs else None
+        for b in models:
             rs = runs[b]
             dec = [r["tokens"] / r["decode_ms"] * 1e3 for r in rs]
             e2e = [(r["tokens"] + len(prompts)) / (r["decode_ms"] + r["prompt_ms"]) * 1e3 for r in rs]
@@ -84,7 +90,8 @@ def measure(model_dir, prompts: list[list[int]], budget, modes, batches, tokens,
                          "decode_tok_s": float(np.median(dec)), "decode_tok_s_range": [min(dec), max(dec)],
                          "e2e_tok_s": float(np.median(e2e)), "bytes_per_token": r0["bytes"] / r0["tokens"],
                          "reads_per_token": r0["reads"] / r0["tokens"], "dropped_per_token": r0["dropped"] / r0["tokens"],
-                         "same_as_one_at_a_time": sum(a == c for a, c in zip(r0["ids"], one)), "prompts": len(prompts),
+                         "same_as_one_at_a_time": None if one is None else sum(a == c for a, c in zip(r0["ids"], one)),
+                         "prompts": len(prompts),
                          "cache_rows": caps[b], "dram_bytes": models[b].dram_bytes()})
             print(json.dumps({k: rows[-1][k] for k in ("model", "mode", "batch", "decode_tok_s", "bytes_per_token")}),
                   file=sys.stderr, flush=True)
@@ -98,6 +105,10 @@ def table(rows: list[dict], header: str) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {}
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['budget']} | {r['mode']} | {r['batch']} | not run: {r['error']} |"
+                         + " |" * 7)
+            continue
         key = (r["model"], r["budget"], r["mode"])
         base.setdefault(key, r["decode_tok_s"])
         lo, hi = r["decode_tok_s_range"]
@@ -115,7 +126,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--batches", default="1,4,16", help="batch sizes (default 1,4,16)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     p.add_argument("--modes", default="sparse,naive,hybrid", help="modes (default sparse,naive,hybrid)")
-    p.add_argument("--budget", default="0.5", help="DRAM budget of the embedded model (default 0.5)")
+    p.add_argument("--budgets", default="0.5,0.6", help="DRAM budgets of the embedded model (default 0.5,0.6)")
     p.add_argument("--opt13", default=None, help="also an OPT-1.3B-shaped model directory (bench/make_model.py)")
     p.add_argument("--opt13-budget", default="2.6GiB", help="its DRAM budget (default 2.6GiB)")
     p.add_argument("--opt13-tokens", type=int, default=4, help="its new tokens per prompt (default 4)")
@@ -133,8 +144,9 @@ def main(argv=None) -> list[dict]:
         model_dir = demo.prepare(Path(tmp) / "tiny-opt")
         tokenizer = flashllm.load(model_dir).tokenizer
         prompts = [tokenizer.encode(t) for t in text_prompts(args.prompts)]
-        rows += measure(model_dir, prompts, float(args.budget), args.modes.split(","), batches,
-                        args.tokens, args.rounds, {k: v for k, v in demo.SETTINGS.items() if k != "context"})
+        for budget in args.budgets.split(","):
+            rows += measure(model_dir, prompts, float(budget), args.modes.split(","), batches,
+                            args.tokens, args.rounds, {k: v for k, v in demo.SETTINGS.items() if k != "context"})
     if args.opt13:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from plan_check import random_predictors

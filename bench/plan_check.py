@@ -79,23 +79,27 @@ def check(model_dir: Path, budget, machine, disk, ids, prefill: int, rounds: int
     models = {"plan": flashllm.load(model_dir, context=context, **plan.load_options()),
               "hand": flashllm.load(model_dir, context=context, **hand_opts)}
     models_caps = models["hand"].stats.get("cache_capacity")
+    same = plan.mode == "sparse" and plan.window == 4 and plan.cache_rows == models_caps and \
+        models["plan"].backend.dtype_name == models["hand"].backend.dtype_name
+    if same:  # the plan is the hand defaults: one configuration, measured once (plan / hand is 1 by identity)
+        del models["hand"]
     runs = {k: [] for k in models}
     for _ in range(rounds):
         for name, m in models.items():
             runs[name].append(decode_stats(m, ids, prefill))
     med = {name: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for name, rs in runs.items()}
+    med.setdefault("hand", med["plan"])
     spread = {name: [round(r["total_ms"], 2) for r in rs] for name, rs in runs.items()}
     del models
     pred, meas = plan.predicted, med["plan"]
     hand_pred = next((a for a in plan.alternatives if "runtime default" in a["what"]), None)
-    if hand_pred is None and plan.mode == "sparse" and plan.window == 4 and \
-            plan.cache_rows == models_caps:
+    if hand_pred is None and same:
         hand_pred = pred
     model_ms = pred.get("model_ms", pred["total_ms"])
     return {"model": model_dir.name, "budget": budget, "plan": {k: v for k, v in plan.to_dict().items()
                                                                if k in ("mode", "dtype", "window", "cache_rows",
                                                                         "hybrid_fraction")},
-            "load": [round(x, 1) for x in load_before + os.getloadavg()[:1]], "notes": plan.notes,
+            "load": [round(x, 1) for x in load_before + os.getloadavg()[:1]], "notes": plan.notes, "plan_is_hand": same,
             "model_ms": model_ms, "model_error": meas["total_ms"] / model_ms - 1,
             "plan_seconds": round(plan_s, 1), "predicted": pred, "measured": meas, "hand": med["hand"],
             "rounds_total_ms": spread, "error": meas["total_ms"] / pred["total_ms"] - 1,
@@ -112,7 +116,8 @@ def table(results: list[dict], header: str) -> str:
     for r in results:
         p = r["plan"]
         what = p["mode"] + (f" w{p['window']}" if p["mode"] == "sparse" else
-                            f" {p['hybrid_fraction']:.2f}" if p["mode"] == "hybrid" else "") + f" {p['dtype']}"
+                            f" {p['hybrid_fraction']:.2f}" if p["mode"] == "hybrid" else "") + f" {p['dtype']}" + \
+            (" (= hand)" if r["plan_is_hand"] else "")
         pr, me = r["predicted"], r["measured"]
         parts = " / ".join(", ".join(f"{x[k]:.1f}" for k in PARTS[1:]) for x in (pr, me))
         lines.append(f"{r['model']:<10}{str(r['budget']):>8}  {what:<30}{r['model_ms']:>9.1f}{r['model_error']:>+8.0%}"

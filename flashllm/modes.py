@@ -477,7 +477,8 @@ class SparsePlan(StreamingPlan):
 
     def _prefill(self, layer: int, x, mask: np.ndarray, scores: np.ndarray | None, cost, pre=None):
         """Several tokens at once: stream the predicted union (or the whole layer, if cheaper) through
-        the cache rows in chunks, then leave the cache as if the last `window` tokens were decoded."""
+        the cache rows in chunks, then leave the cache as if the last `window` tokens were decoded (a
+        prompt; a batch step whose union did not fit leaves it empty)."""
         cache, B = self.caches[layer], self.backend
         cache.reset()  # the window's rows serve as the read buffer below; pinned rows stay and are computed
         h = cache.pinned
@@ -497,7 +498,8 @@ class SparsePlan(StreamingPlan):
             y = part if y is None else B.add(y, part)
         cache.reset()
         loaded = 0
-        for t in range(max(0, len(mask) - self.window), len(mask)):
+        replayed = len(mask) if cost.batch == 1 else 0  # a batch's rows are sequences, not a window of tokens
+        for t in range(max(0, replayed - self.window), replayed):
             active = np.flatnonzero(mask[t])
             if len(active) > cache.capacity:  # cache state only: the output above used every predicted neuron
                 active = active[np.argsort(-scores[t][active], kind="stable")[:cache.capacity]] \

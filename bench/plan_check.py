@@ -2,7 +2,10 @@
 
 In one run: the machine and the model's disk are profiled afresh; then for each model and budget the
 plan is made, and the planned settings and the hand defaults (sparse, window 4, default dtype and
-threads, same budget) decode the same held-out tokens in interleaved rounds (median per-token stats).
+threads, same budget) decode the same held-out tokens in interleaved rounds. Measured = the typical decode
+token of all rounds pooled (calibration.typical: the mean over tokens whose latency lies in the interquartile
+range, the planner's own estimator; two warm-up tokens per round not counted); noise = half that range over
+the median.
 
 Models: the embedded model (converted into a temporary directory, its shipped predictors) and, with
 --opt13 DIR, an OPT-1.3B-shaped model written by `bench/make_model.py --shape opt-1.3b` (random weights;
@@ -26,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 import flashllm  # noqa: E402
-from flashllm import demo, disk_profile, planner, profile  # noqa: E402
+from flashllm import calibration, demo, disk_profile, planner, profile  # noqa: E402
 from flashllm import format as fmt  # noqa: E402
 
 import stdlib_corpus  # noqa: E402
@@ -62,10 +65,11 @@ def token_ids(model_dir: Path, n: int, text: str) -> list[int]:
     return [int(i) for i in np.random.default_rng(1).integers(3, m.spec.vocab_size, n)]
 
 
-def decode_stats(model, ids: list[int], prefill: int) -> dict:
-    model.plan.reset()
-    model.logits(ids, prefill=prefill)
-    return {k: model.stats[k] for k in PARTS + ("bytes_read", "reads", "neurons_dropped")}
+def decode_stats(model, rounds_rows: list[dict]) -> dict:
+    """The typical decode token over every round (calibration.typical: the planner's own estimator)."""
+    m = calibration.typical(rounds_rows)
+    return {**{k: getattr(m, k) for k in PARTS + ("bytes_read", "reads", "spread")},
+            "neurons_dropped": float(np.mean([r["neurons_dropped"] for r in rounds_rows]))}
 
 
 def check(model_dir: Path, budget, machine, disk, ids, prefill: int, rounds: int, context: int, data,
@@ -86,10 +90,10 @@ def check(model_dir: Path, budget, machine, disk, ids, prefill: int, rounds: int
     runs = {k: [] for k in models}
     for _ in range(rounds):
         for name, m in models.items():
-            runs[name].append(decode_stats(m, ids, prefill))
-    med = {name: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for name, rs in runs.items()}
+            runs[name] += calibration.token_costs(m, ids, prefill, planner.CALIBRATE_WARMUP)
+    med = {name: decode_stats(models[name], rs) for name, rs in runs.items()}
     med.setdefault("hand", med["plan"])
-    spread = {name: [round(r["total_ms"], 2) for r in rs] for name, rs in runs.items()}
+    spread = {name: [round(r["total_ms"], 1) for r in rs] for name, rs in runs.items()}
     del models
     pred, meas = plan.predicted, med["plan"]
     hand_pred = next((a for a in plan.alternatives if "runtime default" in a["what"]), None)
@@ -110,7 +114,7 @@ def check(model_dir: Path, budget, machine, disk, ids, prefill: int, rounds: int
 
 def table(results: list[dict], header: str) -> str:
     lines = [header, "", f"{'model':<10}{'budget':>8}  {'plan':<30}{'model ms':>9}{'error':>8}{'pred ms':>9}"
-             f"{'meas ms':>9}{'error':>8}"
+             f"{'meas ms':>9}{'noise':>7}{'error':>8}"
              f"{'hand ms':>9}{'(pred)':>8}{'plan/hand':>10}{'dropped p/h':>13}{'KiB/tok p/m':>15}{'reads p/m':>13}"
              f"{'load':>11}   predicted / measured parts (compute, predictor, io, mem ms)"]
     for r in results:
@@ -121,7 +125,7 @@ def table(results: list[dict], header: str) -> str:
         pr, me = r["predicted"], r["measured"]
         parts = " / ".join(", ".join(f"{x[k]:.1f}" for k in PARTS[1:]) for x in (pr, me))
         lines.append(f"{r['model']:<10}{str(r['budget']):>8}  {what:<30}{r['model_ms']:>9.1f}{r['model_error']:>+8.0%}"
-                     f"{pr['total_ms']:>9.1f}{me['total_ms']:>9.1f}"
+                     f"{pr['total_ms']:>9.1f}{me['total_ms']:>9.1f}{me['spread']:>7.0%}"
                      f"{r['error']:>+8.0%}{r['hand']['total_ms']:>9.1f}"
                      f"{(r['hand_predicted'] or {}).get('total_ms', float('nan')):>8.1f}{r['plan_over_hand']:>10.2f}"
                      f"{me['neurons_dropped']:>7.0f}/{r['hand']['neurons_dropped']:<5.0f}"
@@ -173,7 +177,8 @@ def main(argv=None) -> list[dict]:
                 results.append(r)
     command = "python bench/plan_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = table(results, f"{command}\nmachine: {machine.host}, torch threads {machine.torch_threads}; "
-                          f"{args.rounds} interleaved rounds of {args.tokens} decode tokens, medians")
+                          f"{args.rounds} interleaved rounds of {args.tokens} decode tokens, typical token "
+                          f"(interquartile mean); load = load average before/after each check (2 cores)")
     print(text)
     if args.out:
         Path(args.out + ".json").write_text(json.dumps({"command": command, "machine": machine.to_dict(),

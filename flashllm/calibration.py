@@ -41,9 +41,15 @@ def measure(model_dir, options: dict, ids: list[int], prefill: int, warmup: int 
     """Decode ids[prefill:] after the prompt ids[:prefill] with `options` (LoadOptions fields); the
     first `warmup` decode tokens are not counted (caches fill, allocations settle)."""
     from . import load
+
+    return typical(token_costs(load(model_dir, **options), ids, prefill, warmup))
+
+
+def token_costs(model, ids: list[int], prefill: int, warmup: int = 2) -> list[dict]:
+    """Per decode token of ids[prefill:] (after the prompt ids[:prefill] and `warmup` uncounted decode
+    tokens): the runtime's stats and the FFN kernels' time from its part timer."""
     from .stats import PartTimer
 
-    model = load(model_dir, **options)
     timer = model.backend.parts = PartTimer(model.backend.sync)
     model.logits(ids[:prefill])
     rows = []
@@ -53,12 +59,20 @@ def measure(model_dir, options: dict, ids: list[int], prefill: int, warmup: int 
         cost = model.token_stats[-1]
         if i >= warmup:
             rows.append({**{k: cost[k] for k in FIELDS if k != "ffn_ms"}, "ffn_ms": timer.ms["ffn"],
-                         "bytes_read": cost["bytes_read"], "reads": cost["reads"]})
+                         "bytes_read": cost["bytes_read"], "reads": cost["reads"],
+                         "neurons_dropped": cost["neurons_dropped"]})
+    model.backend.parts = None
     if not rows:
         raise ValueError(f"no decode tokens measured: {len(ids)} ids, prefill {prefill}, warm-up {warmup}")
+    return rows
+
+
+def typical(rows: list[dict]) -> Measured:
+    """The typical token of `rows` (token_costs): means over the tokens whose latency lies in the
+    interquartile range, so the parts still add up; `spread` is half that range over the median."""
     totals = np.array([r["total_ms"] for r in rows])
     q1, q3 = np.percentile(totals, [25, 75])
-    mid = [r for r in rows if q1 <= r["total_ms"] <= q3]  # robust, and the parts still add up to the total
+    mid = [r for r in rows if q1 <= r["total_ms"] <= q3]
     mean = {k: float(np.mean([r[k] for r in mid])) for k in FIELDS + ("bytes_read", "reads")}
     return Measured(**mean, spread=float((q3 - q1) / 2 / np.median(totals)), tokens=len(rows))
 

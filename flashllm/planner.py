@@ -35,7 +35,7 @@ PLAN_FILE = "plan.json"
 PLAN_FORMAT, PLAN_VERSION = "flashllm-plan", 1
 MAX_DROPPED = 0.0  # default share of predicted neurons a plan may drop for lack of cache rows
 SAMPLE_TOKENS = 512
-CALIBRATE_TOKENS = 8  # decode tokens the runtime measures per mode (0: the cost model alone)
+CALIBRATE_TOKENS = 12  # decode tokens the runtime measures per mode (0: the cost model alone)
 CALIBRATE_PREFILL, CALIBRATE_WARMUP = 4, 2  # prompt tokens before them; decode tokens not counted
 
 

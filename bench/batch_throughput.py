@@ -67,21 +67,23 @@ def measure(model_dir, prompts: list[list[int]], budget, modes, batches, tokens,
     rows = []
     context = max(len(p) for p in prompts) + tokens
     for mode in modes:
-        models = {}
-        for b in batches:
-            try:
-                models[b] = flashllm.load(model_dir, dram_budget=budget, batch_size=b, context=context, **settings,
-                                          **MODES[mode])
-            except flashllm.FlashLLMError as exc:  # e.g. b KV caches do not fit the budget: say so in the table
-                rows.append({"model": Path(model_dir).name, "budget": budget, "mode": mode, "batch": b,
-                             "error": str(exc).split(";")[0]})
-        runs = {b: [] for b in models}
-        caps = {b: sum(m.stats.get("cache_capacity") or [0]) for b, m in models.items()}
+        runs, caps, dram = {}, {}, {}
         for _ in range(rounds):
-            for b in models:  # interleaved: the machine's load changes between rounds, not within
-                runs[b].append(run_batches(models[b], prompts, b, tokens))
+            for b in batches:  # interleaved: the machine's load changes between rounds; one model held at a time
+                try:
+                    model = flashllm.load(model_dir, dram_budget=budget, batch_size=b, context=context, **settings,
+                                          **MODES[mode])
+                except flashllm.FlashLLMError as exc:  # e.g. b KV caches do not fit the budget: say so in the table
+                    if b not in caps:
+                        caps[b] = None
+                        rows.append({"model": Path(model_dir).name, "budget": budget, "mode": mode, "batch": b,
+                                     "error": str(exc).split(";")[0]})
+                    continue
+                caps[b], dram[b] = sum(model.stats.get("cache_capacity") or [0]), model.dram_bytes()
+                runs.setdefault(b, []).append(run_batches(model, prompts, b, tokens))
+                del model
         one = runs[batches[0]][0]["ids"] if batches[0] in runs else None
-        for b in models:
+        for b in runs:
             rs = runs[b]
             dec = [r["tokens"] / r["decode_ms"] * 1e3 for r in rs]
             e2e = [(r["tokens"] + len(prompts)) / (r["decode_ms"] + r["prompt_ms"]) * 1e3 for r in rs]
@@ -92,11 +94,10 @@ def measure(model_dir, prompts: list[list[int]], budget, modes, batches, tokens,
                          "reads_per_token": r0["reads"] / r0["tokens"], "dropped_per_token": r0["dropped"] / r0["tokens"],
                          "same_as_one_at_a_time": None if one is None else sum(a == c for a, c in zip(r0["ids"], one)),
                          "prompts": len(prompts),
-                         "cache_rows": caps[b], "dram_bytes": models[b].dram_bytes()})
+                         "cache_rows": caps[b], "dram_bytes": dram[b]})
             print(json.dumps({k: rows[-1][k] for k in ("model", "mode", "batch", "decode_tok_s", "bytes_per_token")}),
                   file=sys.stderr, flush=True)
-        del models
-    return rows
+    return sorted(rows, key=lambda r: (r["budget"], list(modes).index(r["mode"]), r["batch"]))
 
 
 def table(rows: list[dict], header: str) -> str:
@@ -141,10 +142,12 @@ def main(argv=None) -> list[dict]:
     load = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory(prefix="flashllm-batch-") as tmp:
+        if not args.budgets:  # --budgets "": only the --opt13 model
+            args.budgets, args.modes = "", ""
         model_dir = demo.prepare(Path(tmp) / "tiny-opt")
         tokenizer = flashllm.load(model_dir).tokenizer
         prompts = [tokenizer.encode(t) for t in text_prompts(args.prompts)]
-        for budget in args.budgets.split(","):
+        for budget in filter(None, args.budgets.split(",")):
             rows += measure(model_dir, prompts, float(budget), args.modes.split(","), batches,
                             args.tokens, args.rounds, {k: v for k, v in demo.SETTINGS.items() if k != "context"})
     if args.opt13:

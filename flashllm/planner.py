@@ -245,15 +245,10 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
     nbudget = _budget_bytes(budget, manifest)
     meta = json.loads((manifest.root / PREDICTOR_META).read_text()) if (manifest.root / PREDICTOR_META).is_file() else None
     ranks = [int(layer["rank"]) for layer in meta["layers"]] if meta else None
-    replays = None
-    if meta:
-        log(f"replaying the predictors' sets on {sample_tokens} sample tokens through the cache")
-        stride = manifest.layout.stride
-        gap_rows = (disk.gap_bytes(threads) if gap_bytes is None else gap_bytes) // stride
-        replays = Replays(sample_masks(model_dir, data, sample_tokens), spec.d_ffn, gap_rows, max(1, (1 << 20) // stride))
-        fractions = [f.get("predicted_fraction") for f in meta["layers"]]
+    fractions = [f.get("predicted_fraction") for f in meta["layers"]] if meta else None
     ids = sample_ids(model_dir, data, CALIBRATE_PREFILL + CALIBRATE_WARMUP + calibrate_tokens) if calibrate_tokens else None
     options, notes, reference, defaults, noise = [], [], [], None, 0.0
+    dtypes = dtypes or [default_compute_dtype(None, manifest.dtype, True)]
 
     def measured(plan: Plan, what: str):
         """The runtime's own costs of `plan` (calibration.Measured), or None with a note if it cannot run."""
@@ -276,7 +271,28 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
             noise = max(noise, m.spread)
         options.append((parts, plan, what))
 
-    for dtype in dtypes or [default_compute_dtype(None, manifest.dtype, True)]:
+    def sparse_defaults(dtype: str) -> tuple[dict, int, list[int] | None]:
+        """(memory, bytes for caches, the runtime's default cache rows) at this budget."""
+        mem = fixed_bytes(manifest, dtype, context, ranks)
+        avail = (10 ** 18) if nbudget is None else nbudget - mem["resident"] - mem["staging"] - mem["predictors"]
+        return mem, avail, _runtime_capacities(avail, mem["row"], spec, fractions, nbudget is None)
+
+    # the sparse defaults are measured first, before the replay or another mode has read the model's file
+    # (reads a host-side disk cache still holds would flatter them)
+    sparse_measured = {}
+    for dtype in dtypes if meta and ids else ():
+        default = sparse_defaults(dtype)[2]
+        if default is not None:
+            sparse_measured[dtype] = measured(Plan("sparse", dtype, nbudget, window=4, cache_rows=default,
+                                                   threads=threads), f"sparse window 4, runtime defaults, compute {dtype}")
+    replays = None
+    if meta:
+        log(f"replaying the predictors' sets on {sample_tokens} sample tokens through the cache")
+        stride = manifest.layout.stride
+        gap_rows = (disk.gap_bytes(threads) if gap_bytes is None else gap_bytes) // stride
+        replays = Replays(sample_masks(model_dir, data, sample_tokens), spec.d_ffn, gap_rows, max(1, (1 << 20) // stride))
+
+    for dtype in dtypes:
         mem = fixed_bytes(manifest, dtype, context, ranks)
         tag = f"compute {dtype}"
         dense_need = mem["resident"] + mem["dense_rows"]
@@ -296,15 +312,14 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
                 add(hybrid_cost(machine, disk, manifest, dtype, mem, h, threads), plan, what, m)
         if replays is None:
             continue
-        avail = (10 ** 18) if nbudget is None else nbudget - mem["resident"] - mem["staging"] - mem["predictors"]
-        default = _runtime_capacities(avail, mem["row"], spec, fractions, nbudget is None)
+        mem, avail, default = sparse_defaults(dtype)
         layer_curves = replays.curves(default)
         cal = None
         if default is not None:  # the runtime's own sizing at the default window: the hand defaults
             parts, extra = _sparse_parts(machine, disk, manifest, dtype, mem, replays, 4, default, ranks, threads)
             what = f"sparse window 4, runtime default caches, {tag}"
             plan = Plan("sparse", dtype, nbudget, window=4, cache_rows=default, threads=threads, predicted=extra)
-            m = measured(plan, what) if ids else None
+            m = sparse_measured.get(dtype)
             if m is not None:
                 from . import calibration
 

@@ -66,14 +66,28 @@ def test_pytorch_bin_checkpoint_loads_weights_only(tmp_path):
 
 
 def test_float16_storage_matches_the_rounded_weights(tiny_models, tmp_path):
-    """float16 files, computed in float32 on a CPU: the only change is rounding each weight to float16,
-    so transformers on the same rounded weights is the reference, to float32 accuracy."""
+    """float16 files, computed in float32 (--dtype float32): the only change is rounding each weight to
+    float16, so transformers on the same rounded weights is the reference, to float32 accuracy."""
     tiny = tiny_models("phi")
     out = convert(tiny.ckpt, tmp_path / "f16", dtype="float16", progress=False)
-    model = flashllm.load(out)
+    model = flashllm.load(out, dtype="float32")
     assert fmt.read_manifest(out).data["dtype"] == "float16" and model.backend.dtype == torch.float32
     rounded = copy.deepcopy(tiny.hf).to(torch.float16).to(torch.float32)
     np.testing.assert_allclose(model.logits(IDS, prefill=3), hf_logits(rounded, IDS), atol=1e-4, rtol=1e-4)
+
+
+def test_float16_computes_in_float16_as_accurately_as_transformers(tiny_models, tmp_path):
+    """float16 files compute in float16 by default on the torch CPU backend: the error against the
+    float32 forward of the same rounded weights is bounded by transformers' own float16 forward (x 1.5)."""
+    tiny = tiny_models("llama")
+    out = convert(tiny.ckpt, tmp_path / "f16", dtype="float16", progress=False)
+    model = flashllm.load(out)
+    assert model.backend.dtype == torch.float16
+    rounded = copy.deepcopy(tiny.hf).to(torch.float16)
+    ref = hf_logits(copy.deepcopy(rounded).to(torch.float32), IDS)
+    hf_error = np.abs(hf_logits(rounded, IDS) - ref).max()
+    our_error = np.abs(model.logits(IDS, prefill=3) - ref).max()
+    assert 0 < our_error <= 1.5 * hf_error, (our_error, hf_error)
 
 
 def test_bfloat16_is_as_accurate_as_transformers_in_bfloat16(tiny_models, tmp_path):

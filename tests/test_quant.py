@@ -193,9 +193,9 @@ def test_every_mode_on_quantized_bundles_matches_dense(tiny_models, tmp_path, ba
     if backend == "mlx":
         pytest.importorskip("mlx.core")
     out = convert(tiny_models("opt").ckpt, tmp_path / "q", dtype="float16", quantize="int4", progress=False)
-    dense = flashllm.load(out, backend=backend).logits(IDS, prefill=4)
+    dense = flashllm.load(out, backend=backend, dtype="float32").logits(IDS, prefill=4)
     for mode, kw in (("naive", {}), ("hybrid", {"hybrid_fraction": 0.5}),
                      ("sparse", {"predictor": "oracle", "window": 2})):
-        model = flashllm.load(out, backend=backend, mode=mode, **kw)
+        model = flashllm.load(out, backend=backend, mode=mode, dtype="float32", **kw)
         np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-4, rtol=1e-4)
         assert model.stats["bytes_read"] > 0

@@ -86,7 +86,7 @@ def test_every_mode_with_everything_quantized_matches_dense(tiny_models, tmp_pat
     if backend == "mlx":
         pytest.importorskip("mlx.core")
     out = convert(tiny_models("llama-relu").ckpt, tmp_path / "q", dtype="float16", quantize="int4", progress=False)
-    opts = dict(backend=backend, quantize_resident="int4", kv_bits=8)
+    opts = dict(backend=backend, quantize_resident="int4", kv_bits=8, dtype="float32")
     dense = flashllm.load(out, **opts).logits(IDS, prefill=4)
     for mode, kw in (("naive", {}), ("hybrid", {"hybrid_fraction": 0.5}),
                      ("sparse", {"predictor": "oracle", "window": 2})):
@@ -100,8 +100,8 @@ def test_every_mode_with_everything_quantized_matches_dense(tiny_models, tmp_pat
         assert isinstance(store.parts["up"], QuantArray) and store.parts["up"].bits == 4
         lay = model.layout
         assert model.compute_row_bytes() < len(lay.parts) * lay.d_model * model.backend.itemsize / 3
-        torch_dense = flashllm.load(out, quantize_resident="none", kv_bits=8).logits(IDS, prefill=4)
-        mlx_dense = flashllm.load(out, backend="mlx", kv_bits=8).logits(IDS, prefill=4)
+        torch_dense = flashllm.load(out, quantize_resident="none", kv_bits=8, dtype="float32").logits(IDS, prefill=4)
+        mlx_dense = flashllm.load(out, backend="mlx", kv_bits=8, dtype="float32").logits(IDS, prefill=4)
         np.testing.assert_allclose(mlx_dense, torch_dense, atol=1e-4, rtol=1e-4)
 
 

@@ -23,12 +23,15 @@ RESIDENT_QUANT_BITS = {"none": None, "int8": 8, "int4": 4}  # --quantize-residen
 QUANTIZED_RESIDENT = re.compile(r"(embed|lm_head|layers\.\d+\.[qkvo])\.weight")
 
 
-def default_compute_dtype(requested: str | None, storage: str, on_cpu: bool) -> str:
-    """The compute dtype, alike in every backend: the requested one, else the storage dtype, except
-    float16 files on a CPU, which compute in float32 (MLX and torch CPU matmuls are slower in float16)."""
+def default_compute_dtype(requested: str | None, storage: str, on_cpu: bool, float16_on_cpu: bool = True) -> str:
+    """The compute dtype: the requested one, else the storage dtype, except float16 files on a CPU
+    whose backend is slow in float16 (`float16_on_cpu` False: MLX's CPU build), which compute in
+    float32. torch CPU keeps float16: its matrix-vector products stream float16 at least as many
+    values per second as float32 at half the bytes, and a 7B float16 model fits in DRAM only so
+    (bench/results/compute_roofline.md; quality cost in bench/results/compute_dtype.md)."""
     if requested is not None:
         return requested
-    return "float32" if on_cpu and storage == "float16" else storage
+    return "float32" if on_cpu and storage == "float16" and not float16_on_cpu else storage
 
 
 def compute_threads(requested: int | None, current: int) -> int:

@@ -65,7 +65,7 @@ class MLXBackend(Backend):
         self.spec = spec
         self.device = _device(device)
         mx.set_default_device(self.device)
-        self.dtype_name = default_compute_dtype(dtype, storage_dtype, self.device == mx.cpu)
+        self.dtype_name = default_compute_dtype(dtype, storage_dtype, self.device == mx.cpu, float16_on_cpu=False)
         self.storage_dtype_name = storage_dtype
         self.dtype = self._mx = DTYPES[self.dtype_name]
         self.itemsize = self.dtype.size

@@ -17,7 +17,7 @@
    of the roofline of its backend and dtype. "python/other" is compute_ms minus the timed parts.
 
 Configurations: before (kernels="plain": the file's tensors with torch's default kernels, 2 threads),
-after (the defaults: kernels="tuned", compute threads by the machine's load), after-1t / after-2t
+session2 (tuned kernels, 2 threads), after (the defaults: kernels="tuned", compute threads by the machine's load), after-1t / after-2t
 (compute_threads 1 / 2), after-passive (2 threads, OMP_WAIT_POLICY=PASSIVE), mlx. Each run also
 records the process's CPU seconds per token ("cpu ms"): on a loaded machine wall time is mostly
 waiting for a core, and CPU time shows the work itself.
@@ -43,8 +43,9 @@ sys.path.insert(0, str(BENCH.parent))  # run from a checkout
 
 GB = 1e9
 CONFIGS = {  # name -> (load options, extra environment)
-    "before": (dict(kernels="plain", compute_threads=2), {}),  # the kernels and threads of session 2
-    "after": (dict(kernels="tuned"), {}),  # the defaults (threads by the machine's load)
+    "before": (dict(kernels="plain", compute_threads=2), {}),  # the kernels and threads of session 1
+    "session2": (dict(kernels="tuned", compute_threads=2), {}),  # session 2's defaults (2 threads)
+    "after": (dict(kernels="tuned", dtype=None), {}),  # every default (dtype, threads by the machine's load)
     "after-1t": (dict(kernels="tuned", compute_threads=1), {}),
     "after-2t": (dict(kernels="tuned", compute_threads=2), {}),
     "after-passive": (dict(kernels="tuned", compute_threads=2), {"OMP_WAIT_POLICY": "PASSIVE"}),
@@ -237,7 +238,7 @@ def child(args) -> dict:
         trace = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(trace)
         predictor = trace.trace_predictor_factory(args.trace, 0, args.predictor_rank)
-    load = dict(mode=args.mode, dtype=args.dtype, dram_budget=args.dram_budget, window=args.window, **options)
+    load = {**dict(mode=args.mode, dtype=args.dtype, dram_budget=args.dram_budget, window=args.window), **options}
     if args.mode == "sparse":
         load["predictor"] = predictor
     t0 = time.perf_counter()
@@ -379,7 +380,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", nargs="+", default=["torch", "mlx"], help="roofline backends (default: %(default)s)")
     p.add_argument("--roofline-dtypes", nargs="+", default=["bfloat16", "float16", "float32", "int8", "int4"],
                    help="(default: %(default)s)")
-    p.add_argument("--roofline-rounds", type=int, default=3, help="(default: %(default)s)")
+    p.add_argument("--roofline-rounds", type=int, default=3, help="0: no roofline (default: %(default)s)")
     p.add_argument("--out", default=None, help="write the Markdown report here too")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -406,8 +407,8 @@ def main(argv=None) -> int:
                 (f", window {args.window}, active sets from {'the trace' if args.trace else args.predictor}"
                  if args.mode == "sparse" else ""), spec=spec)
     print("roofline ...", file=sys.stderr)
-    roof = roofline(spec, args.backends, args.roofline_dtypes, args.roofline_rounds)
-    survey = down_survey(spec, args.roofline_dtypes, args.roofline_rounds)
+    roof = roofline(spec, args.backends, args.roofline_dtypes, args.roofline_rounds) if args.roofline_rounds else []
+    survey = down_survey(spec, args.roofline_dtypes, args.roofline_rounds) if args.roofline_rounds else []
     runs = []
     for r in range(args.rounds):
         for config in args.configs:

@@ -71,11 +71,11 @@ def test_compute_threads_requested_or_by_load(tiny_models, monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_compute_roofline_bench_reports_every_part(tiny, tmp_path):
+def test_compute_roofline_bench_reports_every_part(tiny_models, tmp_path):
     from tiny import bench
 
     out = tmp_path / "roof.md"
-    bench("compute_roofline").main([str(tiny.model_dir), "--mode", "sparse", "--configs", "before", "after-1t",
+    bench("compute_roofline").main([str(tiny_models("llama").model_dir), "--mode", "sparse", "--configs", "before", "after-1t",
                                     "--rounds", "1", "--tokens", "2", "--warmup", "1", "--backends", "torch",
                                     "--roofline-dtypes", "float32", "--roofline-rounds", "1", "--out", str(out)])
     text = out.read_text()

@@ -182,10 +182,12 @@ def model_bytes(spec: ArchSpec, itemsize: int, bundled: bool = True, quantize: s
 
 def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: int = 0, bundled: bool = True,
                 force: bool = False, progress: bool | None = None, shape_name: str = "",
-                quantize: str = "none") -> Path:
+                quantize: str = "none", link_resident: Path | None = None) -> Path:
     """Write the flashllm model directory `out` (atomically: temp dir + rename); `quantize` int8/int4
     stores the FFN bundles (or an MoE model's experts: codes drawn directly, see quantized_expert_bundles)
-    group-wise quantized, as `flashllm convert --quantize` does."""
+    group-wise quantized, as `flashllm convert --quantize` does. `link_resident`: a model directory of
+    the same spec, dtype and seed whose resident file (the same bytes: quantization is of the FFN only)
+    is hard-linked instead of written again (a 7B shape's 4.8 GB)."""
     from tqdm import tqdm
 
     from flashllm.converters.moe_families import expert_bundles, write_experts
@@ -198,6 +200,8 @@ def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: in
     ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
     weights = RandomWeights(spec, dtype_name, seed)
     shapes = fmt.resident_shapes(spec)
+    if link_resident is not None:
+        _check_same_resident(Path(link_resident), spec, dtype_name, seed)
     tmp = make_temporary(out)
     try:
         total = model_bytes(spec, itemsize, bundled, quantize)
@@ -212,8 +216,12 @@ def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: in
                     drop()
                 return t
 
-            write_safetensors(tmp / fmt.RESIDENT_FILE, [(n, dtype_name, s) for n, s in shapes.items()], produce,
-                              metadata={"format": fmt.FORMAT_NAME})
+            if link_resident is not None:
+                os.link(Path(link_resident) / fmt.RESIDENT_FILE, tmp / fmt.RESIDENT_FILE)
+                bar.update(sum(int(np.prod(s)) for s in shapes.values()) * itemsize)
+            else:
+                write_safetensors(tmp / fmt.RESIDENT_FILE, [(n, dtype_name, s) for n, s in shapes.items()], produce,
+                                  metadata={"format": fmt.FORMAT_NAME})
             drop()
             drop_ffn = _Dropper(tmp / ffn_file)
 
@@ -241,6 +249,16 @@ def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: in
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _check_same_resident(src: Path, spec: ArchSpec, dtype_name: str, seed: int) -> None:
+    """--link-resident: SRC must be a make_model model of this spec, dtype and seed."""
+    manifest = fmt.read_manifest(src, verify=False)
+    source = manifest.data.get("source", {})
+    if not (source.get("random_weights") and source.get("seed") == seed and manifest.dtype == dtype_name
+            and manifest.spec == spec):
+        raise FlashLLMError(f"--link-resident {src}: not a bench/make_model.py model of this shape, dtype "
+                            f"{dtype_name} and seed {seed}")
 
 
 # -- the same weights as an HF checkpoint ------------------------------------------------------
@@ -365,6 +383,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="FFN bundles (MoE shapes: experts) group-wise quantized as `flashllm convert --quantize` "
                    "stores them (asymmetric, groups of 64; default: %(default)s)")
+    p.add_argument("--link-resident", default=None, metavar="DIR",
+                   help="hard-link DIR's resident file (a model of the same shape, dtype and seed, e.g. the float16 "
+                   "one beside a --quantize one) instead of writing it again")
     p.add_argument("--activation", default=None, help="override the shape's activation (e.g. silu)")
     p.add_argument("--hf", action="store_true", help="also write an HF checkpoint of the same weights")
     p.add_argument("--hf-out", default=None, help="where to write it (default OUT/hf)")
@@ -379,7 +400,7 @@ def main(argv=None) -> Path:
     t0 = time.perf_counter()
     try:
         out = write_model(spec, Path(args.out), args.dtype, args.seed, not args.no_bundle, args.force,
-                          False if args.quiet else None, args.shape, args.quantize)
+                          False if args.quiet else None, args.shape, args.quantize, args.link_resident)
     except FlashLLMError as exc:
         raise SystemExit(f"make_model: error: {exc}") from None
     size = sum(e["size"] for e in fmt.read_manifest(out, verify=False).data["files"].values())

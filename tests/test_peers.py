@@ -210,3 +210,18 @@ def test_gguf_convert_of_a_shape_equals_the_conversion_of_its_hf_checkpoint(tmp_
     c = gc.convert(None, tmp_path / "c.gguf", llama_cpp=root, shape="tiny-llama", seed=6)
     tc = {t.name: t for t in gguf.GGUFReader(c).tensors}
     assert not np.array_equal(tc["blk.0.attn_q.weight"].data, tb["blk.0.attn_q.weight"].data)
+
+
+def test_link_resident_reuses_the_same_bytes_and_refuses_another_seed(tmp_path):
+    mm = bench("make_model")
+    f16 = mm.main(["--shape", "tiny-llama", "--out", str(tmp_path / "a"), "--seed", "2", "--quiet"])
+    written = mm.main(["--shape", "tiny-llama", "--out", str(tmp_path / "b"), "--seed", "2", "--quantize", "int4",
+                       "--quiet"])
+    linked = mm.main(["--shape", "tiny-llama", "--out", str(tmp_path / "c"), "--seed", "2", "--quantize", "int4",
+                      "--link-resident", str(f16), "--quiet"])
+    assert (linked / "resident.safetensors").stat().st_ino == (f16 / "resident.safetensors").stat().st_ino
+    assert (linked / "resident.safetensors").read_bytes() == (written / "resident.safetensors").read_bytes()
+    assert (linked / "ffn.bin").read_bytes() == (written / "ffn.bin").read_bytes()
+    with pytest.raises(SystemExit, match="--link-resident .*seed 3"):
+        mm.main(["--shape", "tiny-llama", "--out", str(tmp_path / "d"), "--seed", "3", "--link-resident", str(f16),
+                 "--quiet"])

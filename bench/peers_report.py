@@ -168,8 +168,10 @@ def markdown(report: dict) -> str:
                f"- tokens: flashllm {report['warmup']} warm-up + {report['tokens']} timed decode tokens (sparse, "
                f"compute {fl.get('compute_dtype', '?')}") + (f", resident matrices {report['quantize_resident']}"
                                                             if report.get("quantize_resident", "none") != "none" else "")
-              + "); llama.cpp llama-bench 1 warm-up + {report['tokens']} timed; "
-              f"accelerate a 1-token prompt + {report['tokens']} timed; random token ids; "
+              + f"); llama.cpp llama-bench 1 warm-up + {report['tokens']} timed; "
+              + (f"accelerate a 1-token prompt + {report['tokens']} timed; "
+                 if any(r["peer"] == "accelerate" for r in report["runs"]) else "")
+              + "random token ids; "
               f"OMP_WAIT_POLICY={report['omp_wait_policy']} for every run"]
     if fl and moe:
         lines += [f"- flashllm per token ({r['label']}, first round): {r['bytes_read'] / GB:.3f} GB read from flash; "

@@ -142,7 +142,7 @@ def test_moe_model_runs_once_per_routing_with_budget_of_the_gguf(tmp_path):
     assert all(r["outcome"] == "ran" and r["ms_per_token"] > 0 and 0 <= r["expert_hit_rate"] <= 1 for r in fl)
     md = (tmp_path / "p.md").read_text()
     assert "(50% of the GGUF's" in md and "experts streamed, replayed routing" in md
-    assert "computes only the top-2 experts" in md
+    assert "computes only the top-2 experts" in md and "llama-bench 1 warm-up + 2 timed; random token ids" in md
 
 
 def test_bad_moe_routing_and_budget_of_without_gguf_are_one_line_errors(tmp_path):

@@ -121,7 +121,8 @@ def flashllm_argv(args, model_dir: Path, budget: int, tmp: Path, routing: str | 
         run = dict(label=f"flashllm ({routing})", model_dir=str(model_dir), budget_bytes=budget,
                    dtype=pt.compute_dtype("auto", model_dir, "torch"), policy=args.moe_policy,
                    prefetch=args.moe_prefetch, window=args.window, threads=32, seed=args.seed, prompt=1 + args.warmup,
-                   tokens=args.tokens, routing=routing if routing == "model" else f"replay:{args.moe_trace}")
+                   tokens=args.tokens, routing=routing if routing == "model" else f"replay:{args.moe_trace}",
+                   torch_threads=args.threads or 1, kernels="tuned")  # moe_run's defaults
         spec.write_text(json.dumps(run))
         return [sys.executable, str(BENCH / "moe_run.py"), "--run-one", str(spec), "--result", str(result)], result
     run = dict(label="flashllm", mode="sparse", window=args.window, bundled=True, backend="torch", budget=budget,

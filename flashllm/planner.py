@@ -224,7 +224,7 @@ def _sha(path: Path) -> str:
 
 def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes: list[str] | None = None,
               context: int | None = None, threads: int = 32, sample_tokens: int = SAMPLE_TOKENS,
-              max_dropped: float = MAX_DROPPED, gap_bytes: int | None = None, calibrate_tokens: int = CALIBRATE_TOKENS,
+              max_dropped: float = MAX_DROPPED, gap_bytes: int | None = 0, calibrate_tokens: int = CALIBRATE_TOKENS,
               log=None) -> Plan:
     """The cheapest way (by the cost model) to decode with `model_dir` within `budget` bytes or fraction.
 

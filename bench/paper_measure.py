@@ -79,7 +79,7 @@ def measure(run: dict) -> dict:
     t0 = time.perf_counter()
     model = flashllm.load(run["model_dir"], backend=run["backend"], mode=run["mode"], predictor=predictor,
                           dram_budget=run["budget"], window=run.get("window") or 1, threads=run["threads"],
-                          aio_depth=run.get("aio_depth", 0), gap_bytes=run.get("gap_bytes"), dtype=run.get("dtype"),
+                          aio_depth=run.get("aio_depth", 0), gap_bytes=run.get("gap_bytes", 0), dtype=run.get("dtype"),
                           context=n + 1, quantize_resident=run.get("quantize_resident", "none"),
                           kv_bits=run.get("kv_bits", 16))
     load_s = time.perf_counter() - t0

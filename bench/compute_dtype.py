@@ -33,6 +33,7 @@ from flashllm.budget import BudgetTooSmall  # noqa: E402
 from flashllm.converters import convert  # noqa: E402
 from flashllm.predictors import collect  # noqa: E402
 from predictors.evaluate import _greedy as greedy, _nll as nll  # noqa: E402  (the same measures)
+from quant_quality import score_loaded  # noqa: E402  (bench/: the same scoring at a budget)
 
 DTYPES = ("float32", "float16", "bfloat16")
 CONTEXT = 256  # the demo's KV cache length
@@ -51,15 +52,9 @@ def measure(model_dir: Path, dtype: str, chunks, prompt, gen, ref_logits, budget
                            context=CONTEXT)
     except BudgetTooSmall as exc:
         return dict(out, budget_error=str(exc).split(";")[0])
-    scored, dropped, n = [], 0.0, 0
-    for c in chunks:
-        if n >= budget_tokens:
-            break
-        scored.append(nll(at.logits(c, prefill=1)[:-1], c[1:]))
-        dropped += at.stats["neurons_dropped"] * at.stats["decode_tokens"]
-        n += len(c) - 1
-    return dict(out, budget_ppl=float(math.exp(np.concatenate(scored).mean())), budget_tokens=n,
-                dropped_per_token=dropped / n, cached_rows=sum(at.plan.capacities))
+    ppl, n, dropped_per_token = score_loaded(at, chunks, budget_tokens)
+    return dict(out, budget_ppl=ppl, budget_tokens=n, dropped_per_token=dropped_per_token,
+                cached_rows=sum(at.plan.capacities))
 
 
 def main(argv=None) -> str:

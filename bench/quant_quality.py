@@ -59,6 +59,19 @@ def measure(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, with_
     return out
 
 
+def score_loaded(model, chunks, max_tokens: int) -> tuple[float, int, float]:
+    """Teacher-forced perplexity of a loaded model over `chunks` (up to `max_tokens` scored), the tokens
+    scored, and the neurons it dropped per token (sparse mode at a budget)."""
+    scored, dropped, n = [], 0.0, 0
+    for c in chunks:
+        if n >= max_tokens:
+            break
+        scored.append(nll(model.logits(c, prefill=1)[:-1], c[1:]))
+        dropped += model.stats["neurons_dropped"] * model.stats["decode_tokens"]
+        n += len(c) - 1
+    return float(math.exp(np.concatenate(scored).mean())), n, dropped / n
+
+
 def at_budget(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, budget, budget_tokens: int) -> dict:
     """Sparse mode (oracle) at `budget` (bytes, or a fraction of this model) in the demo's dtype, token by
     token: perplexity over the first `budget_tokens` held-out tokens, greedy top-1 agreement on `gen`."""
@@ -68,16 +81,10 @@ def at_budget(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, bud
                            **{**DEMO, "context": max(DEMO["context"], len(seq))}, **opts)
     except BudgetTooSmall as exc:
         return {"error": "does not fit: " + str(exc).split(";")[0]}
-    scored, dropped, n = [], 0.0, 0
-    for c in chunks:
-        if n >= budget_tokens:
-            break
-        scored.append(nll(at.logits(c, prefill=1)[:-1], c[1:]))
-        dropped += at.stats["neurons_dropped"] * at.stats["decode_tokens"]
-        n += len(c) - 1
+    ppl, n, dropped_per_token = score_loaded(at, chunks, budget_tokens)
     follow = np.argmax(at.logits(seq[:-1], prefill=len(prompt))[len(prompt) - 1:], axis=1) == np.array(gen)
-    return {"ppl": float(math.exp(np.concatenate(scored).mean())), "tokens": n, "top1_agreement": float(follow.mean()),
-            "dropped_per_token": dropped / n, "cache_rows": int(sum(at.plan.capacities)),
+    return {"ppl": ppl, "tokens": n, "top1_agreement": float(follow.mean()),
+            "dropped_per_token": dropped_per_token, "cache_rows": int(sum(at.plan.capacities)),
             "budget_bytes": int(at.dram_budget)}
 
 

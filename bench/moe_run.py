@@ -82,7 +82,7 @@ def run_one(run: dict) -> dict:
     model = flashllm.load(run["model_dir"], mode="sparse", dram_budget=run["budget_bytes"], dtype=run["dtype"],
                           expert_policy=run["policy"], expert_prefetch=run["prefetch"], window=run["window"],
                           threads=run["threads"], context=run["prompt"] + run["tokens"], kernels=run["kernels"],
-                          expert_routing=routing_for(run))
+                          quantize_resident=run.get("quantize_resident", "none"), expert_routing=routing_for(run))
     load_s = time.perf_counter() - t0
     from flashllm.stats import PartTimer
 
@@ -176,6 +176,9 @@ def main(argv=None) -> dict:
     p.add_argument("--kernels", default="tuned",
                    help="comma list: tuned (int4 experts in torch's int4 kernel layout), plain (dequantized; the "
                    "reference) (default: %(default)s)")
+    p.add_argument("--quantize-resident", default="none", choices=["none", "int8", "int4"],
+                   help="hold attention, embedding and lm_head quantized (flashllm.load's quantize_resident) "
+                   "(default: %(default)s)")
     p.add_argument("--no-prefetch-run", action="store_true", help="skip the lru + prefetch run of each routing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cgroup", action="store_true", help="no memory group (the budget is then only accounting)")
@@ -231,7 +234,7 @@ def main(argv=None) -> dict:
         log(f"memory limit: {memory_limit}")
         base_run = dict(model_dir=str(model_dir), budget_bytes=budget_bytes, dtype=args.dtype, window=args.window,
                         threads=args.threads, torch_threads=args.torch_threads, seed=args.seed, prompt=args.prompt,
-                        tokens=args.tokens)
+                        tokens=args.tokens, quantize_resident=args.quantize_resident)
         runs = []
         for kernels in args.kernels.split(","):
             tag = "" if kernels == "tuned" else f" [{kernels} kernels]"

@@ -31,6 +31,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import shlex
 import signal
 import subprocess
@@ -51,8 +52,12 @@ DEFAULT_LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "/work/big/llama.cpp-bu
 # allowed); weights read into process memory instead of mmap; no repacking (every weight stays in the mmap).
 LLAMA_CONFIGS = {"default": [], "no-mmap": ["-lm", "none"], "no-repack": ["--repack", "0"]}
 # flashllm's expert routing on an MoE model (bench/moe_run.py): the model's own router (random weights:
-# random routing, as llama.cpp's on the same shape) or the embedded trained MoE's routing replayed
-MOE_ROUTINGS = {"model": "its own", "replay": "replayed"}
+# random routing, as llama.cpp's on the same shape), the embedded trained MoE's routing replayed, or top-k
+# drawn uniformly per token and layer (no reuse between tokens: the worst case for an expert cache).
+# A "+prefetch" suffix turns expert prefetch on for that run.
+MOE_ROUTINGS = {"model": "its own", "replay": "replayed", "uniform": "uniform random"}
+PREFETCH = "+prefetch"
+
 DEFAULT_MOE_TRACE = BENCH / "results" / "tiny_moe_routing.npz"
 
 
@@ -82,6 +87,9 @@ def run_child(argv: list[str], limit: int | None, drop: list[Path], timeout: flo
     pt.drop_page_cache(drop)
     res = {"page_cache_at_start": pt.cached_fraction(drop), "argv": argv, "load_average": os.getloadavg()[0]}
     group = pt.MemoryGroup(limit, name=name) if limit else None
+    # bytes the child read from storage (page faults on an mmap'd file, buffered and direct reads alike):
+    # the kernel's per-task read accounting, in 512-byte blocks, of the children this process has waited for
+    inblock = resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(group.command(argv) if group else argv, stdout=out, stderr=err,
@@ -96,6 +104,7 @@ def run_child(argv: list[str], limit: int | None, drop: list[Path], timeout: flo
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             res["wall_s"] = time.perf_counter() - t0
+            res["storage_bytes_read"] = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock - inblock) * 512
             usage = group.usage() if group else {}
             if group:
                 res["cgroup"], res["cgroup_limit"] = str(group.path), group.limit
@@ -118,11 +127,14 @@ def flashllm_argv(args, model_dir: Path, budget: int, tmp: Path, routing: str | 
     pt = paper_tables()
     spec, result = tmp / f"flashllm-run-{routing or 'ffn'}.json", tmp / f"flashllm-result-{routing or 'ffn'}.json"
     if routing is not None:
+        name, prefetch = routing.removesuffix(PREFETCH), routing.endswith(PREFETCH)
         run = dict(label=f"flashllm ({routing})", model_dir=str(model_dir), budget_bytes=budget,
                    dtype=pt.compute_dtype("auto", model_dir, "torch"), policy=args.moe_policy,
-                   prefetch=args.moe_prefetch, window=args.window, threads=32, seed=args.seed, prompt=1 + args.warmup,
-                   tokens=args.tokens, routing=routing if routing == "model" else f"replay:{args.moe_trace}",
-                   torch_threads=args.threads or 1, kernels="tuned")  # moe_run's defaults
+                   prefetch=prefetch, window=args.window, threads=32, seed=args.seed,
+                   prompt=1 + args.warmup, tokens=args.tokens,
+                   routing=f"replay:{args.moe_trace}" if name == "replay" else name,
+                   torch_threads=args.threads or 1, kernels="tuned",  # moe_run's defaults
+                   quantize_resident=args.quantize_resident)
         spec.write_text(json.dumps(run))
         return [sys.executable, str(BENCH / "moe_run.py"), "--run-one", str(spec), "--result", str(result)], result
     run = dict(label="flashllm", mode="sparse", window=args.window, bundled=True, backend="torch", budget=budget,
@@ -146,8 +158,10 @@ def flashllm_runs(args, budget: int, tmp: Path) -> list[dict]:
         return [run]
     runs = []
     for routing in args.moe_routing:
-        run = dict(peer="flashllm", moe=True, routing=routing,
-                   label=f"flashllm (experts streamed, {MOE_ROUTINGS[routing]} routing)")
+        run = dict(peer="flashllm", moe=True, routing=routing, tokens=args.tokens,
+                   label=f"flashllm (experts streamed, {MOE_ROUTINGS[routing.removesuffix(PREFETCH)]} routing"
+                         f"{', prefetch' if routing.endswith(PREFETCH) else ''})" + (f", resident {args.quantize_resident}"
+                                                                   if args.quantize_resident != "none" else ""))
         run["argv"], run["result"] = flashllm_argv(args, model_dir, budget, tmp, routing)
         runs.append(run)
     return runs
@@ -193,7 +207,10 @@ def read_result(run: dict, res: dict) -> dict:
             return {"ms_per_token": r["total_ms"], "load_s": r["load_s"], "io_ms": r["io_ms"], "mem_ms": r["mem_ms"],
                     "compute_ms": r["compute_ms"], "predictor_ms": r["predictor_ms"], "bytes_read": r["bytes_read"],
                     "dram_bytes": r["dram_bytes"], "expert_hit_rate": r["expert_hit_rate"],
-                    "expert_slots": r.get("expert_slots"), "routing": run["routing"]}
+                    "expert_slots": r.get("expert_slots"), "routing": run["routing"], "cpu_ms": r.get("cpu_ms"),
+                    "tokens": run["tokens"], "prefetch_recall": r.get("prefetch_recall"),
+                    "experts_prefetched": r.get("experts_prefetched"), "prefetch_wasted": r.get("prefetch_wasted"),
+                    "slots_per_layer": (r.get("cache_capacity") or [None])[0]}
         if run["peer"] == "flashllm" and res["outcome"] == "ran":
             r = json.loads(run["result"].read_text())
             return {"ms_per_token": r["total_ms"], "tokens": r["decode_tokens"], "load_s": r["load_s"],
@@ -251,12 +268,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "quantize_resident) (default: %(default)s)")
     p.add_argument("--moe-routing", type=lambda s: s.split(","), default=["model", "replay"],
                    help="MoE models: flashllm's expert routing per run: model (its own router), replay "
-                   "(--moe-trace) (default: model,replay)")
+                   "(--moe-trace), uniform (k experts drawn uniformly per token and layer); a +prefetch suffix "
+                   "(replay+prefetch) turns expert prefetch on for that run (default: model,replay)")
     p.add_argument("--moe-trace", default=str(DEFAULT_MOE_TRACE),
                    help="routing trace to replay (bench/moe_trace.py) (default: %(default)s)")
     p.add_argument("--moe-policy", default="lru", help="MoE expert-cache policy (default: %(default)s)")
-    p.add_argument("--moe-prefetch", action=argparse.BooleanOptionalAction, default=False,
-                   help="MoE expert prefetch (default: off)")
     p.add_argument("--cgroup-slack", type=int, default=1024, help="MiB in the limit above budget + interpreter "
                    "baseline (default: %(default)s)")
     p.add_argument("--no-cgroup", action="store_true", help="run without a memory limit (the table says so)")
@@ -287,7 +303,7 @@ def main(argv=None) -> dict:
     unknown = [c for c in args.llama_config if c not in LLAMA_CONFIGS]
     if unknown:
         raise SystemExit(f"peers: error: --llama-config {','.join(unknown)}: choose from {', '.join(LLAMA_CONFIGS)}")
-    unknown = [r for r in args.moe_routing if r not in MOE_ROUTINGS]
+    unknown = [r for r in args.moe_routing if r.removesuffix(PREFETCH) not in MOE_ROUTINGS]
     if unknown:
         raise SystemExit(f"peers: error: --moe-routing {','.join(unknown)}: choose from {', '.join(MOE_ROUTINGS)}")
     if args.budget_of == "gguf" and not args.gguf:

@@ -113,6 +113,29 @@ def table(rows: list[dict], ratio: dict) -> str:
     return "\n".join(lines)
 
 
+def moe_table(report: dict) -> list[str]:
+    """Per run of an MoE model: tokens/s, bytes read (flashllm's own counter per timed token; the whole
+    process's storage reads per decoded token, load included, for every run), hit rates."""
+    lines = ["| run (round) | tokens/s | GB read from flash per timed token (flashllm's counter) | GB read from "
+             "storage by the process (whole run) | per decoded token | expert cache hit rate | prefetch recall |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        if r.get("ms_per_token") is None:
+            continue
+        # tokens the process decoded: flashllm a (warmup + 1)-token prompt + the timed ones; llama-bench 1 warm-up
+        decoded = r["tokens"] + (report["warmup"] + 1 if r["peer"] == "flashllm" else 1)
+        storage = r.get("storage_bytes_read")
+        lines.append(f"| {r['label']} ({r['round'] + 1}) | {1e3 / r['ms_per_token']:.3f} | "
+                     + (f"{r['bytes_read'] / GB:.3f}" if r.get("bytes_read") is not None else "—") + " | "
+                     + (f"{storage / GB:.2f} | {storage / decoded / GB:.3f} ({decoded} tokens)" if storage is not None
+                        else "— | —") + " | "
+                     + (f"{r['expert_hit_rate']:.3f}" if r.get("expert_hit_rate") is not None else "—") + " | "
+                     + (f"{r['prefetch_recall']:.3f}" if r.get("prefetch_recall") is not None else "—") + " |")
+    return ["", *lines, "", "Storage reads are the kernel's per-process read accounting (getrusage ru_inblock of "
+            "the child): page faults on llama.cpp's mmap'd GGUF and flashllm's direct reads alike, loading included "
+            "(flashllm reads its resident weights at load; llama.cpp faults its weights in as it uses them)."]
+
+
 CAVEAT = (
     "**Caveat: this is not a like-for-like computation.** The model has random weights, which have no "
     "activation sparsity of their own. flashllm's sparse mode reads and computes only the FFN neurons that an "
@@ -129,13 +152,16 @@ MOE_CAVEAT = (
     "**Caveat: what differs between the runs.** Every runtime here computes only the top-{top_k} experts "
     "of each token (a mixture of experts is sparse for all of them), so there is no dense-vs-sparse gap. "
     "The model has random weights: its own router routes random token ids at random, and `its own "
-    "routing` rows (flashllm) and llama.cpp see that same kind of routing. `replayed routing` rows "
+    "routing` rows (flashllm) and llama.cpp see that same kind of routing (the same router weights, but not "
+    "the same choices token by token: the hidden states differ with the random expert values). `uniform random "
+    "routing` rows draw top-k uniformly per token and layer (no reuse: the worst case for an expert cache). "
+    "`replayed routing` rows "
     "route as the embedded trained MoE did on held-out text (bench/moe_trace.py's ReplayRouting: more "
     "reuse between tokens, and only part of each layer's experts are ever routed to), which favours "
     "flashllm's expert cache; whether a real Qwen3-30B-A3B routes like that is not measured here. The "
-    "expert weights are 4-bit in both (flashllm int4 groups with float16 scale and minimum; llama.cpp "
-    "Q4_0 blocks of 32), both drawn directly as random codes, so the two runtimes hold different random "
-    "values of the same shape and bytes.")
+    "expert weights are 4-bit in both, 4.5 bits per weight (flashllm int4 groups of 64 with float16 scale and "
+    "minimum; llama.cpp Q4_0 blocks of 32 with a float16 scale), both drawn directly as random codes, so the two "
+    "runtimes hold different random values of the same shape and bytes.")
 
 
 def markdown(report: dict) -> str:
@@ -176,8 +202,12 @@ def markdown(report: dict) -> str:
     if fl and moe:
         lines += [f"- flashllm per token ({r['label']}, first round): {r['bytes_read'] / GB:.3f} GB read from flash; "
                   f"I/O {r['io_ms']:,.0f} ms, memory management {r['mem_ms']:,.0f} ms, compute {r['compute_ms']:,.0f} ms "
-                  f"of {r['ms_per_token']:,.0f} ms; expert cache hit rate {r['expert_hit_rate']:.2f}; DRAM held "
-                  f"{r['dram_bytes'] / GB:.2f} GB" + (f"; {r['expert_slots']}" if r.get("expert_slots") else "")
+                  f"of {r['ms_per_token']:,.0f} ms" + (f" ({r['cpu_ms']:,.0f} ms of CPU)" if r.get("cpu_ms") else "")
+                  + f"; expert cache hit rate {r['expert_hit_rate']:.2f}"
+                  + (f", prefetch recall {r['prefetch_recall']:.2f}" if r.get("prefetch_recall") is not None else "")
+                  + f"; DRAM held {r['dram_bytes'] / GB:.2f} GB"
+                  + (f"; {r['slots_per_layer']} expert slots per layer" if r.get("slots_per_layer") else "")
+                  + (f" ({r['expert_slots']})" if r.get("expert_slots") else "")
                   for r in report["runs"] if r["peer"] == "flashllm" and r["round"] == 0 and r.get("ms_per_token")]
     elif fl:
         lines.append(f"- flashllm per token: {fl['bytes_read'] / GB:.3f} GB read from flash; I/O {fl['io_ms']:,.0f} ms, "
@@ -190,7 +220,7 @@ def markdown(report: dict) -> str:
         lines.append(f"- accelerate: {acc['modules_cpu']} modules in DRAM, {acc['modules_disk']} offloaded to disk "
                      f"(read from the checkpoint's safetensors; {acc['offload_folder_bytes'] / GB:.2f} GB written "
                      "to the offload folder)")
-    lines += ["", table(report["rows"], report["ratios"]), "",
+    lines += ["", table(report["rows"], report["ratios"]), ""] + (moe_table(report) if moe else []) + ["",
               "Peak memory is the group's memory.max_usage_in_bytes (process memory + page cache). Latency ratio "
               "flashllm/peer below 1: flashllm is faster. Runs in order (load average at each start: the "
               "machine's other work competes for its 2 cores):",

@@ -135,19 +135,26 @@ def test_moe_model_runs_once_per_routing_with_budget_of_the_gguf(tmp_path):
     report = bench("peers").main(["--flashllm", str(model), "--gguf", str(gguf), "--budget-of", "gguf",
                                   "--dram-budget", "0.5", "--tokens", "2", "--warmup", "1", "--llama-cpp",
                                   str(tmp_path / "none"), "--peers", "flashllm,llama.cpp", "--quiet",
+                                  "--moe-routing", "model,replay+prefetch,uniform", "--quantize-resident", "int4",
                                   "--markdown", str(tmp_path / "p.md"), "--timeout", "300"])
     assert report["dram_budget"] == 200_000 and report["top_k"] == 2
     fl = [r for r in report["runs"] if r["peer"] == "flashllm"]
-    assert [r["routing"] for r in fl] == ["model", "replay"]
+    assert [r["routing"] for r in fl] == ["model", "replay+prefetch", "uniform"]
     assert all(r["outcome"] == "ran" and r["ms_per_token"] > 0 and 0 <= r["expert_hit_rate"] <= 1 for r in fl)
+    assert [r["prefetch_recall"] is not None for r in fl] == [False, True, False]
+    # the child's storage reads are counted: at least its expert reads (all of them hit the disk: cache dropped)
+    assert all(r["storage_bytes_read"] >= r["bytes_read"] * r["tokens"] for r in fl)
     md = (tmp_path / "p.md").read_text()
-    assert "(50% of the GGUF's" in md and "experts streamed, replayed routing" in md
+    assert "(50% of the GGUF's" in md and "experts streamed, replayed routing, prefetch), resident int4" in md
+    assert "uniform random routing" in md and "| expert cache hit rate | prefetch recall |" in md
     assert "computes only the top-2 experts" in md and "llama-bench 1 warm-up + 2 timed; random token ids" in md
 
 
 def test_bad_moe_routing_and_budget_of_without_gguf_are_one_line_errors(tmp_path):
     with pytest.raises(SystemExit, match="peers: error: --moe-routing oracle"):
         bench("peers").main(["--flashllm", str(tmp_path), "--moe-routing", "oracle"])
+    with pytest.raises(SystemExit, match="peers: error: --moe-routing model[+]lookahead"):
+        bench("peers").main(["--flashllm", str(tmp_path), "--moe-routing", "replay,model+lookahead"])
     with pytest.raises(SystemExit, match="peers: error: --budget-of gguf needs --gguf"):
         bench("peers").main(["--flashllm", str(tmp_path), "--budget-of", "gguf"])
 

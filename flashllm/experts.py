@@ -293,7 +293,7 @@ class MoESparsePlan(MoEPlan):
         return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind,
                 "expert_slots": "in place (as stored)" if self.in_place else
                 "quantized as stored (dequantized at each use)" if self.as_stored else
-                "int4 kernel layout (repacked on insert)" if self.kernel else
+                self.slots[0].KIND if self.kernel else
                 "dequantized on insert" if self.lay.quant else "converted on insert"}
 
     def reset(self) -> None:

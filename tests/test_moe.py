@@ -214,6 +214,26 @@ def test_moe_int4_kernel_slots_equal_dense_and_stay_close_to_dequantized(quantiz
     assert (dense.argmax(-1) == plain.argmax(-1)).mean() >= 0.75
 
 
+def test_moe_mlx_quantized_slots_equal_dense_and_the_dequantized_experts(quantized_moe):
+    """MLX keeps int4 and int8 experts in its affine format (copied on insert, mx.quantized_matmul at use):
+    streamed through 2 slots (prefetched ones inserted from the second staging buffer) equals MLX dense
+    exactly, and both equal torch on the dequantized experts (the plain kernels) within float32 rounding."""
+    pytest.importorskip("mlx.core")
+    tiny, out, name = quantized_moe
+    plain = flashllm.load(out, mode="dense", kernels="plain").logits(IDS, prefill=4)
+    kw = dict(backend="mlx", device="cpu", expert_prefetch=True)
+    dense = flashllm.load(out, mode="dense", **kw).logits(IDS, prefill=4)
+    np.testing.assert_allclose(dense, plain, atol=1e-4, rtol=1e-4)
+    budget = _budget_for_slots(out, 2, **kw)
+    model = flashllm.load(out, mode="sparse", dram_budget=budget, **kw)
+    assert model.plan.capacities == [2] * model.spec.n_layers
+    np.testing.assert_array_equal(model.logits(IDS, prefill=4), dense)
+    stats, lay = model.stats, model.layout
+    assert stats["expert_slots"] == "MLX affine format (copied on insert)"
+    assert stats["expert_misses"] > 0 and stats["dram_bytes"] <= budget
+    assert model.plan.slot_bytes <= lay.bundle_bytes * 1.2 < 3 * lay.d_ffn * lay.d_model * 4  # stays quantized
+
+
 def test_int4_kernel_packing_matches_torchs_converter():
     """The nibble permutation that repacks int4 codes equals torch's own converter (or falls back to it)."""
     from flashllm.backends.torch_quant import pack_int4

@@ -22,7 +22,7 @@ from ..rope import Rope, layer_ropes
 from ..stats import untimed
 from ..spec import ArchSpec
 from .base import Backend, default_compute_dtype
-from .mlx_quant import MLX_GROUPS, MLXKVCache, QuantArray, mlx_quantizable, quant_rows
+from .mlx_quant import MLX_GROUPS, MLXExpertSlots, MLXKVCache, QuantArray, mlx_quantizable, quant_rows
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # how raw bytes of a dtype cross into MLX: (numpy view, MLX view of it or None)
@@ -126,6 +126,13 @@ class MLXBackend(Backend):
 
     def row_store(self, capacity: int, layout, biases: dict):
         return MLXRowStore(self, capacity, layout, biases)
+
+    def expert_slot_bytes(self, layout) -> int | None:
+        """Quantized experts of MLX's affine format (asymmetric; groups of 32/64/128) stay quantized."""
+        return MLXExpertSlots.slot_bytes(layout, self.itemsize) if MLXExpertSlots.fits(layout) else None
+
+    def expert_slots(self, layout, capacity: int) -> MLXExpertSlots:
+        return MLXExpertSlots(capacity, layout, self._mx)
 
     def reads_in_place(self) -> bool:
         """Flash reads never land in MLX arrays directly: they go through the staging buffer."""
@@ -264,7 +271,8 @@ class MLXBackend(Backend):
 
     def ffn(self, x: mx.array, rows: dict[str, mx.array], up_bias, gate_bias, down_bias,
             threshold: float | None = None, gate_pre: mx.array | None = None) -> mx.array:
-        """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns);
+        """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns, or
+        `down_t` [d, n]: W_down as quantized expert slots hold it);
         with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity);
         `gate_pre` [T, n]: the gate pre-activations, from resident gate rows (then `rows` has no gate)."""
         up = self.linear(x, rows["up"], up_bias)
@@ -274,6 +282,8 @@ class MLXBackend(Backend):
         if threshold is not None:
             a = a * (mx.abs(a) > threshold)
         h = a * up if self.spec.gated_ffn else a
+        if "down_t" in rows:  # W_down [d_model, n] (quantized expert slots)
+            return self.linear(h, rows["down_t"], down_bias)
         y = self.matmul(h, rows["down"])
         return y + down_bias if down_bias is not None else y
 

@@ -62,6 +62,62 @@ def quant_rows(block: np.ndarray, layout, part: str, dtype) -> QuantArray:
                       piece("mins", np.float16).astype(dtype), q.group_size, q.bits)
 
 
+class MLXExpertSlots:
+    """Preallocated expert cache slots that keep quantized experts in MLX's affine format: flashllm's
+    asymmetric expert parts (groups along each part's input dimension; W_down stored [d_model, d_ffn])
+    are that format byte for byte, so inserting a stored bundle copies its codes, scales and mins into
+    a slot, no dequantization, and each use is `mx.quantized_matmul` (int4 and int8 alike)."""
+
+    KIND = "MLX affine format (copied on insert)"  # what the runtime's stats call these slots
+
+    @staticmethod
+    def fits(layout) -> bool:
+        return mlx_quantizable(layout)
+
+    @staticmethod
+    def slot_bytes(layout, itemsize: int) -> int:
+        """Codes plus scales and mins in the compute dtype, for the three parts."""
+        q = layout.quant
+        return sum(rows * (cols * q.bits // 8 + 2 * q.groups(cols) * itemsize)
+                   for rows, cols in map(layout.part_shape, layout.parts))
+
+    def __init__(self, capacity: int, layout, dtype):
+        self.layout, q = layout, layout.quant
+        self.parts = {}
+        for p in layout.parts:
+            rows, cols = layout.part_shape(p)
+            self.parts[p] = [mx.zeros((capacity, rows, cols * q.bits // 32), dtype=mx.uint32),
+                             mx.zeros((capacity, rows, q.groups(cols)), dtype=dtype),
+                             mx.zeros((capacity, rows, q.groups(cols)), dtype=dtype)]
+        mx.eval(self._arrays())
+
+    def _arrays(self) -> list[mx.array]:
+        return [a for arrays in self.parts.values() for a in arrays]
+
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self._arrays())
+
+    def insert(self, slot: int, raw: np.ndarray) -> None:
+        """One stored expert bundle (uint8, >= bundle_bytes) into `slot`."""
+        lay = self.layout
+        for p, arrays in self.parts.items():
+            stored = lay.part_raw(raw, p)
+            pieces = lay.quant.part_layout(lay.part_shape(p)[1])
+            for k, (key, view) in enumerate((("codes", np.uint32), ("scales", np.float16), ("mins", np.float16))):
+                off, size = pieces[key]
+                arrays[k][slot] = mx.array(np.ascontiguousarray(stored[:, off:off + size]).view(view)
+                                           ).astype(arrays[k].dtype)
+        mx.eval(self._arrays())  # in place now, while nothing else references the slot arrays
+
+    def rows(self, slot: int) -> dict:
+        """The slot's parts as `MLXBackend.ffn` takes them: gate and up rows, and W_down as `down_t`
+        (x @ W_down.T, like a linear layer)."""
+        q, out = self.layout.quant, {}
+        for p, (codes, scales, mins) in self.parts.items():
+            out["down_t" if p == "down" else p] = QuantArray(codes[slot], scales[slot], mins[slot], q.group_size, q.bits)
+        return out
+
+
 class MLXKVCache:
     """Per layer [1, kv heads, context, head dim] K and V buffers, updated by slice assignment (per-layer
     arrays let MLX update in place); in the compute dtype, or int8 codes with a float32 scale and

@@ -233,6 +233,8 @@ class Int4ExpertSlots:
     dequantizing 3 * d_ffn * d_model values. The bfloat16 rounding of scales, zeros and activations
     is a quality cost, measured in bench/results (the "plain" kernels dequantize instead)."""
 
+    KIND = "int4 kernel layout (repacked on insert)"  # what the runtime's stats call these slots
+
     @staticmethod
     def fits(layout) -> bool:
         q = layout.quant

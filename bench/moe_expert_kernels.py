@@ -8,8 +8,11 @@ in one process, interleaved rounds, median ms:
   with bfloat16 activations (`Int4ExpertSlots`); `int4 kernel, insert`: the repack of a stored bundle;
 - `dequantized slot, use` / `insert`: the slot holds the dequantized expert in the compute dtype.
 Each at 1 and 2 torch threads (on a loaded 2-core machine the second thread can cost more than it gives).
+With --backend mlx (MLX's CPU device, compute float32): `MLX affine slot` (the default for int4/int8
+experts on MLX: codes, scales and mins copied in, `mx.quantized_matmul` at use; `MLXExpertSlots`)
+against a `dequantized slot` (float32, what MLX held before), each per use and per insert.
 
-    python bench/moe_expert_kernels.py --shape qwen3-30b-a3b [--rounds 7] [--out FILE.md]
+    python bench/moe_expert_kernels.py --shape qwen3-30b-a3b [--backend mlx] [--rounds 7] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -82,23 +85,73 @@ def measure(shape: str, rounds: int, threads: tuple[int, ...], dtype: str, group
              "cpu_ms": float(np.median(cpu[n, k]))} for (n, k), v in wall.items()]
 
 
+def measure_mlx(shape: str, rounds: int, bits: int = 4, group: int = 64) -> list[dict]:
+    """The MLX cases (CPU device, float32 compute), median wall and CPU ms over interleaved rounds."""
+    import mlx.core as mx
+
+    import make_model
+    from flashllm.backends.mlx_backend import MLXBackend
+    from flashllm.backends.mlx_quant import MLXExpertSlots
+
+    spec = make_model.spec_for(shape)
+    layout = ExpertLayout.plan(spec, 2, QuantScheme.named(f"int{bits}", group))
+    backend = MLXBackend(spec, "cpu", "float32", "float16", context=4, quantized_ffn=True)
+    bundle = expert_bundle(layout, 0)
+    slots = MLXExpertSlots(1, layout, backend.dtype)
+    slots.insert(0, bundle)
+    shape3 = (len(layout.parts), layout.d_ffn, layout.d_model)
+    dense = [mx.zeros(shape3, dtype=backend.dtype)]
+    x = mx.random.normal((1, spec.d_model)).astype(backend.dtype)
+
+    def use(rows):
+        mx.eval(backend.ffn(x, rows, None, None, None))
+
+    def dense_insert():
+        dense[0] = backend.tensor(layout.dequantize(bundle).reshape(shape3))
+
+    dense_insert()
+    cases = {f"MLX affine slot (int{bits}), use": lambda: use(slots.rows(0)),
+             f"MLX affine slot (int{bits}), insert": lambda: slots.insert(0, bundle),
+             "dequantized slot (float32), use": lambda: use({p: dense[0][k] for k, p in enumerate(layout.parts)}),
+             "dequantized slot (float32), insert": dense_insert}
+    wall, cpu = ({k: [] for k in cases} for _ in range(2))
+    for _ in range(rounds):
+        for k, f in cases.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            f()
+            wall[k].append(1e3 * (time.perf_counter() - t0))
+            cpu[k].append(1e3 * (time.process_time() - c0))
+    return [{"threads": "MLX CPU", "case": k, "median_ms": float(np.median(v)), "min_ms": float(np.min(v)),
+             "cpu_ms": float(np.median(cpu[k]))} for k, v in wall.items()]
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-30b-a3b", help="bench/make_model.py MoE shape (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default: %(default)s)")
-    p.add_argument("--threads", default="1,2", help="torch thread counts (default: %(default)s)")
+    p.add_argument("--threads", default="1,2", help="torch thread counts (default: %(default)s; not MLX)")
     p.add_argument("--dtype", default="float16", help="compute dtype (default: %(default)s)")
     p.add_argument("--group", type=int, default=64, help="int4 group size (default: %(default)s)")
+    p.add_argument("--backend", default="torch", choices=["torch", "mlx"], help="(default: %(default)s)")
+    p.add_argument("--bits", type=int, default=4, choices=[4, 8], help="MLX: expert code bits (default: %(default)s)")
     p.add_argument("--out", help="also write the markdown table here")
     args = p.parse_args(argv)
     threads = tuple(int(t) for t in args.threads.split(","))
     load = os.getloadavg()[0]
-    rows = measure(args.shape, args.rounds, threads, args.dtype, args.group)
+    if args.backend == "mlx":
+        import mlx.core as mx
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        rows, threads = measure_mlx(args.shape, args.rounds, args.bits, args.group), ("MLX CPU",)
+        what = f"MLX {mx.__version__} (CPU device), compute float32"
+    else:
+        rows = measure(args.shape, args.rounds, threads, args.dtype, args.group)
+        what = f"torch {torch.__version__}, compute {args.dtype}"
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    lines = [f"One int4 expert of the `{args.shape}` shape; torch {torch.__version__}, compute {args.dtype}; "
+    lines = [f"One int{args.bits if args.backend == 'mlx' else 4} expert of the `{args.shape}` shape; {what}; "
              f"wall ms median (min) / process CPU ms median over {args.rounds} interleaved rounds; load average "
              f"{load:.1f} at start (wall time includes waiting for a core; CPU time is the work).", "",
-             "| torch threads | " + " | ".join(cases) + " |", "|---" * (len(cases) + 1) + "|"]
+             f"| {'backend' if args.backend == 'mlx' else 'torch threads'} | " + " | ".join(cases) + " |", "|---" * (len(cases) + 1) + "|"]
     for n in threads:
         cells = [f"{r['median_ms']:.2f} ({r['min_ms']:.2f}) / {r['cpu_ms']:.2f}" for c in cases for r in rows
                  if r["threads"] == n and r["case"] == c]

@@ -110,6 +110,15 @@ def test_moe_expert_kernels_times_each_way_to_hold_an_int4_expert():
     assert all(r["median_ms"] >= r["min_ms"] > 0 and r["cpu_ms"] > 0 for r in rows)
 
 
+def test_moe_expert_kernels_times_mlx_affine_slots_against_dequantized():
+    pytest.importorskip("mlx.core")
+    rows = bench("moe_expert_kernels").main(["--shape", "tiny-moe", "--group", "32", "--rounds", "2", "--backend",
+                                             "mlx", "--bits", "8"])
+    assert {r["case"] for r in rows} == {"MLX affine slot (int8), use", "MLX affine slot (int8), insert",
+                                         "dequantized slot (float32), use", "dequantized slot (float32), insert"}
+    assert all(r["median_ms"] >= r["min_ms"] > 0 for r in rows)
+
+
 def test_moe_quality_bench_compares_quantized_experts_with_float32(tiny_models, tmp_path):
     from tiny import TEXT
 

@@ -38,8 +38,10 @@ def _status(key: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {key}")
 
 
-def _child(model_dir: str, options: dict) -> dict:
-    """In the child: load once and measure (see the module docstring)."""
+def _child(model_dir: str, options: dict, decode_tokens: int = 0) -> dict:
+    """In the child: load once and measure (see the module docstring); then, with `decode_tokens`, decode
+    that many tokens one at a time: `run_peak` is the rise over the load and the decoding, `run_transient`
+    = run_peak - what the model then holds (streaming plans count the rows of the layer being computed)."""
     import flashllm
     from flashllm import format as fmt
     from flashllm.backends import torch_backend  # noqa: F401  (imports are not part of the load)
@@ -53,15 +55,22 @@ def _child(model_dir: str, options: dict) -> dict:
     st = SafetensorsFile(model.manifest.path("resident"))
     sizes = [e["data_offsets"][1] - e["data_offsets"][0] for e in st.entries.values()]
     float_resident = sum(n // fmt.STORAGE_DTYPES[model.manifest.dtype] * model.backend.itemsize for n in sizes)
-    return {"peak": peak, "held": host + device, "transient": peak - host - device,
-            "largest_tensor": max(sizes), "float_resident": float_resident,
-            "resident_held": model.backend.nbytes() - model.backend.kv_bytes()}
+    out = {"peak": peak, "held": host + device, "transient": peak - host - device,
+           "largest_tensor": max(sizes), "float_resident": float_resident,
+           "resident_held": model.backend.nbytes() - model.backend.kv_bytes()}
+    if decode_tokens:
+        for pos in range(decode_tokens):
+            model.forward([1 + pos % 8], pos)
+        out["run_peak"] = _status("VmHWM") - before
+        out["run_transient"] = out["run_peak"] - sum(model.memory())
+    return out
 
 
-def measure(model_dir, **options) -> dict:
-    """Load `model_dir` with LoadOptions `options` in a child process; its measurements (bytes)."""
+def measure(model_dir, decode_tokens: int = 0, **options) -> dict:
+    """Load `model_dir` with LoadOptions `options` in a child process (then decode `decode_tokens`
+    tokens); its measurements (bytes)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
-    out = subprocess.run([sys.executable, __file__, "--child", str(model_dir), json.dumps(options)],
+    out = subprocess.run([sys.executable, __file__, "--child", str(model_dir), json.dumps(options), str(decode_tokens)],
                          capture_output=True, text=True, env=env)
     if out.returncode:
         raise SystemExit(f"loading {model_dir} with {options} failed: {out.stderr.strip().splitlines()[-1:]}")
@@ -83,7 +92,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:  # measure()'s child process
-        print(json.dumps(_child(argv[1], json.loads(argv[2]))))
+        print(json.dumps(_child(argv[1], json.loads(argv[2]), int(argv[3]))))
         return
     args = setup_arg_parser().parse_args(argv)
     tmp = None

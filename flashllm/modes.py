@@ -201,7 +201,7 @@ class HybridPlan(StreamingPlan):
         self.resident_rows = budget_mod.hybrid_resident_rows(avail, row, L, lay.d_ffn, ctx.options.hybrid_fraction)
         h = self.resident_rows
         pack = ctx.backend.pack_ffn
-        self.resident = [pack(ctx.bundle_rows(ctx.read_layer_block(i)[:h], keep_quantized=True)) for i in range(L)] if h else []
+        self.resident = [pack(ctx.bundle_rows(ctx.read_layer_block(i, h), keep_quantized=True)) for i in range(L)] if h else []
         self.bufs = [self.backend.host_buffer((lay.d_ffn - h, lay.stride)) for _ in range(self.buffers)] \
             if h < lay.d_ffn else []
 

@@ -53,12 +53,14 @@ class PlanContext:
         return FFNReader(self.manifest.path("ffn"), layout or self.layout, threads or o.threads, o.aio_depth,
                          self.checksums if verify else None, self.hooks, o.gap_bytes if gap_filling else 0)
 
-    def read_layer_block(self, layer: int) -> np.ndarray:
-        """All neurons of one layer as uint8 bundle rows [d_ffn, stride] (for loading resident FFNs)."""
+    def read_layer_block(self, layer: int, n: int | None = None) -> np.ndarray:
+        """The first `n` (default all) neurons of one layer as uint8 bundle rows [n, stride] (for loading
+        resident FFNs)."""
         if self._loader is None:
             self._loader = FFNReader(self.manifest.path("ffn"), self.layout, threads=4, checksums=self.checksums)
-        block = self.backend.host_buffer((self.layout.d_ffn, self.layout.stride))
-        self._loader.read_block(layer, 0, self.layout.d_ffn, block)
+        n = self.layout.d_ffn if n is None else n
+        block = self.backend.host_buffer((n, self.layout.stride))
+        self._loader.read_block(layer, 0, n, block)
         return block
 
     def close(self) -> None:

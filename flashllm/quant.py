@@ -165,7 +165,8 @@ class QuantScheme:
         """uint8 parts [n, >= part_bytes] -> float32 [n, d]."""
         codes, s, m = self.unpack(raw, d)
         n, G = s.shape
-        w = codes.reshape(n, G, -1).astype(np.float32) * s.astype(np.float32)[..., None]
+        w = codes.reshape(n, G, -1).astype(np.float32)
+        w *= s.astype(np.float32)[..., None]  # in place: one float32 temporary the size of the result
         if m is not None:
             w += m.astype(np.float32)[..., None]
         return w.reshape(n, d)

@@ -267,8 +267,14 @@ class Backend:
         """uint8 bundle rows [n, >= bundle_bytes] of the storage dtype as part -> [n, d_model] arrays
         (quantized bundles are dequantized here, unless `keep_quantized` and the backend's `ffn`
         computes on them as they are)."""
-        values = layout.dequantize(block) if layout.quant else self.storage_view(block)
+        if layout.quant:  # part by part: no float32 copy of the whole block
+            return {part: self.dequantized(block[:, layout.part_range(part)], layout) for part in parts or layout.parts}
+        values = self.storage_view(block)
         return {part: self.tensor(values[:, layout.part_slice(part)]) for part in parts or layout.parts}
+
+    def dequantized(self, raw: np.ndarray, layout):
+        """One quantized part of bundle rows (uint8 [n, part_bytes]) as [n, d_model] values in the compute dtype."""
+        return self.tensor(layout.quant.dequantize(raw, layout.d_model))
 
     def cache_row_bytes(self, layout) -> int:
         """DRAM one cached neuron costs: its bundle as the row store holds it, plus per-row biases."""

@@ -12,7 +12,7 @@ from ..stats import untimed
 from ..spec import ArchSpec
 from .base import Backend, compute_threads, default_compute_dtype
 from .staging import StagingRing, bundle_values, host_array
-from .torch_quant import Int4ExpertSlots, KVCache, QuantMatrix
+from .torch_quant import Int4ExpertSlots, KVCache, QuantMatrix, dequantize_rows
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -73,6 +73,9 @@ class TorchBackend(Backend):
     @staticmethod
     def nbytes_of(t: torch.Tensor | QuantMatrix) -> int:
         return t.nbytes if isinstance(t, QuantMatrix) else t.numel() * t.element_size()
+
+    def dequantized(self, raw: np.ndarray, layout) -> torch.Tensor:
+        return dequantize_rows(raw, layout.quant, layout.d_model, self.dtype, self.device)
 
     def quantized(self, t: torch.Tensor, bits: int, gather: bool) -> QuantMatrix:
         return QuantMatrix(t, bits, self.dtype, gather)

@@ -40,6 +40,7 @@ def _minmax_codes(w: torch.Tensor, group: int, levels: int):
 
 
 CHUNK_VALUES = 1 << 20  # weights quantized at a time (4 MiB per float32 temporary)
+DEQUANT_VALUES = 1 << 18  # weights dequantized at a time (1 MiB per float32 temporary)
 
 
 def _int8_codes(w: torch.Tensor):
@@ -60,6 +61,17 @@ def _int4_codes(w: torch.Tensor, group: int):
     zero = (lo + 8 * scale).to(KERNEL_DTYPE).float()
     codes = torch.round((g - (zero - 8 * scale)[..., None]) / torch.where(scale == 0, 1, scale)[..., None])
     return codes.clamp_(0, 15).to(torch.uint8).reshape(n, k), torch.stack((scale, zero), 2).transpose(0, 1)
+
+
+def dequantize_rows(raw: np.ndarray, scheme, d: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Quantized parts (uint8 [n, >= part_bytes], quant.py's layout) as a [n, d] tensor of `dtype` on `device`,
+    dequantized DEQUANT_VALUES values at a time into the preallocated result: the float32 temporaries stay
+    a few MiB whatever n is (dequantizing a whole layer at once took 2-4x the rows' size on top)."""
+    out = torch.empty(len(raw), d, dtype=dtype, device=device)
+    step = max(1, DEQUANT_VALUES // d)
+    for a in range(0, len(raw), step):
+        out[a:a + step].copy_(torch.from_numpy(scheme.dequantize(raw[a:a + step], d)))
+    return out
 
 
 class QuantMatrix:

@@ -20,6 +20,11 @@ rows marked "+ resident" / "KV int8" load a model with `quantize_resident` / `kv
   tokens as above: what quantization costs where the user runs it (neurons the caches cannot hold
   are dropped; quantized resident matrices leave more room for the caches). --budget-only skips
   the unlimited-memory columns (dense perplexity over --max-tokens, flash bytes).
+- with --train-data (and --budget): `flashllm predictors train` on each stored model of the run (float32
+  and the quantized conversions, one recipe: --train-rank, --train-recall, --train-tokens), and the
+  budget columns use those trained low-rank predictors instead of the oracle: quantization's cost
+  where the user runs it, predictor misses included (a "+ resident" row uses the predictors trained
+  on its stored model, whose resident matrices are float32).
 """
 import argparse
 import json
@@ -36,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 import flashllm  # noqa: E402
 from flashllm.budget import BudgetTooSmall  # noqa: E402
+from flashllm.cli import main as cli_main  # noqa: E402
 from flashllm.converters import convert  # noqa: E402
 from flashllm.demo import SETTINGS as DEMO  # noqa: E402  (bfloat16, context 256)
 from flashllm.predictors import collect  # noqa: E402
@@ -72,12 +78,13 @@ def score_loaded(model, chunks, max_tokens: int) -> tuple[float, int, float]:
     return float(math.exp(np.concatenate(scored).mean())), n, dropped / n
 
 
-def at_budget(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, budget, budget_tokens: int) -> dict:
-    """Sparse mode (oracle) at `budget` (bytes, or a fraction of this model) in the demo's dtype, token by
+def at_budget(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, budget, budget_tokens: int,
+              predictor: str = "oracle") -> dict:
+    """Sparse mode (`predictor`) at `budget` (bytes, or a fraction of this model) in the demo's dtype, token by
     token: perplexity over the first `budget_tokens` held-out tokens, greedy top-1 agreement on `gen`."""
     seq = prompt + gen
     try:
-        at = flashllm.load(model_dir, mode="sparse", predictor="oracle", window=window, dram_budget=budget,
+        at = flashllm.load(model_dir, mode="sparse", predictor=predictor, window=window, dram_budget=budget,
                            **{**DEMO, "context": max(DEMO["context"], len(seq))}, **opts)
     except BudgetTooSmall as exc:
         return {"error": "does not fit: " + str(exc).split(";")[0]}
@@ -85,7 +92,15 @@ def at_budget(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, bud
     follow = np.argmax(at.logits(seq[:-1], prefill=len(prompt))[len(prompt) - 1:], axis=1) == np.array(gen)
     return {"ppl": ppl, "tokens": n, "top1_agreement": float(follow.mean()),
             "dropped_per_token": dropped_per_token, "cache_rows": int(sum(at.plan.capacities)),
-            "budget_bytes": int(at.dram_budget)}
+            "budget_bytes": int(at.dram_budget), "predictor": at.stats.get("predictor", predictor)}
+
+
+def train_predictors(model_dir: Path, args) -> None:
+    """`flashllm predictors train` on a stored model (writes its predictors into model_dir)."""
+    argv = ["predictors", "train", str(model_dir), "--data", str(args.train_data), "--rank", str(args.train_rank),
+            "--recall-target", str(args.train_recall), "--max-tokens", str(args.train_tokens), "--quiet"]
+    if cli_main(argv):
+        raise SystemExit(f"flashllm {' '.join(argv)} failed")
 
 
 def main(argv=None):
@@ -105,10 +120,17 @@ def main(argv=None):
     ap.add_argument("--budget-only", action="store_true", help="only the --budget table (default: off)")
     ap.add_argument("--rows", help="comma-separated row names to measure (float32 always; default: all)")
     ap.add_argument("--no-bytes", action="store_true", help="skip the flash-bytes measurement (default: off)")
+    ap.add_argument("--train-data", type=Path, help="calibration text: train predictors on every stored model and "
+                    "use them (not the oracle) at --budget (default: off)")
+    ap.add_argument("--train-rank", type=int, default=64, help="(default: %(default)s, the embedded predictors')")
+    ap.add_argument("--train-recall", type=float, default=0.975, help="(default: %(default)s, the embedded predictors')")
+    ap.add_argument("--train-tokens", type=int, default=60000, help="(default: %(default)s)")
     ap.add_argument("--out", type=Path, help="write the markdown table here (and JSON beside it)")
     args = ap.parse_args(argv)
     if args.budget_only and not args.budget:
         ap.error("--budget-only needs --budget")
+    if args.train_data and not args.budget:
+        ap.error("--train-data needs --budget")
 
     work = Path(tempfile.mkdtemp(prefix="quant-quality-"))
     try:
@@ -127,6 +149,12 @@ def main(argv=None):
         if args.rows:
             keep = {"float32", *args.rows.split(",")}
             variants = {name: v for name, v in variants.items() if name in keep}
+        predictor = "oracle"
+        if args.train_data:
+            predictor = "lowrank"
+            for d in dict.fromkeys(d for d, _ in variants.values()):
+                print(f"training predictors on {d.name}", file=sys.stderr, flush=True)
+                train_predictors(d, args)
         ref = flashllm.load(dirs["float32"])
         chunks = collect.chunk_text(ref, collect.read_data(args.data, args.max_tokens), args.seq_len,
                                     args.max_tokens, str(args.data))
@@ -139,9 +167,9 @@ def main(argv=None):
                 results[name] = measure(d, chunks, prompt, gen, args.window, opts, not args.no_bytes)
             if args.budget:  # the float32 model's bytes (the demo's), and this model's own size
                 same = at_budget(d, chunks, prompt, gen, args.window, opts, int(args.budget * ref.model_bytes),
-                                 args.budget_tokens)
+                                 args.budget_tokens, predictor)
                 own = same if d == dirs["float32"] else at_budget(d, chunks, prompt, gen, args.window, opts,
-                                                                  args.budget, args.budget_tokens)
+                                                                  args.budget, args.budget_tokens, predictor)
                 budgets[name] = {"of float32": same, "of its own size": own}
             print(f"{name}: {json.dumps({'dense': results.get(name), 'budget': budgets.get(name)})}",
                   file=sys.stderr, flush=True)
@@ -157,7 +185,7 @@ def main(argv=None):
         shutil.rmtree(work, ignore_errors=True)
     lines = [] if args.budget_only else unlimited_table(args, results, gen)
     if args.budget:
-        lines += budget_table(args, budgets, ref_ppl, len(gen))
+        lines += budget_table(args, budgets, ref_ppl, len(gen), predictor)
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
@@ -166,9 +194,12 @@ def main(argv=None):
                                                             indent=1))
 
 
-def budget_table(args, budgets: dict, ref_ppl: float, n_gen: int) -> list[str]:
+def budget_table(args, budgets: dict, ref_ppl: float, n_gen: int, predictor: str) -> list[str]:
     base = budgets["float32"]["of float32"]
-    lines = ["", f"{args.model.name}: sparse mode (oracle predictor, window {args.window}) at --dram-budget "
+    how = (f"low-rank predictors trained on each stored model: rank {args.train_rank}, recall target "
+           f"{args.train_recall}, {args.train_tokens} tokens of {args.train_data.name}") if predictor == "lowrank" \
+        else "oracle predictor"
+    lines = ["", f"{args.model.name}: sparse mode ({how}, window {args.window}) at --dram-budget "
              f"{args.budget}, bfloat16 compute, context {max(256, args.prompt_tokens + n_gen)}: perplexity over "
              f"{base['tokens']} held-out tokens decoded one by one (float32 dense: {ref_ppl:.4f}); top-1 agreement "
              f"with float32 dense over its {n_gen} greedy tokens", "",

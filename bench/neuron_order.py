@@ -32,8 +32,6 @@ from flashllm.predictors.order import order_model  # noqa: E402
 from flashllm.predictors.reorder import apply_order  # noqa: E402
 from flashllm.st_io import SafetensorsFile  # noqa: E402
 
-import stdlib_corpus  # noqa: E402
-
 GAPS = (0, 1, 2, 4, 8)
 
 
@@ -87,6 +85,8 @@ def frequency_order(model_dir: Path) -> list[np.ndarray]:
 
 
 def run(tokens: int, seq_len: int, prefill: int, budget, window: int, cal_tokens: int, workdir: Path) -> dict:
+    import stdlib_corpus  # bench/, on the path when run as a script (here so that gap_runs imports alone)
+
     base = demo.prepare(workdir / "converter")
     heldout = workdir / "heldout.txt"
     train = workdir / "train.txt"

@@ -74,14 +74,15 @@ def measure(run: dict) -> dict:
         torch.set_num_threads(run["torch_threads"])
     predictor = run.get("predictor") or "oracle"
     if predictor == "trace":
-        predictor = bench_module("trace").trace_predictor_factory(run["trace"], run["seed"], run["predictor_rank"])
+        predictor = bench_module("trace").trace_predictor_factory(run["trace"], run["seed"], run["predictor_rank"],
+                                                                  order=run.get("order"), window=run.get("window") or 1)
     n = 1 + run["warmup"] + run["tokens"]
     t0 = time.perf_counter()
     model = flashllm.load(run["model_dir"], backend=run["backend"], mode=run["mode"], predictor=predictor,
                           dram_budget=run["budget"], window=run.get("window") or 1, threads=run["threads"],
                           aio_depth=run.get("aio_depth", 0), gap_bytes=run.get("gap_bytes", 0), dtype=run.get("dtype"),
                           context=n + 1, quantize_resident=run.get("quantize_resident", "none"),
-                          kv_bits=run.get("kv_bits", 16))
+                          kv_bits=run.get("kv_bits", 16), prefetch=run.get("prefetch"))
     load_s = time.perf_counter() - t0
     read_acc, predicted_acc = [0.0], [0]
 
@@ -95,13 +96,15 @@ def measure(run: dict) -> dict:
     model.hooks.add("predict", on_predict)
     ids = np.random.default_rng(run["seed"]).integers(3, model.spec.vocab_size, size=n).tolist()
     read_ms, predicted = [], []
-    prof = None
+    prof = sizes = None
     for pos in range(n):
         if run.get("profile") and pos == 1 + run["warmup"]:  # profile the measured tokens only
             import cProfile
 
             prof = cProfile.Profile()
             prof.enable()
+        if run.get("read_sizes") and pos == 1 + run["warmup"]:
+            sizes = record_read_sizes(model.plan.reader.io)
         read_acc[0], predicted_acc[0] = 0.0, 0
         model.forward([ids[pos]], pos)
         read_ms.append(read_acc[0] * 1e3)
@@ -148,11 +151,33 @@ def measure(run: dict) -> dict:
                                                      "neurons_dropped")} for c in decode]
     if prof is not None:
         out["profile"] = profile_rows(prof, max(run["tokens"], 1))
+    if sizes is not None:  # request size (bytes) -> reads of that size, per measured token
+        out["read_sizes"] = {str(b): c / k for b, c in sorted(sizes.items())}
+    if run.get("prefetch"):
+        s = model.stats
+        out.update({key: s.get(key) for key in ("lookahead_recall", "lookahead_recall_per_layer", "neurons_prefetched",
+                                                 "prefetch_unused", "prefetch_rows")})
     out["rss_peak"] = _vm("VmHWM")
     out["cgroup"] = _own_memory_cgroup()
     del model
     gc.collect()
     return out
+
+
+def record_read_sizes(engine) -> dict:
+    """Count the reads the FlashReader `engine` issues from now on by size (bytes -> reads): the runtime's
+    request-size mix, for fio to replay (bench/io_runtime.py). It observes the engine's planned reads
+    (its `_submit`, wrapped on this one instance); what is read is unchanged."""
+    sizes: dict[int, int] = {}
+    submit = engine._submit
+
+    def counted(flat, reads, requested, t0):
+        for b, c in zip(*np.unique(reads.len, return_counts=True)):
+            sizes[int(b)] = sizes.get(int(b), 0) + int(c)
+        return submit(flat, reads, requested, t0)
+
+    engine._submit = counted
+    return sizes
 
 
 def io_engine(manifest, threads: int, aio_depth: int) -> str:

@@ -251,12 +251,18 @@ class TracePredictor:
 
     kind = "trace"
 
-    def __init__(self, trace: "Trace | str | Path", spec, backend=None, seed: int = 0, cost_rank: int = 128):
+    def __init__(self, trace: "Trace | str | Path", spec, backend=None, seed: int = 0, cost_rank: int = 128,
+                 order: str | None = None, window: int = 4):
         self.trace = trace if isinstance(trace, Trace) else Trace.load(trace)
         self.spec = spec
         rng = np.random.default_rng(seed)
         self.layers = layer_map(self.trace.n_layers, spec.n_layers)
         self.neurons = [neuron_map(self.trace.d_ffn, spec.d_ffn, rng) for _ in range(spec.n_layers)]
+        self.order = None
+        if order == "coactivation":
+            self._coactivation_order(window)
+        elif order not in (None, "none"):
+            raise ValueError(f"order {order!r}: none or coactivation")
         self.next = 0
         self.t0 = 0
         self.backend, self.rank = backend, cost_rank
@@ -267,6 +273,32 @@ class TracePredictor:
                 self.A.append(backend.tensor(g.standard_normal((cost_rank, spec.d_model), np.float32) * spec.d_model ** -0.5))
                 self.B.append(backend.tensor(g.standard_normal((spec.d_ffn, cost_rank), np.float32) * cost_rank ** -0.5))
                 self.b.append(backend.tensor(np.zeros(spec.d_ffn, np.float32)))
+
+    def _coactivation_order(self, window: int) -> None:
+        """Replay as if ffn.bin had been rewritten in co-activation order (`flashllm predictors train --order
+        coactivation`): the weights are random, so moving a neuron to another position of the file is the
+        same as the replay's neuron there following another small neuron. Each small layer's order is
+        computed (predictors.coactivation) on the trace's second half, with this window's loads; the replay
+        starts at the first token, so the measured tokens are held out from it. The large layer is laid out
+        as blocks, each block the small neurons in that order, one copy of each: copies of one small neuron
+        (always active together, an artifact of the replay) stay a small layer's width apart, so what the
+        order gains is the small model's own co-activation structure, not the copies' (laid side by side,
+        they would turn ~11 bundles into one read and overstate the gain ~10x)."""
+        from flashllm.predictors import coactivation as co
+
+        half = self.trace.tokens // 2
+        orders, info = [], []
+        for small in range(self.trace.n_layers):
+            counts = co.CoCounts(self.trace.d_ffn)
+            counts.add(co.loads(self.trace.predicted[small][half:], window))
+            order, saved = co.layer_order(counts)
+            orders.append(order)
+            info.append(saved)
+        for j, small in enumerate(self.layers):
+            copies = np.bincount(self.neurons[j], minlength=self.trace.d_ffn)  # the same neurons, moved
+            self.neurons[j] = np.concatenate([orders[small][copies[orders[small]] > c] for c in range(copies.max())])
+        self.order = {"method": "coactivation", "window": window, "calibration_tokens": self.trace.tokens - half,
+                      "small_layers": info}
 
     def predict(self, layer: int, x) -> np.ndarray:
         T = x.shape[0]
@@ -292,16 +324,17 @@ class TracePredictor:
                 f"({m['n_layers']} layers, FFN {m['d_ffn']}; {m['predictor']} predictor) on held-out text "
                 f"{Path(m['data']).name}; large layer j follows small layer floor(j*{m['n_layers']}/"
                 f"{self.spec.n_layers}); each of the {self.spec.d_ffn} neurons follows one of the "
-                f"{m['d_ffn']} small neurons (fixed random balanced assignment); mean active "
-                f"{s.get('mean_active', float('nan')):.1%}, new per token with window 4 "
+                f"{m['d_ffn']} small neurons (fixed random balanced assignment"
+                f"{'; laid out in co-activation order computed on the trace tokens not replayed' if self.order else ''}"
+                f"); mean active {s.get('mean_active', float('nan')):.1%}, new per token with window 4 "
                 f"{s.get('mean_new_w4', float('nan')):.1%}; predictor cost stand-in: random rank "
                 f"{self.rank if self.A else 0}")
 
 
-def trace_predictor_factory(path, seed: int = 0, cost_rank: int = 128):
+def trace_predictor_factory(path, seed: int = 0, cost_rank: int = 128, order: str | None = None, window: int = 4):
     """`predictor=` argument for flashllm.load: a TracePredictor on the loaded model's spec and backend."""
     trace = Trace.load(path)
-    return lambda ctx: TracePredictor(trace, ctx.spec, ctx.backend, seed, cost_rank)
+    return lambda ctx: TracePredictor(trace, ctx.spec, ctx.backend, seed, cost_rank, order, window)
 
 
 # -- CLI ---------------------------------------------------------------------------------------

@@ -174,3 +174,37 @@ def test_moe_trace_replay_maps_small_routing_onto_a_bigger_moe():
     assert len(st["layers"]) == 4 and st["random_reuse"] == pytest.approx(1 - (14 / 16) ** 4, abs=1e-4)
     with pytest.raises(ValueError, match="cannot replay top-2 of 16 onto top-3 of 128"):
         mt.ReplayRouting(trace, 8, 128, 3)
+
+
+def test_trace_coactivation_order_moves_neurons_and_keeps_copies_apart(tiny_random, tiny_models, tmp_path):
+    tr = bench("trace")
+    text = tmp_path / "heldout.txt"
+    text.write_text("def f(x):\n    return [x * 2 for _ in range(3)]\n" * 40)
+    tr.main(["record", str(tiny_models("opt").model_dir), "--data", str(text), "--out", str(tmp_path / "t.npz"),
+             "--tokens", "40", "--seq-len", "20", "--json"])
+    spec = fmt.read_manifest(tiny_random[1]).spec  # 8 layers, FFN 512, from 2 small layers of 128
+    plain = tr.TracePredictor(tmp_path / "t.npz", spec, seed=3)
+    ordered = tr.TracePredictor(tmp_path / "t.npz", spec, seed=3, order="coactivation", window=4)
+    assert ordered.order["calibration_tokens"] == 20
+    for a, b in zip(plain.neurons, ordered.neurons):
+        np.testing.assert_array_equal(np.sort(a), np.sort(b))  # the same neurons, at other positions
+        assert not np.array_equal(a, b)
+        pos = np.argsort(b, kind="stable").reshape(128, 4)  # each small neuron's 4 copies, by position
+        assert (np.diff(pos, axis=1) == 128).all()  # one copy per block of 128: never side by side
+    replay = bench("io_runtime").replay_reads(tmp_path / "t.npz", spec, 3, 4, 20)
+    assert replay["tokens"] == 20
+    for g in ("0", "1", "8"):  # gap-filling reads through: fewer reads, more bundles
+        assert replay["none"][g]["reads"] <= replay["none"]["0"]["bundles"] <= replay["none"][g]["bundles"]
+    assert replay["none"]["0"]["bundles"] == replay["coactivation"]["0"]["bundles"] > 0  # same loads, moved
+
+
+def test_paper_measure_records_read_sizes_and_lookahead(tiny_random):
+    pm = bench("paper_measure")
+    run = dict(label="t", mode="sparse", window=2, bundled=True, backend="torch", budget="60%", threads=4,
+               seed=0, tokens=3, warmup=1, model_dir=str(tiny_random[1]), read_sizes=True, prefetch=True)
+    out = pm.measure(run)
+    sizes = {int(b): c for b, c in out["read_sizes"].items()}
+    assert sum(sizes.values()) == pytest.approx(out["reads"]) and out["reads"] > 0  # every read, by size
+    assert sum(b * c for b, c in sizes.items()) <= out["bytes_read"] + 1e-6
+    assert min(sizes) >= fmt.read_manifest(tiny_random[1]).layout.stride  # whole bundles or runs of them
+    assert out["prefetch_rows"] > 0 and 0 <= out["lookahead_recall"] <= 1

@@ -141,7 +141,7 @@ def flashllm_argv(args, model_dir: Path, budget: int, tmp: Path, routing: str | 
                threads=32, aio_depth=0, trace=args.trace, seed=args.seed,
                predictor="trace" if args.trace else "auto", predictor_rank=128, torch_threads=args.threads,
                tokens=args.tokens, warmup=args.warmup, model_dir=str(model_dir),
-               dtype=pt.compute_dtype("auto", model_dir, "torch"), quantize_resident=args.quantize_resident)
+               dtype=args.dtype, quantize_resident=args.quantize_resident)
     if run["predictor"] == "auto":
         run["predictor"] = "lowrank" if (model_dir / "predictors.json").is_file() else "oracle"
     spec.write_text(json.dumps(run))
@@ -263,6 +263,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="the model files a fractional --dram-budget is of: flashllm's, or the GGUF's (e.g. for "
                    "quantized models, whose flashllm files hold float16 resident weights that load quantized "
                    "with --quantize-resident) (default: %(default)s)")
+    p.add_argument("--dtype", default=None, help="flashllm's compute dtype on a dense-FFN model (default: the "
+                   "runtime's, the storage dtype on torch CPU: float16 files read straight into the cache rows)")
     p.add_argument("--quantize-resident", default="none", choices=["none", "int8", "int4"],
                    help="flashllm holds attention, embedding and lm_head quantized (flashllm.load's "
                    "quantize_resident) (default: %(default)s)")

@@ -66,14 +66,15 @@ def _paper_measure():
 pm = _paper_measure()
 
 
-def fio(path, sizes: dict, threads: int, seconds: float) -> dict:
-    """fio psync randread on `path` with the request-size mix `sizes` (bytes -> reads), O_DIRECT."""
+def fio(path, sizes: dict, threads: int, seconds: float, region: tuple[int, int] | None = None) -> dict:
+    """fio psync randread on `path` with the request-size mix `sizes` (bytes -> reads), O_DIRECT; at random
+    offsets in the whole file, or in `region` (offset, bytes)."""
     total = sum(sizes.values())
     split = ":".join(f"{b}/{100 * c / total:.4f}" for b, c in sorted(sizes.items(), key=lambda kv: int(kv[0])))
     cmd = ["fio", "--name=mix", f"--filename={path}", "--direct=1", "--ioengine=psync", "--rw=randread",
            f"--bssplit={split}", f"--numjobs={threads}", "--thread", "--group_reporting", "--norandommap",
            "--randrepeat=0", "--blockalign=4k", "--time_based", f"--runtime={int(seconds * 1000)}ms",
-           "--output-format=json"]
+           "--output-format=json"] + ([f"--offset={region[0]}", f"--size={region[1]}"] if region else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     r = json.loads(out[out.index("{"):])["jobs"][0]["read"]
     return {"bw_bytes": r["bw_bytes"], "reads": r["total_ios"], "mean_read_bytes": r["io_bytes"] / max(r["total_ios"], 1),
@@ -131,7 +132,12 @@ def run_config(args, name: str, budget: int, runner, gap: dict | None) -> dict:
     res = runner(run)
     if "error" in res:
         return res
-    res["fio"] = fio(fmt.read_manifest(args.model_dir, verify=False).path("ffn"), res["read_sizes"], args.threads, args.fio_seconds)
+    m = fmt.read_manifest(args.model_dir, verify=False)
+    lay = m.layout
+    res["fio"] = fio(m.path("ffn"), res["read_sizes"], args.threads, args.fio_seconds)
+    # the engine reads one layer per call: the same mix at random offsets in one layer's bundles
+    res["fio_layer"] = fio(m.path("ffn"), res["read_sizes"], args.threads, args.fio_seconds,
+                           (lay.layer_offsets[len(lay.layer_offsets) // 2], lay.d_ffn * lay.stride))
     res["load_average_after"] = os.getloadavg()[0]
     return res
 
@@ -175,7 +181,8 @@ def main(argv=None) -> dict:
             report["runs"][name] = run_config(args, name, budget, runner, gap)
             r = report["runs"][name]
             if "error" not in r:
-                log(f"  engine {r['bytes_read'] / r['read_ms'] / 1e6:.3f} GB/s, fio {r['fio']['bw_bytes'] / GB:.3f} GB/s")
+                log(f"  engine {r['bytes_read'] / r['read_ms'] / 1e6:.3f} GB/s, fio {r['fio']['bw_bytes'] / GB:.3f} GB/s "
+                    f"(one layer: {r['fio_layer']['bw_bytes'] / GB:.3f})")
     finally:
         group.remove()
     if args.replay_tokens:
@@ -220,8 +227,8 @@ def _f(x, nd=0):
 def markdown(reps: list[dict]) -> str:
     r0 = reps[0]
     L = ["| configuration | total ms | read ms (engine) | io_ms (waited) | mem_ms | compute ms | predictor ms | "
-         "total / max(read, CPU) | GB/token | reads/token | engine GB/s | fio GB/s (same mix) | engine / fio | "
-         "dropped/token | lookahead recall | load avg |", "|---" * 16 + "|"]
+         "total / max(read, CPU) | GB/token | reads/token | engine GB/s | fio GB/s, same mix: file / one layer | "
+         "engine / fio: file / one layer | dropped/token | lookahead recall | load avg |", "|---" * 16 + "|"]
     for rep in reps:
         for name, r in rep["runs"].items():
             if "error" in r:
@@ -229,11 +236,11 @@ def markdown(reps: list[dict]) -> str:
                 continue
             cpu = r["total_ms"] - r["io_ms"]
             eng = r["bytes_read"] / r["read_ms"] / 1e6 if r["read_ms"] else None
-            f = r["fio"]["bw_bytes"] / GB
+            f, fl = r["fio"]["bw_bytes"] / GB, r["fio_layer"]["bw_bytes"] / GB
             L.append(f"| {name} | {_f(r['total_ms'])} | {_f(r['read_ms'])} | {_f(r['io_ms'])} | {_f(r['mem_ms'])} | "
                      f"{_f(r['compute_ms'])} | {_f(r['predictor_ms'])} | {r['total_ms'] / max(r['read_ms'], cpu):.2f} | "
-                     f"{r['bytes_read'] / GB:.3f} | {_f(r['reads'])} | {_f(eng, 3)} | {f:.3f} | "
-                     f"{_f(eng / f if eng else None, 2)} | {_f(r['neurons_dropped'])} | "
+                     f"{r['bytes_read'] / GB:.3f} | {_f(r['reads'])} | {_f(eng, 3)} | {f:.3f} / {fl:.3f} | "
+                     f"{_f(eng / f if eng else None, 2)} / {_f(eng / fl if eng else None, 2)} | {_f(r['neurons_dropped'])} | "
                      f"{_f(r.get('lookahead_recall'), 2)} | {r['load_average_at_start']:.1f}–{r['load_average_after']:.1f} |")
     L += ["", "Runs: " + "; ".join(f"`{rep['command']}` ({rep['date']})" for rep in reps),
           f"memory limit {r0['memory_limit'] / GB:.2f} GB (DRAM budget {r0['dram_budget'] / GB:.2f} GB of "

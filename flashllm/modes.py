@@ -383,6 +383,11 @@ class SparsePlan(StreamingPlan):
             x = self.backend.norm(f"layers.{layer}.{self._norm}", self._residual)
             mask, scores = union(*predict_scored(self.predictor, layer, x))
         predicted = np.flatnonzero(mask)
+        capacity = self.caches[layer].capacity
+        if len(predicted) > capacity:  # `_fit` keeps the `capacity` best (as ranked there): read no others
+            best = np.argsort(-scores[predicted], kind="stable")[:capacity] if scores is not None else \
+                np.arange(capacity)
+            predicted = np.sort(predicted[best])
         ids = predicted[self.caches[layer].row_of[predicted] < 0]
         if len(ids) > self.prefetch_rows:  # the highest-scored ones fit
             keep = np.argsort(-scores[ids], kind="stable")[:self.prefetch_rows] if scores is not None else \

@@ -49,6 +49,18 @@ def test_sparse_oracle_with_read_ahead_and_gap_filling_matches_dense(tiny, dense
         assert stats["neurons_prefetched"] > 0
 
 
+def test_read_ahead_reads_no_more_than_the_cache_keeps(tiny_models):
+    """A lookahead set larger than the layer's cache is cut as `_fit` cuts the layer's own set: neurons
+    that would be dropped are not read ahead for nothing."""
+    tiny = tiny_models("opt")
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True,
+                          cache_rows=(8, 8))
+    model.logits(IDS, prefill=PREFILL)
+    stats = model.stats
+    assert stats["neurons_dropped"] > 0  # the oracle's sets overflow 8 rows
+    assert 0 < stats["neurons_prefetched"] <= 8  # per token: layer 1 only (layer 0 has none), at most its cache
+
+
 @pytest.mark.parametrize("mode, aio_depth", [("naive", 2), ("hybrid", 0)])
 def test_streaming_modes_match_dense(tiny, dense_logits, mode, aio_depth):
     model = flashllm.load(tiny.model_dir, mode=mode, threads=4, aio_depth=aio_depth)

@@ -2,7 +2,12 @@
 
 The flash I/O engine itself (O_DIRECT, N threads) reads random, request-sized pieces of a scratch
 file on that disk, for each request size and number of reads in flight; the profile keeps the
-throughput of every cell and the mean latency of single reads. Fitting the amortised cost of one
+throughput of every cell and the median latency of single reads. What it measures must be the
+device, not a cache: the scratch file is written with direct I/O (it never enters this kernel's page
+cache), it is large (1 GiB; a virtual disk's host may still cache what the guest just wrote, and a
+small file it keeps whole: the 128 MiB file of earlier versions measured 1.4 GiB/s of 1 MiB reads on a
+0.8 GiB/s disk and so a 674 KiB gap), no piece of it is read twice, and reads go to random offsets
+over all of it. A profile measured without direct I/O derives no gap (``gap_bytes`` 0). Fitting the amortised cost of one
 read, ``size / throughput(size)``, to ``per_read_s + size / bandwidth`` gives the cost model that
 gap-filling uses: reading through a gap of g bytes costs g / bandwidth, a separate read costs
 per_read_s, so a gap is read through when ``g < per_read_s * bandwidth`` (``gap_bytes``).
@@ -31,11 +36,12 @@ import numpy as np
 from .errors import FlashLLMError
 
 FORMAT = "flashllm-disk-profile"
-VERSION = 1
+VERSION = 2  # 2: measured on a large direct-written scratch file, each piece read once (1 was host-cached)
 SIZES = (4096, 16384, 65536, 262144, 1048576)  # request sizes measured by default
 INFLIGHT = (1, 8, 32)  # reads in flight measured by default
-SCRATCH_BYTES = 128 << 20  # the scratch file random reads go to (written once, deleted after)
+SCRATCH_BYTES = 1 << 30  # the scratch file random reads go to (written once, deleted after)
 SECONDS = 0.25  # per cell
+MIN_CALLS = 8  # per cell, however long they take
 
 
 def cache_root() -> Path:
@@ -73,7 +79,7 @@ class DiskProfile:
     sizes: list[int]
     inflight: list[int]
     mibps: list[list[float]]  # [len(inflight)][len(sizes)]
-    latency_us: list[float]  # mean single-read latency per size (1 in flight)
+    latency_us: list[float]  # median single-read latency per size (1 in flight)
     scratch_bytes: int = 0
     seconds_per_cell: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -105,7 +111,10 @@ class DiskProfile:
         return max(float(intercept), 0.0), float(bandwidth)
 
     def gap_bytes(self, inflight: int) -> int:
-        """The largest gap worth reading through rather than issuing a second read."""
+        """The largest gap worth reading through rather than issuing a second read (0 when the profile
+        was not measured with direct I/O: a page cache made the reads look free)."""
+        if not self.direct:
+            return 0
         per_read, bandwidth = self.cost_model(inflight)
         return int(per_read * bandwidth)
 
@@ -152,35 +161,54 @@ def _fmt(n: int) -> str:
 
 
 # -- measuring ----------------------------------------------------------------------------------
-def _cell(reader, file_rows: int, size: int, inflight: int, seconds: float, rng, dest) -> tuple[float, float]:
-    """(bytes/s, mean seconds per call) reading random ``size``-byte rows, ``inflight`` per call."""
-    rows = np.arange(inflight)
-    total = calls = 0
-    t0 = time.perf_counter()
-    while True:
-        idx = rng.choice(file_rows, size=inflight, replace=False) if file_rows >= inflight else \
-            rng.integers(0, file_rows, inflight)
-        total += reader.read_rows(0, size, size, idx, dest, rows).bytes_read
-        calls += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= seconds:
-            return total / elapsed, elapsed / calls
+_clock = time.perf_counter  # what cells are timed with (a test swaps in a simulated disk's clock)
+
+
+def _cell(reader, order: np.ndarray, size: int, inflight: int, seconds: float, dest) -> tuple[float, float]:
+    """(bytes/s, median seconds per call) reading ``size``-byte rows ``order[0], order[1], ...`` (a random
+    permutation of the file's rows: no row is read twice), ``inflight`` per call, for ``seconds`` and at
+    least MIN_CALLS calls (or until the rows run out)."""
+    rows, clock = np.arange(inflight), _clock
+    total, times = 0, []
+    start = clock()
+    for k in range(0, len(order) - inflight + 1, inflight):
+        t = clock()
+        total += reader.read_rows(0, size, size, order[k:k + inflight], dest, rows).bytes_read
+        times.append(clock() - t)
+        if len(times) >= MIN_CALLS and clock() - start >= seconds:
+            break
+    return total / max(clock() - start, 1e-9), float(np.median(times))
 
 
 def _scratch(directory: Path, nbytes: int, notes: list) -> tuple[str, bool]:
-    """(path of a file to read, whether we wrote it): a scratch file of random bytes in ``directory``."""
+    """(path of a file to read, whether we wrote it): a scratch file of random bytes in ``directory``,
+    written with direct I/O where the file system allows (so that this kernel's page cache never holds it)."""
+    from .flashio import aligned_empty
+
     try:
         fd, path = tempfile.mkstemp(prefix=".flashllm-disk-profile-", dir=directory)
     except OSError:
         return "", False
+    rng = np.random.default_rng()
+    chunk = aligned_empty(8 << 20, np.uint8)
     try:
-        chunk = np.random.default_rng(0).bytes(8 << 20)
-        with os.fdopen(fd, "wb") as f:
-            for done in range(0, nbytes, len(chunk)):
-                f.write(chunk[:min(len(chunk), nbytes - done)])
-            f.flush()
-            os.fsync(f.fileno())
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            dfd = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+        except OSError:
+            dfd = os.open(path, os.O_WRONLY)
+        try:
+            for done in range(0, nbytes, len(chunk)):  # new random bytes each chunk: nothing to deduplicate
+                chunk[:] = np.frombuffer(rng.bytes(len(chunk)), np.uint8)
+                n = min(len(chunk), nbytes - done)
+                if os.pwrite(dfd, chunk[:n] if n == len(chunk) else chunk[:-(-n // 4096) * 4096], done) < n:
+                    raise OSError(28, "short write")
+            os.ftruncate(dfd, nbytes)
+            os.fsync(dfd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(dfd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(dfd)
+            os.close(fd)
     except OSError as e:
         os.unlink(path)
         notes.append(f"could not write a scratch file in {directory} ({e.strerror})")
@@ -189,13 +217,15 @@ def _scratch(directory: Path, nbytes: int, notes: list) -> tuple[str, bool]:
 
 
 def measure(path, sizes=SIZES, inflight=INFLIGHT, seconds: float = SECONDS,
-            scratch_bytes: int = SCRATCH_BYTES, progress=None) -> DiskProfile:
+            scratch_bytes: int = SCRATCH_BYTES, progress=None, open_reader=None) -> DiskProfile:
     """Measure the disk holding ``path`` (a file or directory) with the flash I/O engine.
 
     Reads go to a scratch file of ``scratch_bytes`` written next to ``path`` and deleted afterwards;
-    where that cannot be written, to ``path`` itself if it is a file (read-only)."""
+    where that cannot be written, to ``path`` itself if it is a file (read-only). ``open_reader(file,
+    threads, max_chunk_bytes)``: the engine to measure (default: FlashReader)."""
     from .flashio import FlashReader, aligned_empty
 
+    open_reader = open_reader or (lambda f, q, chunk: FlashReader(f, threads=q, max_chunk_bytes=chunk))
     target = Path(path)
     if not target.exists():
         raise FlashLLMError(f"{target}: no such file or directory (cannot profile its disk)")
@@ -206,36 +236,41 @@ def measure(path, sizes=SIZES, inflight=INFLIGHT, seconds: float = SECONDS,
         if not target.is_file():
             raise FlashLLMError(f"{directory}: not writable, and no file to read there to profile the disk")
         file = str(target)
-        notes.append(f"measured on {target} (read-only)")
+        notes.append(f"measured on {target} (read-only; it may be cached)")
     sizes, inflight = sorted(set(int(s) for s in sizes)), sorted(set(int(q) for q in inflight))
     rng = np.random.default_rng()
     mibps = [[0.0] * len(sizes) for _ in inflight]
     latency = [0.0] * len(sizes)
     direct = True
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     try:
         fsize = os.path.getsize(file)
+        for s in sizes:
+            if fsize < s * max(max(inflight), 2):
+                raise FlashLLMError(f"{file}: {fsize} bytes, too small to profile {s}-byte reads")
         for i, q in enumerate(inflight):
-            with FlashReader(file, threads=q, max_chunk_bytes=max(sizes)) as reader:
+            with open_reader(file, q, max(sizes)) as reader:
                 direct = direct and reader.direct
                 for j, s in enumerate(sizes):
-                    if fsize < s:
-                        raise FlashLLMError(f"{file}: {fsize} bytes, too small to profile {s}-byte reads")
                     dest = aligned_empty((q, s), np.uint8)
                     dest.fill(0)
-                    bps, per_call = _cell(reader, fsize // s, s, q, seconds, rng, dest)
+                    bps, per_call = _cell(reader, rng.permutation(fsize // s), s, q, seconds, dest)
                     mibps[i][j] = bps / (1 << 20)
                     if q == 1:
                         latency[j] = per_call * 1e6
                     if progress:
                         progress(f"{_fmt(s)} x{q}: {mibps[i][j]:.0f} MiB/s")
         if 1 not in inflight:
-            with FlashReader(file, threads=1, max_chunk_bytes=max(sizes)) as reader:
+            with open_reader(file, 1, max(sizes)) as reader:
                 for j, s in enumerate(sizes):
                     dest = aligned_empty((1, s), np.uint8)
-                    latency[j] = _cell(reader, fsize // s, s, 1, seconds / 2, rng, dest)[1] * 1e6
+                    latency[j] = _cell(reader, rng.permutation(fsize // s), s, 1, seconds / 2, dest)[1] * 1e6
     finally:
         if ours:
             os.unlink(file)
+    if load0 is not None:
+        notes.append(f"load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
+                     f"(per-read costs include the engine's CPU: a busy machine raises them)")
     return DiskProfile(key=disk_key(directory), device=_describe_device(directory),
                        date=datetime.datetime.now().isoformat(timespec="seconds"), direct=direct, sizes=sizes,
                        inflight=inflight, mibps=[[round(v, 1) for v in r] for r in mibps],
@@ -266,7 +301,7 @@ def save(p: DiskProfile) -> Path:
     return out
 
 
-QUICK = dict(inflight=(1, 32), seconds=0.1, scratch_bytes=64 << 20)  # ~1.5 s: what a first load measures
+QUICK = dict(inflight=(1, 32), seconds=0.1, scratch_bytes=256 << 20)  # a few s: what a first load measures
 
 
 def profile(path, refresh: bool = False, progress=None, quick: bool = False, **measure_args) -> DiskProfile:

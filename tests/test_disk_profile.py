@@ -8,6 +8,7 @@ import pytest
 from flashllm import disk_profile
 from flashllm.disk_profile import DiskProfile
 from flashllm.errors import FlashLLMError
+from flashllm.flashio import IOStats
 
 
 def synthetic(per_read_us: float, mib_s: float) -> DiskProfile:
@@ -25,6 +26,50 @@ def test_cost_model_recovers_per_read_cost_and_bandwidth():
     assert p.gap_bytes(32) == pytest.approx(50e-6 * 1000 * 2**20, rel=1e-3)
     assert synthetic(10, 1000).gap_bytes(32) < p.gap_bytes(32) < synthetic(50, 3000).gap_bytes(32)
     assert p.read_seconds([4096] * 10, 32) == pytest.approx(10 * 50e-6 + 40960 / (1000 * 2**20))
+
+
+class SimulatedDisk:
+    """A reader over a disk where a read costs `per_read_s` + size / `bandwidth` (amortised, any depth), on a
+    clock it advances itself; it records every (offset, size) read."""
+
+    direct = True
+
+    def __init__(self, per_read_s: float, bandwidth: float):
+        self.per_read_s, self.bandwidth, self.now, self.seen = per_read_s, bandwidth, 0.0, []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def read_rows(self, base, stride, size, idx, dest, rows):
+        self.now += len(idx) * (self.per_read_s + size / self.bandwidth)
+        self.seen += [(int(i) * stride, size) for i in idx]
+        return IOStats(bytes_read=len(idx) * size, reads=len(idx))
+
+
+def test_measured_gap_is_the_simulated_disks_break_even(tmp_path, monkeypatch):
+    """measure() on a disk with a known per-read cost and bandwidth derives exactly their product as the
+    gap, and reads no piece of the scratch file twice within a cell."""
+    disk = SimulatedDisk(per_read_s=60e-6, bandwidth=800 * 2**20)
+    monkeypatch.setattr(disk_profile, "_clock", lambda: disk.now)
+    p = disk_profile.measure(tmp_path, sizes=(4096, 65536, 1 << 20), inflight=(1, 32), seconds=0.01,
+                             scratch_bytes=64 << 20, open_reader=lambda f, q, chunk: disk)
+    assert p.direct and p.scratch_bytes == 64 << 20 and list(tmp_path.iterdir()) == []
+    per_read, bandwidth = p.cost_model(32)
+    assert per_read == pytest.approx(60e-6, rel=0.01) and bandwidth == pytest.approx(800 * 2**20, rel=0.01)
+    assert p.gap_bytes(32) == pytest.approx(60e-6 * 800 * 2**20, rel=0.02)  # ~49 KiB
+    assert p.latency_us[0] == pytest.approx(60 + 4096 / (800 * 2**20) * 1e6, rel=0.01)
+    first_cell = [r for r in disk.seen if r[1] == 4096][:disk_profile.MIN_CALLS]
+    assert len(set(first_cell)) == len(first_cell)
+
+
+def test_no_gap_from_a_profile_measured_without_direct_io():
+    p = synthetic(50, 1000)
+    assert p.gap_bytes(32) > 0
+    p.direct = False  # a page cache served the reads: no physical cost model
+    assert p.gap_bytes(32) == 0
 
 
 def test_measure_caches_per_disk_and_refreshes(tmp_path, monkeypatch):

@@ -44,7 +44,8 @@ def configs() -> dict:
             GAP: dict(mode="sparse", gap_bytes=None),
             f"naive, {other_name}": dict(mode="naive", **other),
             f"sparse, {other_name}": dict(mode="sparse", **other),
-            f"sparse, {other_name} + gap-filling": dict(mode="sparse", gap_bytes=None, **other)}
+            f"sparse, {other_name} + gap-filling": dict(mode="sparse", gap_bytes=None, **other),
+            f"sparse, {other_name} + read-ahead": dict(mode="sparse", prefetch=True, **other)}
 
 
 NAIVE, DEFAULT = "naive (default: read-ahead)", "sparse (default: hot neurons pinned)"
@@ -181,12 +182,15 @@ def markdown(rep: dict) -> str:
           line(f"sparse on {other} + gap-filling / default", ratio(f"sparse, {other} + gap-filling", DEFAULT)),
           line(f"**sparse on {other} + gap-filling vs naive, same round (naive latency / sparse)**",
                ratio(NAIVE, f"sparse, {other} + gap-filling"), "x"),
-          line(f"the same in CPU time per token", ratio(NAIVE, f"sparse, {other} + gap-filling", "cpu_ms"), "x")]
+          line("the same in CPU time per token", ratio(NAIVE, f"sparse, {other} + gap-filling", "cpu_ms"), "x"),
+          line(f"sparse on {other}: read-ahead / without (< 1: it pays)", ratio(f"sparse, {other} + read-ahead",
+                                                                              f"sparse, {other}"))]
     per_layer = [r[AHEAD].get("lookahead_recall_per_layer") for r in rounds]
     if per_layer and per_layer[0]:
         cols = list(zip(*per_layer))
-        L += ["", "Lookahead recall per layer (share of the layer's predicted neurons that the prediction from "
-              "the previous layer's residual stream also named; layer 0 has no lookahead):", "",
+        L += ["", "Lookahead recall per layer (share of the layer's predicted neurons that the lookahead also "
+              "named: the layer's predictor on the residual stream after the previous layer's attention; "
+              "layer 0 has no lookahead):", "",
               "| layer | " + " | ".join(str(i) for i in range(len(cols))) + " |",
               "|---|" + "---|" * len(cols),
               "| recall | " + " | ".join(_med(c, 2) if any(v is not None for v in c) else "-" for c in cols) + " |"]

@@ -50,6 +50,8 @@ class Reads:
         n = len(offs)
         ends = offs + row_bytes
         g = offs[1:] - ends[:-1]
+        if row_bytes <= max_chunk and not (g <= gap).any():  # no two rows close: one read each (sparse decode)
+            return cls(offs, doffs, np.full(n, row_bytes, dtype=np.int64))
         join = (g >= 0) & (g <= gap) if gather else (g == 0) & (np.diff(doffs) == row_bytes)
         brk = np.ones(n, dtype=bool)
         brk[1:] = ~join

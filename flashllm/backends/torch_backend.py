@@ -216,20 +216,21 @@ class TorchBackend(Backend):
             q, k = self._rope(q, self.ropes[layer], pos), self._rope(k, self.ropes[layer], pos)
         S, window = pos + T, s.window(layer)
         lo = max(0, pos - window + 1) if window else 0  # earliest key any of the new queries sees
-        keys, vals = kv.update(layer, pos, k, v, lo)
+        keys, vals_t = kv.update(layer, pos, k, v, lo)  # [kv heads, keys, head_dim], [kv heads, head_dim, keys]
+        scale = s.attn_scale or s.head_dim ** -0.5
         group = s.n_heads // s.n_kv_heads
+        if T == 1 and self.tuned and not s.attn_softcap:  # one new token sees every key from lo on
+            return self._decode_attention(q[0], keys, vals_t, scale)
+        vals = vals_t.transpose(1, 2)
         gqa = group > 1 and self.tuned and not s.attn_softcap  # SDPA shares each kv head itself (no copies)
         if group > 1 and not gqa:
-            keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)
-        mask = None
-        if T > 1 or s.attn_softcap or not self.tuned:  # one new token sees every key from lo on
-            qpos = torch.arange(pos, S, device=self.device)[:, None]
-            kpos = torch.arange(lo, S, device=self.device)[None, :]
-            mask = kpos <= qpos
-            if window:
-                mask &= (qpos - kpos) < window
-        q, keys, vals = q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1)
-        scale = s.attn_scale or s.head_dim ** -0.5
+            keys, vals = keys.repeat_interleave(group, dim=0), vals.repeat_interleave(group, dim=0)
+        qpos = torch.arange(pos, S, device=self.device)[:, None]
+        kpos = torch.arange(lo, S, device=self.device)[None, :]
+        mask = kpos <= qpos
+        if window:
+            mask &= (qpos - kpos) < window
+        q = q.transpose(0, 1)
         if s.attn_softcap:  # Gemma 2: cap * tanh(scores / cap) before the mask; SDPA has no soft-capping
             scores = torch.tanh((q @ keys.transpose(1, 2)) * scale / s.attn_softcap) * s.attn_softcap
             weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
@@ -237,6 +238,16 @@ class TorchBackend(Backend):
         else:
             out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa)
         return out.transpose(0, 1).reshape(T, s.n_heads * s.head_dim)
+
+    @staticmethod
+    def _decode_attention(q: torch.Tensor, keys: torch.Tensor, vals_t: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query token q [heads, head_dim] over head-major keys [kv heads, S, head_dim] and values
+        [kv heads, head_dim, S]: eager attention (scores in the compute dtype, softmax in float32) as two
+        batched matrix-vector products, each kv head's query group sharing its rows; [1, heads * head_dim]."""
+        kv_heads, head_dim = keys.shape[0], keys.shape[2]
+        qg = q.reshape(kv_heads, -1, head_dim)  # query head i reads kv head i // group
+        weights = torch.softmax((qg @ keys.transpose(1, 2)).float() * scale, dim=-1).to(vals_t.dtype)
+        return (vals_t @ weights.transpose(1, 2)).transpose(1, 2).reshape(1, -1)
 
     def _qkv(self, p: str, h: torch.Tensor):
         """(q, k, v, fused) of block prefix `p`: q, k, v [T, heads, head_dim]; where `fuse_resident` fused

@@ -10,7 +10,8 @@
    weights come from DRAM as in a forward pass. int8/int4: torch's weight-only kernels
    (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu) and MLX's quantized_matmul
    (groups of 64), counting the codes and scales streamed. Torch at 1 and 2 intra-op threads.
-   The down-projection kernels over bundle rows (the survey behind torch_backend.DOWN_KERNEL).
+   The surveys of bench/kernel_survey.py: the down projection over bundle rows (behind
+   torch_backend.DOWN_KERNEL) and a decode token's attention over the KV cache.
 2. Runtime: the model's own decode tokens, each configuration (--configs, below) in a child
    process, rounds interleaved; per part (backend.parts, a PartTimer) ms per token, bytes it
    touches (resident q/k/v/o, KV read, the FFN rows it multiplies, the head) and GB/s as a share
@@ -63,6 +64,17 @@ def llc_bytes() -> int:
         except (OSError, ValueError, KeyError):
             continue
     return 32 << 20
+
+
+def bench_module(name: str):
+    """bench/NAME.py loaded by path (bench/trace.py on sys.path would shadow the stdlib's trace)."""
+    import importlib.util
+    key = f"flashllm_bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
 
 
 def matrix_shapes(spec) -> dict[str, tuple[int, int]]:
@@ -180,32 +192,6 @@ def rates(rows) -> dict[tuple[str, str], float]:
     return out
 
 
-def down_survey(spec, dtypes, rounds: int) -> list[dict]:
-    """One token's down projection over bundle rows [n, stride] (n = d_ffn / 2) per kernel."""
-    import torch
-
-    d, n = spec.d_model, spec.d_ffn // 2
-    rows = []
-    for dtype in [t for t in dtypes if t in ("float32", "float16", "bfloat16")]:
-        dt = getattr(torch, dtype)
-        copies = min(16, max(2, math.ceil(3 * llc_bytes() / (n * 3 * d * dt.itemsize))))
-        mats = [torch.randn(n, 3 * d + 64).to(dt) for _ in range(copies)]
-        h = torch.randn(1, n).to(dt)
-        kernels = {"matmul": lambda m: h @ m[:, 2 * d:3 * d], "mv": lambda m: torch.mv(m[:, 2 * d:3 * d].t(), h[0]),
-                   "upcast": lambda m: h.float() @ m[:, 2 * d:3 * d].float()}
-        times = {}
-        for _ in range(rounds + 1):
-            for name, fn in kernels.items():
-                t0 = time.perf_counter()
-                for m in mats:
-                    fn(m)
-                times.setdefault(name, []).append((time.perf_counter() - t0) / len(mats))
-        for name, ts in times.items():
-            rows.append(dict(dtype=dtype, kernel=name, ms=min(ts[1:]) * 1e3,
-                             best_gbps=n * d * dt.itemsize / min(ts[1:]) / GB))
-    return rows
-
-
 # -- 2. the runtime's own tokens --------------------------------------------------------------------
 def part_bytes(model, cost, pos: int) -> dict[str, int]:
     """Bytes one decode token at position `pos` touches, per compute part."""
@@ -232,12 +218,7 @@ def child(args) -> dict:
     options, _ = CONFIGS[args.config]
     predictor = args.predictor
     if args.trace:
-        sys.path.insert(0, str(BENCH))
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("flashllm_bench_trace", BENCH / "trace.py")
-        trace = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(trace)
-        predictor = trace.trace_predictor_factory(args.trace, 0, args.predictor_rank)
+        predictor = bench_module("trace").trace_predictor_factory(args.trace, 0, args.predictor_rank)
     load = {**dict(mode=args.mode, dtype=args.dtype, dram_budget=args.dram_budget, window=args.window), **options}
     if args.mode == "sparse":
         load["predictor"] = predictor
@@ -256,13 +237,13 @@ def child(args) -> dict:
         B.parts = timer if measured else None
         timer.reset()
         cpu0 = time.process_time()
-        model.forward([t], i + 1)
+        model.forward([t], args.start_pos + i + 1)
         cpu_ms = (time.process_time() - cpu0) * 1e3
         if measured:
             cost = model._costs[-1]
             parts = dict(timer.ms)
             parts["python/other"] = cost.compute_ms - sum(timer.ms.values())
-            per_token.append(dict(parts=parts, bytes=part_bytes(model, cost, i + 1), compute_ms=cost.compute_ms,
+            per_token.append(dict(parts=parts, bytes=part_bytes(model, cost, args.start_pos + i + 1), compute_ms=cost.compute_ms,
                                   total_ms=cost.total_ms, io_ms=cost.io_ms, mem_ms=cost.mem_ms, cpu_ms=cpu_ms,
                                   predictor_ms=cost.predictor_ms))
     B.parts = None
@@ -289,7 +270,7 @@ def run_child(args, config: str) -> dict:
 
 
 def _forward_args(args) -> list[str]:
-    out = ["--mode", args.mode, "--tokens", str(args.tokens), "--warmup", str(args.warmup),
+    out = ["--mode", args.mode, "--tokens", str(args.tokens), "--warmup", str(args.warmup), "--start-pos", str(args.start_pos),
            "--window", str(args.window), "--predictor", args.predictor, "--predictor-rank", str(args.predictor_rank)]
     for key in ("dtype", "dram_budget", "trace"):
         if getattr(args, key) is not None:
@@ -321,14 +302,7 @@ def report(meta, roof_rows, survey, runs) -> str:
             for s in matrix_shapes(meta["spec"])) + " |")
     lines += ["", "Roofline per backend and dtype (best of the above): " +
               ", ".join(f"{b} {d} {v:.1f} GB/s" for (b, d), v in sorted(roof.items())), ""]
-    if survey:
-        lines += ["## Down projection over bundle rows (one token, n = d_ffn/2 rows with the bundle's row stride)", "",
-                  "| dtype | h @ rows (matmul) | mv(rows.t(), h) | float32 upcast |", "|---|---|---|---|"]
-        for dtype in dict.fromkeys(r["dtype"] for r in survey):
-            cell = {r["kernel"]: r for r in survey if r["dtype"] == dtype}
-            lines.append(f"| {dtype} | " + " | ".join(f"{cell[k]['ms']:.2f} ms ({cell[k]['best_gbps']:.1f} GB/s)"
-                                                      for k in ("matmul", "mv", "upcast")) + " |")
-        lines.append("")
+    lines += bench_module("kernel_survey").tables(*survey)
     if runs:
         parts = list(runs[0]["parts"]) if runs else []
         lines += [f"## The runtime's decode token, per part ({meta['mode_desc']})", "",
@@ -377,10 +351,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2, help="(default: %(default)s)")
     p.add_argument("--tokens", type=int, default=6, help="measured decode tokens per run (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=4, help="decode tokens before measuring (default: %(default)s)")
+    p.add_argument("--start-pos", type=int, default=0,
+                   help="decode from this position on (after a 1-token prompt): the attention over a long context "
+                        "without prefilling it (the keys between hold zeros; the cost is the same) (default: %(default)s)")
     p.add_argument("--backends", nargs="+", default=["torch", "mlx"], help="roofline backends (default: %(default)s)")
     p.add_argument("--roofline-dtypes", nargs="+", default=["bfloat16", "float16", "float32", "int8", "int4"],
                    help="(default: %(default)s)")
     p.add_argument("--roofline-rounds", type=int, default=3, help="0: no roofline (default: %(default)s)")
+    p.add_argument("--attention-keys", type=int, nargs="+", default=[256, 2048],
+                   help="cached keys of the attention survey (default: %(default)s)")
+    p.add_argument("--survey-only", action="store_true", help="only the down-projection and attention surveys")
     p.add_argument("--out", default=None, help="write the Markdown report here too")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -405,19 +385,26 @@ def main(argv=None) -> int:
                 rounds=args.rounds, command="python bench/compute_roofline.py " + " ".join(argv or sys.argv[1:]),
                 mode_desc=f"{args.mode}" + (f", budget {args.dram_budget}" if args.dram_budget else "") +
                 (f", window {args.window}, active sets from {'the trace' if args.trace else args.predictor}"
-                 if args.mode == "sparse" else ""), spec=spec)
+                 if args.mode == "sparse" else "") + (f", decoding from position {args.start_pos}" if args.start_pos else ""),
+                spec=spec)
     print("roofline ...", file=sys.stderr)
-    roof = roofline(spec, args.backends, args.roofline_dtypes, args.roofline_rounds) if args.roofline_rounds else []
-    survey = down_survey(spec, args.roofline_dtypes, args.roofline_rounds) if args.roofline_rounds else []
+    roof = roofline(spec, args.backends, args.roofline_dtypes, args.roofline_rounds) \
+        if args.roofline_rounds and not args.survey_only else []
+    survey = ([], [])
+    if args.roofline_rounds or args.survey_only:
+        rounds, llc = max(args.roofline_rounds, 1), llc_bytes()
+        ks = bench_module("kernel_survey")
+        survey = (ks.down_survey(spec, args.roofline_dtypes, rounds, llc),
+                  ks.attention_survey(spec, args.roofline_dtypes, rounds, llc, args.attention_keys))
     runs = []
-    for r in range(args.rounds):
+    for r in range(0 if args.survey_only else args.rounds):
         for config in args.configs:
             print(f"round {r + 1}/{args.rounds}: {config} ...", file=sys.stderr)
             runs.append(run_child(args, config))
     text = report(meta, roof, survey, runs)
     if args.json:
         meta.pop("spec")
-        print(json.dumps(dict(meta=meta, roofline=roof, down_survey=survey, runs=runs)))
+        print(json.dumps(dict(meta=meta, roofline=roof, down_survey=survey[0], attention_survey=survey[1], runs=runs)))
     else:
         print(text)
     if args.out:

@@ -51,6 +51,22 @@ def test_part_timer_splits_compute(tiny_models):
     assert sum(timer.ms.values()) == 0
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_decode_attention_over_the_head_major_cache_is_attention(kv_heads):
+    """One token's batched products over head-major keys and transposed values: SDPA's result (every
+    query head reading kv head i // group), to float32 accuracy."""
+    import torch
+    import torch.nn.functional as F
+
+    from flashllm.backends.torch_backend import TorchBackend
+
+    g = torch.Generator().manual_seed(0)
+    q, keys, vals = (torch.randn(shape, generator=g) for shape in ((4, 16), (kv_heads, 9, 16), (kv_heads, 9, 16)))
+    want = F.scaled_dot_product_attention(q[:, None], keys, vals, scale=0.3, enable_gqa=kv_heads < 4)
+    got = TorchBackend._decode_attention(q, keys, vals.transpose(1, 2).contiguous(), 0.3)
+    torch.testing.assert_close(got, want.reshape(1, -1), atol=1e-6, rtol=1e-5)
+
+
 def test_compute_threads_requested_or_by_load(tiny_models, monkeypatch):
     import torch
 
@@ -82,3 +98,4 @@ def test_compute_roofline_bench_reports_every_part(tiny_models, tmp_path):
     for part in PartTimer.PARTS + ("python/other", "compute (all parts)"):
         assert f"| after-1t | torch float32 1 | {part} |" in text
     assert "| before | torch float32 2 | ffn |" in text and "process CPU" in text
+    assert "| float32, S=256 | " in text and "| float32 | " in text  # the attention and down-projection surveys

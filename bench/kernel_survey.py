@@ -1,0 +1,120 @@
+"""Kernel surveys behind the torch backend's choices (issue #23), on a model's real shapes, one token.
+
+- down: the down projection over cached bundle rows (n = d_ffn / 2 rows, each a bundle of up|down
+  or up|gate|down, so the down parts are strided), per formulation (torch_backend.DOWN_KERNEL).
+- attention: one decode token's attention over S cached keys of every head: SDPA over the
+  sequence-major cache of session 3 against the head-major cache's batched products
+  (TorchBackend._decode_attention, what the runtime runs).
+
+Each case rotates through copies larger than the last-level cache, so operands come from DRAM.
+Used by bench/compute_roofline.py (its report prints both tables).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+GB = 1e9
+
+
+def _best(fn, items, rounds: int) -> float:
+    """Best seconds per call of fn(item) over `rounds` passes through `items` (one pass warms up)."""
+    times = []
+    for _ in range(rounds + 1):
+        t0 = time.perf_counter()
+        for item in items:
+            fn(item)
+        times.append((time.perf_counter() - t0) / len(items))
+    return min(times[1:])
+
+
+def _copies(nbytes: int, llc: int) -> int:
+    return min(16, max(2, math.ceil(3 * llc / nbytes)))
+
+
+def down_kernels(d: int, n: int, dt) -> dict:
+    """Formulations of h [1, n] @ rows [n, d] over a strided view of the rows: name -> fn(rows, h)."""
+    import torch
+
+    out = torch.empty(d, dtype=dt)
+    return {"h @ rows (matmul)": lambda m, h: h @ m,
+            "mv(rows.t(), h)": lambda m, h: torch.mv(m.t(), h[0]),
+            "addmv(out=)": lambda m, h: torch.addmv(out, m.t(), h[0], beta=0, out=out),
+            "float32 upcast": lambda m, h: h.float() @ m.float()}
+
+
+def down_survey(spec, dtypes, rounds: int, llc: int, parts: int = 2) -> list[dict]:
+    """One token's down projection over bundle rows [n, parts * d] (the down part the last d columns)
+    per kernel, and the same product over a contiguous [d, n] matrix (the dense plan's packed layout,
+    the rate a layout change would buy) as "linear over [d, n] (packed)"."""
+    import torch
+    import torch.nn.functional as F
+
+    d, n = spec.d_model, spec.d_ffn // 2
+    rows = []
+    for dtype in [t for t in dtypes if t in ("float32", "float16", "bfloat16")]:
+        dt = getattr(torch, dtype)
+        copies = _copies(n * parts * d * dt.itemsize, llc)
+        mats = [torch.randn(n, parts * d).to(dt)[:, (parts - 1) * d:] for _ in range(copies)]
+        packed = [m.t().contiguous() for m in mats]
+        h = torch.randn(1, n).to(dt)
+        cases = {name: (lambda fn: lambda m: fn(m, h))(fn) for name, fn in down_kernels(d, n, dt).items()}
+        for name, fn in cases.items():
+            s = _best(fn, mats, rounds)
+            rows.append(dict(dtype=dtype, kernel=name, ms=s * 1e3, best_gbps=n * d * dt.itemsize / s / GB))
+        s = _best(lambda w: F.linear(h, w), packed, rounds)
+        rows.append(dict(dtype=dtype, kernel="linear over [d, n] (packed)", ms=s * 1e3,
+                         best_gbps=n * d * dt.itemsize / s / GB))
+    return rows
+
+
+def attention_survey(spec, dtypes, rounds: int, llc: int, lengths=(256, 2048)) -> list[dict]:
+    """One decode token's attention (all heads, one layer) over S keys per formulation."""
+    import torch
+    import torch.nn.functional as F
+
+    from flashllm.backends.torch_backend import TorchBackend
+
+    H, Hk, hd = spec.n_heads, spec.n_kv_heads, spec.head_dim
+    scale, gqa = hd ** -0.5, H != Hk
+    rows = []
+    for dtype in [t for t in dtypes if t in ("float32", "float16", "bfloat16")]:
+        dt = getattr(torch, dtype)
+        for S in lengths:
+            nbytes = 2 * S * Hk * hd * dt.itemsize
+            copies = _copies(nbytes, llc)
+            q = torch.randn(1, H, hd).to(dt)
+            seq = [(torch.randn(S, Hk, hd).to(dt), torch.randn(S, Hk, hd).to(dt)) for _ in range(copies)]
+            head = [(k.transpose(0, 1).contiguous(), v.permute(1, 2, 0).contiguous()) for k, v in seq]
+            cases = {
+                "SDPA, sequence-major cache (session 3)": (seq, lambda kv: F.scaled_dot_product_attention(
+                    q.transpose(0, 1), kv[0].transpose(0, 1), kv[1].transpose(0, 1), scale=scale, enable_gqa=gqa)),
+                "SDPA, head-major cache": (head, lambda kv: F.scaled_dot_product_attention(
+                    q.transpose(0, 1), kv[0], kv[1].transpose(1, 2), scale=scale, enable_gqa=gqa)),
+                "batched products, head-major (runtime)": (head, lambda kv: TorchBackend._decode_attention(
+                    q[0], kv[0], kv[1], scale)),
+            }
+            for name, (items, fn) in cases.items():
+                s = _best(fn, items, rounds)
+                rows.append(dict(dtype=dtype, keys=S, kernel=name, ms=s * 1e3, best_gbps=nbytes / s / GB))
+    return rows
+
+
+def tables(down: list[dict], attention: list[dict]) -> list[str]:
+    """Markdown tables of both surveys (ms per call, GB/s of the operand streamed)."""
+    lines = []
+    for title, rows, key in (("Down projection over bundle rows (one token, n = d_ffn/2 rows with the bundle's "
+                              "row stride)", down, lambda r: r["dtype"]),
+                             ("Decode attention, one layer, all heads (one token over S keys)", attention,
+                              lambda r: f"{r['dtype']}, S={r['keys']}")):
+        if not rows:
+            continue
+        kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+        lines += [f"## {title}", "", "| case | " + " | ".join(kernels) + " |", "|---|" + "---|" * len(kernels)]
+        for case in dict.fromkeys(map(key, rows)):
+            cell = {r["kernel"]: r for r in rows if key(r) == case}
+            lines.append(f"| {case} | " + " | ".join(f"{cell[k]['ms']:.2f} ms ({cell[k]['best_gbps']:.1f} GB/s)"
+                                                     if k in cell else "-" for k in kernels) + " |")
+        lines.append("")
+    return lines

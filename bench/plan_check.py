@@ -84,6 +84,7 @@ def check(model_dir: Path, budget, machine, disk, ids, prefill: int, rounds: int
               "hand": flashllm.load(model_dir, context=context, **hand_opts)}
     models_caps = models["hand"].stats.get("cache_capacity")
     same = plan.mode == "sparse" and plan.window == 4 and plan.cache_rows == models_caps and \
+        plan.predictor == models["hand"].stats.get("predictor") and \
         models["plan"].backend.dtype_name == models["hand"].backend.dtype_name
     if same:  # the plan is the hand defaults: one configuration, measured once (plan / hand is 1 by identity)
         del models["hand"]
@@ -139,6 +140,8 @@ def table(results: list[dict], header: str) -> str:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--opt13", default=None, help="an OPT-1.3B-shaped model directory (bench/make_model.py)")
+    p.add_argument("--opt13-budgets", default="1.4GiB,1.8GiB", help="its budgets (default 1.4GiB,1.8GiB)")
+    p.add_argument("--no-embedded", action="store_true", help="skip the embedded model (one locked run per model)")
     p.add_argument("--tokens", type=int, default=16, help="decode tokens per round (default 16)")
     p.add_argument("--prefill", type=int, default=4, help="prompt tokens (default 4)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
@@ -161,11 +164,11 @@ def main(argv=None) -> list[dict]:
         machine = profile.measure()  # fresh, in this run
         profile.save(machine)
         # the demo's settings for the embedded model (bfloat16 compute, context 256)
-        targets = [(demo.prepare(tmp / "tiny-opt"), (0.5, 0.7), 256, "bfloat16")]
+        targets = [] if args.no_embedded else [(demo.prepare(tmp / "tiny-opt"), (0.5, 0.7), 256, "bfloat16")]
         if args.opt13:
             d = Path(args.opt13)
             random_predictors(d)
-            targets.append((d, ("2.6GiB", "3.4GiB"), 256, None))
+            targets.append((d, tuple(args.opt13_budgets.split(",")), 256, None))
         for model_dir, budgets, context, dtype in targets:
             disk = disk_profile.profile(model_dir, refresh=True)
             ids = token_ids(model_dir, args.prefill + args.tokens, text)

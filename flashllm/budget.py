@@ -78,9 +78,11 @@ class BudgetTooSmall(FlashLLMError):
 def too_small(budget: int, needed: int, what: str, model_bytes: int, hints: list[str], option: str = "--dram-budget"):
     """The error for a budget below `needed` bytes, with the smallest budget and what lowers it."""
     lower = f"; lower it with {' or '.join(hints)}" if hints else ""
-    return BudgetTooSmall(f"{option} {format_size(budget)} is too small: {what} need {format_size(needed)}; "
+    error = BudgetTooSmall(f"{option} {format_size(budget)} is too small: {what} need {format_size(needed)}; "
                           f"the smallest budget that works here is {option} {format_size(needed)} "
                           f"({needed / model_bytes:.0%} of the model){lower}")
+    error.needed = needed  # the smallest budget, for callers that try several modes (flashllm plan)
+    return error
 
 
 def lowering_hints(mode: str, itemsize: int, kv_bytes: int, needed: int) -> list[str]:

@@ -51,9 +51,10 @@ def head_s(machine, spec, dtype: str) -> float:
     return machine.matvec_s(dtype, spec.vocab_size, spec.d_model, ITEMSIZE[dtype])
 
 
-def ffn_s(machine, spec, dtype: str, rows: float) -> float:
-    """The FFN over `rows` neurons: up (and gate) rows and down columns."""
-    parts = 3 if spec.gated_ffn else 2
+def ffn_s(machine, spec, dtype: str, rows: float, parts: int | None = None) -> float:
+    """The FFN over `rows` neurons: up (and gate) rows and down columns (`parts` of them: a resident gate
+    predictor computes the gate rows itself)."""
+    parts = parts or (3 if spec.gated_ffn else 2)
     return machine.matvec_s(dtype, parts * rows, spec.d_model, ITEMSIZE[dtype], calls=parts)
 
 

@@ -230,10 +230,9 @@ def read_manifest(model_dir: str | Path, verify: bool | None = None) -> Manifest
     """Read and validate a model directory; `verify` None checksums only files up to 256 MiB."""
     root = Path(model_dir)
     mpath = root / MANIFEST
-    if not root.is_dir():
-        raise FlashLLMError(f"{root}: not a model directory (run `flashllm convert` first)")
-    if not mpath.is_file():
-        raise FlashLLMError(f"{mpath}: missing manifest (not a converted flashllm model directory)")
+    if not mpath.is_file():  # one message whether the directory or only its manifest is missing
+        raise FlashLLMError(f"{root}: not a flashllm model directory (no {MANIFEST}); run `flashllm convert "
+                            f"HF_DIR {root}` first")
     try:
         data = json.loads(mpath.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -101,6 +101,9 @@ class LoadOptions:
         check(self.cache_rows is None or (len(self.cache_rows) > 0 and all(isinstance(r, int) and r >= 1
                                                                           for r in self.cache_rows)),
               f"cache_rows {self.cache_rows}: expected one whole number of at least 1 per layer")
+        check(self.cache_rows is None or self.mode == "sparse",
+              f"cache_rows (--cache-rows) sizes the neuron caches of sparse mode; mode {self.mode!r} has none "
+              f"(drop it, or use mode sparse)")
         for name in ("dram_budget", "gpu_budget"):
             object.__setattr__(self, name, parse_budget(getattr(self, name)))
 

@@ -6,14 +6,18 @@ short run of the runtime itself per mode (calibration.py), which the cost model'
 
 The MILP (scipy.optimize.milp / HiGHS), for each compute dtype: binary y_k picks one window; binary
 z[l,k,j] picks capacity c_j for layer l under window k (sum_j z[l,k,j] = y_k); the caches' bytes
-sum_l c * row fit what the budget leaves after resident weights, KV cache, staging and predictors;
+sum_l c * row fit what the runtime leaves them after resident weights, KV cache, staging and predictor;
 minimise sum z * cost[l,k,j], cost = FFN over the rows held + I/O of the loads + placing them
 (costmodel.py, each term scaled as calibrated). Capacities whose replay drops predicted neurons are
 excluded unless the user allows a share (`--max-dropped`; no silent quality trade). Dense (all
 resident) and hybrid (the largest resident share that fits, rest streamed) have one configuration
-each and are costed as measured. The cheapest wins, unless its predicted gain over the runtime's
-defaults is within the measured noise: then the defaults are kept. Threads and the I/O engine stay
-at the runtime's defaults; no hot set is chosen; FFN quantization is as converted.
+each and are costed as measured. Sparse is planned per predictor the model can run (the low-rank
+predictors; for a gated FFN with a sparse activation or calibrated thresholds also the resident gate,
+whose rows count against the budget and leave 2/3 of a bundle to read), each loaded at the budget so
+that memory and reads are the runtime's own (plan_sparse.py). The cheapest wins, unless its predicted
+gain over the runtime's defaults is within the measured noise: then the defaults are kept. Threads
+and the I/O engine stay at the runtime's defaults; hot neurons are pinned as the runtime pins them;
+FFN quantization is as converted.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from .errors import FlashLLMError
 from .replay import Replays, sample_ids, sample_masks
 
 PLAN_FILE = "plan.json"
-PLAN_FORMAT, PLAN_VERSION = "flashllm-plan", 1
+PLAN_FORMAT, PLAN_VERSION = "flashllm-plan", 2
 MAX_DROPPED = 0.0  # default share of predicted neurons a plan may drop for lack of cache rows
 SAMPLE_TOKENS = 512
 CALIBRATE_TOKENS = 12  # decode tokens the runtime measures per mode (0: the cost model alone)
@@ -50,6 +54,7 @@ class Plan:
     cache_rows: list[int] | None = None
     hybrid_fraction: float | None = None
     threads: int = 32
+    predictor: str = "auto"  # sparse: the predictor it was planned for (predictor.PREDICTORS)
     predicted: dict = field(default_factory=dict)  # total_ms and its parts
     alternatives: list = field(default_factory=list)  # the other options costed, best first
     notes: list = field(default_factory=list)
@@ -58,7 +63,8 @@ class Plan:
     def load_options(self) -> dict:
         opts = {"mode": self.mode, "dtype": self.dtype, "dram_budget": self.dram_budget, "threads": self.threads}
         if self.mode == "sparse":
-            opts.update(window=self.window, cache_rows=tuple(self.cache_rows) if self.cache_rows else None)
+            opts.update(window=self.window, cache_rows=tuple(self.cache_rows) if self.cache_rows else None,
+                        predictor=self.predictor)
         if self.mode == "hybrid":
             opts["hybrid_fraction"] = self.hybrid_fraction
         return opts
@@ -68,9 +74,11 @@ class Plan:
 
     def describe(self) -> str:
         p = self.predicted
-        what = {"sparse": f"sparse, window {self.window}, cache rows per layer {self.cache_rows}",
-                "hybrid": f"hybrid, resident share {self.hybrid_fraction:.3f}", "dense": "dense (all resident)"}
-        lines = [f"plan: {what[self.mode]}, compute dtype {self.dtype}, threads {self.threads}",
+        if self.mode == "sparse":
+            what = f"sparse, {self.predictor} predictor, window {self.window}, cache rows per layer {self.cache_rows}"
+        else:
+            what = f"hybrid, resident share {self.hybrid_fraction:.3f}" if self.mode == "hybrid" else "dense (all resident)"
+        lines = [f"plan: {what}, compute dtype {self.dtype}, threads {self.threads}",
                  f"predicted decode token: {p['total_ms']:.2f} ms = compute {p['compute_ms']:.2f} + predictor "
                  f"{p['predictor_ms']:.2f} + I/O {p['io_ms']:.2f} + memory {p['mem_ms']:.2f} ms"
                  + (f"; {p['bytes_per_token'] / 1024:.1f} KiB and {p['reads_per_token']:.1f} reads per token"
@@ -80,9 +88,9 @@ class Plan:
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
-# -- memory: what the runtime counts (budget.py, modes.py) --------------------------------------
-def fixed_bytes(manifest, dtype: str, context: int, predictor_ranks: list[int] | None) -> dict:
-    """Bytes each mode holds besides its FFN rows, as `Model.counted` adds them up on a CPU."""
+# -- memory of dense and hybrid (sparse: read from the runtime, plan_sparse.probe) ----------------
+def fixed_bytes(manifest, dtype: str, context: int) -> dict:
+    """Bytes dense and hybrid hold besides their FFN rows, as `Model.counted` adds them up on a CPU."""
     from . import format as fmt
     from .budget import row_bytes
 
@@ -90,21 +98,8 @@ def fixed_bytes(manifest, dtype: str, context: int, predictor_ranks: list[int] |
     resident = sum(int(np.prod(s)) for s in fmt.resident_shapes(spec).values()) * it
     kv = 2 * spec.n_layers * context * spec.n_kv_heads * spec.head_dim * it
     in_place = dtype == manifest.dtype and manifest.data.get("quantization", "none") == "none"
-    staging_rows = max(1, min((1 << 20) // lay.stride, spec.d_ffn))
-    pred = sum(r * spec.d_model + spec.d_ffn * r + spec.d_ffn for r in predictor_ranks or []) * it
-    return {"resident": resident + kv, "predictors": pred, "staging": 0 if in_place else 2 * staging_rows * lay.stride,
-            "row": row_bytes(lay, in_place, it), "in_place": in_place,
+    return {"resident": resident + kv, "row": row_bytes(lay, in_place, it),
             "dense_rows": spec.n_layers * spec.d_ffn * len(lay.parts) * spec.d_model * it}
-
-
-def _runtime_capacities(avail: int, row: int, spec, fractions, unlimited: bool) -> list[int] | None:
-    """The cache rows the runtime gives each layer by default (budget.sparse_capacities), if any fit."""
-    from .budget import sparse_capacities
-
-    if avail < spec.n_layers * row:
-        return None
-    usable = fractions if all(isinstance(f, (int, float)) and f > 0 for f in fractions) else None
-    return sparse_capacities(None if unlimited else avail, row, spec.n_layers, spec.d_ffn, usable)
 
 
 def _budget_bytes(budget, manifest) -> int | None:
@@ -114,31 +109,7 @@ def _budget_bytes(budget, manifest) -> int | None:
     return budget_bytes(budget, model_bytes)
 
 
-# -- costs ---------------------------------------------------------------------------------------
-def sparse_cost(machine, disk, manifest, dtype: str, mem: dict, point: dict, rank: int, threads: int) -> cm.Parts:
-    """One layer's decode-token cost at a replayed (window, capacity) point."""
-    spec, lay = manifest.spec, manifest.layout
-    nbytes = point["transferred"] * lay.stride
-    placed = machine.cast_s(manifest.dtype, dtype, point["loaded"] * (lay.stride if mem["in_place"] else mem["row"]))
-    return cm.Parts(compute_s=machine.layer_s["sparse"], ffn_s=cm.ffn_s(machine, spec, dtype, point["held"]),
-                    predictor_s=cm.predictor_s(machine, spec, dtype, rank, fixed=True),
-                    io_s=cm.io_s(disk, point["reads"], nbytes, threads), mem_s=placed)
-
-
-def _sparse_parts(machine, disk, manifest, dtype, mem, replays, window, caps, ranks, threads) -> tuple[cm.Parts, dict]:
-    """Predicted parts of sparse decoding at `window` and per-layer `caps`, and its bytes, reads and drops."""
-    parts, extra = _resident_parts(machine, manifest.spec, dtype), {"bytes_per_token": 0.0, "reads_per_token": 0.0}
-    dropped = []
-    for layer, cap in enumerate(caps):
-        pt = replays.at(layer, window, cap)
-        parts = parts + sparse_cost(machine, disk, manifest, dtype, mem, pt, ranks[layer], threads)
-        extra["bytes_per_token"] += pt["transferred"] * manifest.layout.stride
-        extra["reads_per_token"] += pt["reads"]
-        dropped.append(pt["drop_share"])
-    extra["dropped_share"] = float(np.mean(dropped))
-    return parts, extra
-
-
+# -- costs of dense and hybrid -------------------------------------------------------------------
 def _resident_parts(machine, spec, dtype: str) -> cm.Parts:
     return cm.Parts(compute_s=cm.head_s(machine, spec, dtype) + spec.n_layers * cm.attention_s(machine, spec, dtype))
 
@@ -160,51 +131,17 @@ def hybrid_cost(machine, disk, manifest, dtype: str, mem: dict, resident_rows: i
     return p
 
 
-# -- the MILP ------------------------------------------------------------------------------------
-def solve_sparse(layer_costs: list[dict], layer_curves: list[dict], row: int, avail: int) -> tuple[int, list[int], float] | None:
-    """min sum cost over (window, per-layer capacity) with the caches' bytes <= avail; None if infeasible.
+def predictor_choices(manifest) -> list[str]:
+    """The predictors a sparse plan may run besides what `auto` picks: the low-rank predictors where
+    trained, and for a gated FFN with a sparse activation or calibrated thresholds the resident gate."""
+    from .predictor import PREDICTOR_META, SPARSE_ACTIVATIONS
+    from .sparsity import SPARSITY_FILE
 
-    layer_costs[l][k][j]: seconds at capacity point j of window k (None: excluded)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
-    windows = sorted(layer_curves[0])
-    index, cost, size = [], [], []
-    for k in windows:
-        for l, (lc, cur) in enumerate(zip(layer_costs, layer_curves)):
-            for j, (c, pt) in enumerate(zip(lc[k], cur[k])):
-                if c is not None:
-                    index.append((k, l, j))
-                    cost.append(c)
-                    size.append(pt["capacity"] * row)
-    nz, K = len(index), len(windows)
-    if nz == 0:
-        return None
-    c = np.concatenate([np.zeros(K), np.array(cost)])
-    rows, lo, hi = [], [], []
-    one = np.zeros(K + nz)
-    one[:K] = 1
-    rows.append(one), lo.append(1), hi.append(1)  # exactly one window
-    for ki, k in enumerate(windows):
-        for l in range(len(layer_curves)):
-            r = np.zeros(K + nz)
-            r[ki] = -1
-            for v, (kk, ll, _) in enumerate(index):
-                if kk == k and ll == l:
-                    r[K + v] = 1
-            rows.append(r), lo.append(0), hi.append(0)  # one capacity per layer under the chosen window
-    mem = np.concatenate([np.zeros(K), np.array(size, float)])
-    rows.append(mem), lo.append(-np.inf), hi.append(float(avail))
-    res = milp(c, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=np.ones(K + nz),
-               bounds=Bounds(0, 1))
-    if res.x is None:
-        return None
-    x = np.round(res.x).astype(int)
-    window = windows[int(np.argmax(x[:K]))]
-    caps = [0] * len(layer_curves)
-    for v, (k, l, j) in enumerate(index):
-        if x[K + v]:
-            caps[l] = layer_curves[l][k][j]["capacity"]
-    return window, caps, float(res.fun)
+    spec, root = manifest.spec, manifest.root
+    kinds = ["lowrank"] if (root / PREDICTOR_META).is_file() else []
+    if spec.gated_ffn and (spec.activation in SPARSE_ACTIVATIONS or (root / SPARSITY_FILE).is_file()):
+        kinds.append("gate")
+    return kinds
 
 
 # -- the plan ------------------------------------------------------------------------------------
@@ -224,17 +161,20 @@ def _sha(path: Path) -> str:
 
 def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes: list[str] | None = None,
               context: int | None = None, threads: int = 32, sample_tokens: int = SAMPLE_TOKENS,
-              max_dropped: float = MAX_DROPPED, gap_bytes: int | None = 0, calibrate_tokens: int = CALIBRATE_TOKENS,
-              log=None) -> Plan:
+              max_dropped: float = MAX_DROPPED, calibrate_tokens: int = CALIBRATE_TOKENS, log=None) -> Plan:
     """The cheapest way (by the cost model) to decode with `model_dir` within `budget` bytes or fraction.
 
-    With `calibrate_tokens` > 0 the runtime itself decodes that many tokens of each mode's reference
-    configuration first (calibration.py): dense and hybrid are then costed as measured, sparse by the
-    cost model scaled per term to its measurement at the runtime's default caches; and a plan whose
-    predicted gain over those defaults is below the measured noise keeps the defaults."""
+    Sparse mode is loaded at the budget once per candidate predictor, so its memory (what the caches may
+    take, a row's bytes, the default capacities) and its reads (layout, staging, alignment, pinning) are
+    the runtime's own. With `calibrate_tokens` > 0 each loaded reference configuration also decodes that
+    many tokens (calibration.py): dense and hybrid are then costed as measured, sparse by the cost model
+    scaled per term to its measurement at the runtime's default caches; and a plan whose predicted gain
+    over those defaults is below the measured noise keeps the defaults."""
+    from . import calibration, load
     from . import format as fmt
+    from . import plan_sparse
     from .backends.base import default_compute_dtype
-    from .predictor import PREDICTOR_META
+    from .budget import BudgetTooSmall, format_size
 
     log = log or (lambda msg: None)
     manifest = fmt.read_manifest(model_dir, verify=False)
@@ -243,24 +183,25 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
         raise FlashLLMError(f"{model_dir}: flashllm plan does not cover mixture-of-experts models yet")
     context = min(context or 4096, spec.context_limit)
     nbudget = _budget_bytes(budget, manifest)
-    meta = json.loads((manifest.root / PREDICTOR_META).read_text()) if (manifest.root / PREDICTOR_META).is_file() else None
-    ranks = [int(layer["rank"]) for layer in meta["layers"]] if meta else None
-    fractions = [f.get("predicted_fraction") for f in meta["layers"]] if meta else None
     ids = sample_ids(model_dir, data, CALIBRATE_PREFILL + CALIBRATE_WARMUP + calibrate_tokens) if calibrate_tokens else None
-    options, notes, reference, defaults, noise = [], [], [], None, 0.0
+    options, notes, reference, defaults, noise, needs = [], [], [], None, 0.0, []
     dtypes = dtypes or [default_compute_dtype(None, manifest.dtype, True)]
 
-    def measured(plan: Plan, what: str):
-        """The runtime's own costs of `plan` (calibration.Measured), or None with a note if it cannot run."""
-        from . import calibration
-
-        log(f"measuring {what} ({calibrate_tokens} decode tokens)")
+    def loaded(plan: Plan, what: str, measure: bool = True):
+        """(the runtime loaded with `plan`'s options, its measured costs or None); (None, None) with a note
+        when it does not fit or cannot run."""
         try:
-            return calibration.measure(model_dir, {**plan.load_options(), "context": context}, ids,
-                                       CALIBRATE_PREFILL, CALIBRATE_WARMUP)
+            model = load(model_dir, **{**plan.load_options(), "context": context})
+            if not (ids and measure):
+                return model, None
+            log(f"measuring {what} ({calibrate_tokens} decode tokens)")
+            return model, calibration.typical(calibration.token_costs(model, ids, CALIBRATE_PREFILL, CALIBRATE_WARMUP))
+        except BudgetTooSmall as exc:
+            needs.append(getattr(exc, "needed", None))
+            notes.append(f"{what}: does not fit ({exc})")
         except FlashLLMError as exc:
             notes.append(f"{what}: not measured, left out ({exc})")
-            return None
+        return None, None
 
     def add(parts: cm.Parts, plan: Plan, what: str, m=None) -> None:
         nonlocal noise
@@ -271,92 +212,106 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
             noise = max(noise, m.spread)
         options.append((parts, plan, what))
 
-    def sparse_defaults(dtype: str) -> tuple[dict, int, list[int] | None]:
-        """(memory, bytes for caches, the runtime's default cache rows) at this budget."""
-        mem = fixed_bytes(manifest, dtype, context, ranks)
-        avail = (10 ** 18) if nbudget is None else nbudget - mem["resident"] - mem["staging"] - mem["predictors"]
-        return mem, avail, _runtime_capacities(avail, mem["row"], spec, fractions, nbudget is None)
-
-    # the sparse defaults are measured first, before the replay or another mode has read the model's file
-    # (reads a host-side disk cache still holds would flatter them)
-    sparse_measured = {}
-    for dtype in dtypes if meta and ids else ():
-        default = sparse_defaults(dtype)[2]
-        if default is not None:
-            sparse_measured[dtype] = measured(Plan("sparse", dtype, nbudget, window=4, cache_rows=default,
-                                                   threads=threads), f"sparse window 4, runtime defaults, compute {dtype}")
-    replays = None
-    if meta:
-        log(f"replaying the predictors' sets on {sample_tokens} sample tokens through the cache")
-        stride = manifest.layout.stride
-        gap_rows = (disk.gap_bytes(threads) if gap_bytes is None else gap_bytes) // stride
-        replays = Replays(sample_masks(model_dir, data, sample_tokens), spec.d_ffn, gap_rows, max(1, (1 << 20) // stride))
+    # sparse first, before the replay or another mode has read the model's file (reads a host-side disk
+    # cache still holds would flatter them): the runtime's defaults (predictor auto) and each other predictor
+    sparse, masks = [], {}  # (dtype, SparseFacts, Measured or None, the runtime's default?, fits the budget?)
+    kinds = predictor_choices(manifest)
+    for dtype in dtypes if kinds else ():
+        for kind in ["auto"] + kinds:
+            if kind in {e[1].predictor for e in sparse if e[0] == dtype}:
+                continue  # auto resolved to it
+            plan = Plan("sparse", dtype, nbudget, window=4, threads=threads, predictor=kind)
+            model, m = loaded(plan, f"sparse window 4, runtime default caches, {kind} predictor, compute {dtype}")
+            fits = model is not None
+            if not fits and needs and needs[-1]:  # too small: loaded at the runtime's least, to say what a plan needs
+                try:
+                    model = load(model_dir, **{**plan.load_options(), "dram_budget": needs.pop(), "context": context})
+                except FlashLLMError:
+                    continue
+            if model is not None:
+                sparse.append((dtype, plan_sparse.probe(model), m, kind == "auto" and dtype == dtypes[0], fits))
+                del model
 
     for dtype in dtypes:
-        mem = fixed_bytes(manifest, dtype, context, ranks)
+        mem = fixed_bytes(manifest, dtype, context)
         tag = f"compute {dtype}"
-        dense_need = mem["resident"] + mem["dense_rows"]
-        if nbudget is None or dense_need <= nbudget:
+        if nbudget is None or mem["resident"] + mem["dense_rows"] <= nbudget:
             plan = Plan("dense", dtype, nbudget, threads=threads)
-            m = measured(plan, f"dense, {tag}") if ids else None
+            model, m = loaded(plan, f"dense, {tag}") if ids else (None, None)
             if m is not None or not ids:
                 add(dense_cost(machine, manifest, dtype), plan, f"dense, {tag}", m)
         base = mem["resident"] + manifest.layout.d_ffn * manifest.layout.stride
         avail = None if nbudget is None else nbudget - base - spec.d_ffn * mem["row"]
         if avail is None or avail >= 0:
             h = spec.d_ffn // 2 if avail is None else min(spec.d_ffn, avail // (spec.n_layers * mem["row"]))
-            plan = Plan("hybrid", dtype, nbudget, hybrid_fraction=h / spec.d_ffn, threads=threads)
-            what = f"hybrid {h}/{spec.d_ffn} resident, {tag}"
-            m = measured(plan, what) if ids else None
+            plan = Plan("hybrid", dtype, nbudget, threads=threads)
+            model, m = loaded(plan, f"hybrid, {tag}") if ids else (None, None)
+            h = model.plan.resident_rows if model is not None else h  # as the runtime sized it
+            plan.hybrid_fraction = h / spec.d_ffn
             if m is not None or not ids:
-                add(hybrid_cost(machine, disk, manifest, dtype, mem, h, threads), plan, what, m)
-        if replays is None:
-            continue
-        mem, avail, default = sparse_defaults(dtype)
-        layer_curves = replays.curves(default)
-        cal = None
-        if default is not None:  # the runtime's own sizing at the default window: the hand defaults
-            parts, extra = _sparse_parts(machine, disk, manifest, dtype, mem, replays, 4, default, ranks, threads)
-            what = f"sparse window 4, runtime default caches, {tag}"
-            plan = Plan("sparse", dtype, nbudget, window=4, cache_rows=default, threads=threads, predicted=extra)
-            m = sparse_measured.get(dtype)
-            if m is not None:
-                from . import calibration
+                add(hybrid_cost(machine, disk, manifest, dtype, mem, h, threads), plan,
+                    f"hybrid {h}/{spec.d_ffn} resident, {tag}", m)
+            del model
 
-                cal = calibration.calibrate(m, parts.ffn_s, parts.io_s, parts.mem_s)
-                plan.predicted.update(model_ms=parts.total_s * 1e3, calibrated=True,
-                                      calibration={k: getattr(cal, k) for k in ("ffn_scale", "io_scale", "mem_scale")})
-                parts, noise = cal.apply(parts.ffn_s, parts.io_s, parts.mem_s), max(noise, cal.noise)
-            if extra["dropped_share"] > max_dropped:
-                reference.append({"what": f"{what} (drops {extra['dropped_share']:.1%} of predicted neurons)",
-                                  **parts.to_ms(), **plan.predicted})
-            elif m is not None or not ids:
-                options.append((parts, plan, what))
-                defaults = plan
+    for dtype, facts, m, runtime_default, fits in sparse:
+        tag = f"{facts.predictor} predictor, compute {dtype}"
+        if facts.predictor not in masks:
+            log(f"replaying the {facts.predictor} predictor's sets on {sample_tokens} sample tokens through the cache")
+            masks[facts.predictor] = sample_masks(model_dir, data, sample_tokens, facts.predictor)
+        replays = Replays(masks[facts.predictor], spec.d_ffn, facts.geometry, facts.hot)
+        layer_curves = replays.curves(facts.capacities)
+        # the runtime's own sizing at the default window: the hand defaults (or, for another predictor, its own)
+        parts, extra = plan_sparse.parts_at(machine, disk, manifest, dtype, facts, replays, 4, facts.capacities, threads)
+        what = f"sparse window 4, runtime default caches, {tag}"
+        plan = Plan("sparse", dtype, nbudget, window=4, cache_rows=facts.capacities, threads=threads,
+                    predictor=facts.predictor, predicted=extra)
+        cal = None
+        if m is not None:
+            cal = calibration.calibrate(m, parts.ffn_s, parts.io_s, parts.mem_s)
+            plan.predicted.update(model_ms=parts.total_s * 1e3, calibrated=True,
+                                  calibration={k: getattr(cal, k) for k in ("ffn_scale", "io_scale", "mem_scale")})
+            parts, noise = cal.apply(parts.ffn_s, parts.io_s, parts.mem_s), max(noise, cal.noise)
+        if not fits:
+            pass
+        elif extra["dropped_share"] > max_dropped:
+            reference.append({"what": f"{what} (drops {extra['dropped_share']:.1%} of predicted neurons)",
+                              **parts.to_ms(), **plan.predicted})
+        elif m is not None or not ids:
+            options.append((parts, plan, what))
+            defaults = plan if runtime_default else defaults  # what `auto` resolves to, at the first dtype
 
         def weigh(p: cm.Parts) -> float:  # what a layer's choice changes (calibrated: as measured)
             return p.total_s if cal is None else cal.ffn_scale * p.ffn_s + cal.io_scale * p.io_s + cal.mem_scale * p.mem_s
 
-        costs = [{k: [(weigh(sparse_cost(machine, disk, manifest, dtype, mem, pt, ranks[l], threads))
+        costs = [{k: [(weigh(plan_sparse.point_cost(machine, disk, manifest, dtype, facts, pt, l, threads))
                        if pt["drop_share"] <= max_dropped else None) for pt in pts]
                   for k, pts in cur.items()} for l, cur in enumerate(layer_curves)]
-        found = solve_sparse(costs, layer_curves, mem["row"], avail)
+        found = plan_sparse.solve(costs, layer_curves, facts.row, facts.avail) if fits else None
+        if found is None and facts.avail is not None:  # the smallest budget whose caches hold a usable capacity
+            least = [min(pt["capacity"] for pt, c in zip(cur[1], cost[1]) if c is not None)  # window 1 needs least
+                     for cur, cost in zip(layer_curves, costs)]
+            needs.append(facts.fixed + facts.row * sum(least))
+        if not fits:
+            continue
         if found is None:
             notes.append(f"sparse, {tag}: no window and capacities fit while dropping at most {max_dropped:.1%} "
                          f"of the predicted neurons (--max-dropped allows more, at a quality cost)")
             continue
         window, caps, _ = found
-        if defaults is not None and (window, caps) == (defaults.window, defaults.cache_rows):
+        if (window, caps) == (4, facts.capacities):
             continue  # the MILP's choice is the runtime's default
-        parts, extra = _sparse_parts(machine, disk, manifest, dtype, mem, replays, window, caps, ranks, threads)
+        parts, extra = plan_sparse.parts_at(machine, disk, manifest, dtype, facts, replays, window, caps, threads)
         if cal is not None:
             extra.update(model_ms=parts.total_s * 1e3, calibrated=True)
             parts = cal.apply(parts.ffn_s, parts.io_s, parts.mem_s)
         options.append((parts, Plan("sparse", dtype, nbudget, window=window, cache_rows=caps, threads=threads,
-                                    predicted=extra), f"sparse window {window}, {tag}, {sum(caps)} cache rows"))
+                                    predictor=facts.predictor, predicted=extra),
+                        f"sparse window {window}, {tag}, {sum(caps)} cache rows"))
     if not options:
-        raise FlashLLMError(f"{model_dir}: nothing fits --dram-budget {budget} (see `flashllm generate --help` "
-                            f"for the smallest budget each mode needs)")
+        smallest = min((n for n in needs if n), default=None)
+        hint = f"the smallest budget that works is --dram-budget {format_size(smallest)}" if smallest else \
+            "see `flashllm generate --help` for the smallest budget each mode needs"
+        raise FlashLLMError(f"{model_dir}: nothing fits --dram-budget {format_size(nbudget)}: {hint}")
     options.sort(key=lambda o: o[0].total_s)
     if defaults is not None and options[0][1] is not defaults and noise > 0:
         default_s = next(p.total_s for p, o, _ in options if o is defaults)
@@ -368,8 +323,8 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
     parts, best, _ = options[0]
     best.predicted = {**parts.to_ms(), **best.predicted}
     best.alternatives = [{"what": w, **p.to_ms(), **o.predicted} for p, o, w in options[1:]] + reference
-    best.notes = notes + ["threads and the I/O engine: runtime defaults; hot set: not chosen (no pinned set in "
-                          "the runtime yet); FFN quantization: as converted"]
+    best.notes = notes + ["threads and the I/O engine: runtime defaults; hot set: as the runtime pins it; "
+                          "FFN quantization: as converted"]
     if ids:
         best.notes.append(f"calibrated on {calibrate_tokens} decode tokens per mode measured now; noise "
                           f"(half the interquartile range of per-token latency) {noise:.1%}")

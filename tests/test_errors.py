@@ -162,4 +162,16 @@ def test_console_script_exit_code(flash, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "flashllm.cli", "inspect", str(tmp_path / "nope")],
                           capture_output=True, text=True)
     assert proc.returncode == 1
-    assert "not a model directory" in proc.stderr and "Traceback" not in proc.stderr
+    assert "not a flashllm model directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_directory_and_missing_manifest_give_one_message(capsys, tmp_path):
+    """A path that does not exist and a directory without a manifest are the same mistake: one message."""
+    from flashllm.cli import main
+
+    (tmp_path / "empty").mkdir()
+    errors = []
+    for path in (tmp_path / "nope", tmp_path / "empty"):
+        assert main(["inspect", str(path)]) == 1
+        errors.append(capsys.readouterr().err.replace(str(path), "PATH"))
+    assert errors[0] == errors[1] and "run `flashllm convert HF_DIR PATH` first" in errors[0]

@@ -8,7 +8,7 @@ import pytest
 
 import flashllm
 from flashllm import format as fmt
-from flashllm import planner
+from flashllm import plan_sparse, planner
 from flashllm.replay import replay
 from flashllm.errors import FlashLLMError
 from flashllm.profile import MachineProfile
@@ -38,17 +38,48 @@ def test_replay_counts_loads_reads_and_drops():
     assert full["drop_share"] == 0
     tight = replay(masks, window=2, capacity=3, d_ffn=6)
     assert tight["drop_share"] > 0  # the second token needs 4 rows
-    gapped = replay(masks, window=2, capacity=6, d_ffn=6, gap_rows=1)  # {0,1,3} now one read of 4 bundles
-    assert gapped["reads"] == pytest.approx(3 / 3) and gapped["transferred"] == pytest.approx(7 / 3)
+    # neurons 1 and 0 are hot: pinned at load, never read per token; loads {3}, {2}, {4,5}
+    hot = replay(masks, window=2, capacity=5, d_ffn=6, hot=np.array([0.5, 0.9, 0, 0, 0, 0]))
+    assert hot["pinned"] == 2 and hot["loaded"] == pytest.approx(4 / 3) and hot["drop_share"] == 0
+
+
+@pytest.mark.parametrize("predictor,dtype", [("lowrank", None), ("lowrank", "bfloat16"), ("gate", None)])
+def test_replay_counts_what_the_runtime_reads(tiny_models, tmp_path, predictor, dtype):
+    """The replay of the runtime's own predicted sets, with the geometry probed from the loaded runtime,
+    gives its reads, bytes and loads per decode token exactly (staging chunks, alignment, pinned hot
+    neurons, a resident gate's up+down reads)."""
+    from flashllm import plan_sparse
+    from flashllm.replay import Replays
+
+    family = "llama-relu" if predictor == "gate" else "opt"  # a gated ReLU FFN for the gate predictor
+    model_dir = shutil.copytree(tiny_models(family).model_dir, tmp_path / family)
+    write_random_predictors(model_dir, trained_for=fmt.read_manifest(model_dir).data["files"]["ffn"]["sha256"],
+                            frequencies=True)
+    spec = fmt.read_manifest(model_dir).spec
+    rows = int(0.8 * spec.d_ffn)  # ~half the neurons per token: the window shrinks and evicts, nothing is dropped
+    model = flashllm.load(model_dir, mode="sparse", predictor=predictor, dtype=dtype, context=64,
+                          cache_rows=tuple([rows] * spec.n_layers), window=3)
+    facts = plan_sparse.probe(model)
+    assert facts.predictor == predictor and facts.capacities == [rows] * spec.n_layers
+    masks = [[] for _ in range(spec.n_layers)]
+    with model.hooks.observing("predict", lambda layer, mask: masks[layer].append(mask[0].copy())):
+        model.logits(list(range(3, 23)), prefill=1)  # one token at a time: every token decodes
+    replays = Replays([[np.array(m)] for m in masks], spec.d_ffn, facts.geometry, facts.hot)
+    runtime = model.token_stats
+    per_token = {k: float(np.mean([t[k] for t in runtime])) for k in ("reads", "bytes_read", "neurons_dropped")}
+    assert per_token["neurons_dropped"] == 0  # (a drop keeps the highest-scored neurons; the replay has no scores)
+    assert sum(replays.at(l, 3, rows)["pinned"] for l in range(spec.n_layers)) > 0
+    assert sum(replays.at(l, 3, rows)["reads"] for l in range(spec.n_layers)) == pytest.approx(per_token["reads"])
+    assert sum(replays.at(l, 3, rows)["bytes"] for l in range(spec.n_layers)) == pytest.approx(per_token["bytes_read"])
 
 
 def test_milp_picks_cheapest_within_memory():
     # one layer, one window: capacity 10 costs 1.0 s, capacity 20 costs 0.5 s; row 100 bytes
     curves = [{4: [{"capacity": 10}, {"capacity": 20}]}]
     costs = [{4: [1.0, 0.5]}]
-    assert planner.solve_sparse(costs, curves, 100, 2000)[1] == [20]
-    assert planner.solve_sparse(costs, curves, 100, 1500)[1] == [10]
-    assert planner.solve_sparse(costs, curves, 100, 500) is None
+    assert plan_sparse.solve(costs, curves, 100, 2000)[1] == [20]
+    assert plan_sparse.solve(costs, curves, 100, 1500)[1] == [10]
+    assert plan_sparse.solve(costs, curves, 100, 500) is None
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +142,17 @@ def test_cache_rows_option_is_checked(planned_model):
                       dram_budget="345KiB")
 
 
+@pytest.mark.parametrize("mode", ["dense", "hybrid", "naive"])
+def test_cache_rows_outside_sparse_mode_is_an_error_naming_the_option(planned_model, capsys, mode):
+    from flashllm.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", str(planned_model), "--prompt", "def", "--max-new-tokens", "1", "--mode", mode,
+                 "--cache-rows", "7,7"]) == 1
+    err = capsys.readouterr().err
+    assert "--cache-rows" in err and f"mode {mode!r} has none" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.fixture
 def cached_profiles(planned_model, tmp_path, monkeypatch):
     """This machine's profiles as if measured before: fake numbers in a private cache."""
@@ -154,3 +196,6 @@ def test_plan_errors_are_one_line(planned_model, cached_profiles, capsys):
                  "--sample-tokens", "64"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("flashllm: error:") and "nothing fits" in err and len(err.strip().splitlines()) == 1
+    smallest = err.split("the smallest budget that works is --dram-budget ")[1].split()[0]  # names a budget that works
+    assert main(["plan", str(planned_model), "--dram-budget", smallest, "--context", "64", "--quiet",
+                 "--sample-tokens", "64", "--calibrate-tokens", "0"]) == 0

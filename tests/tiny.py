@@ -120,8 +120,10 @@ def save_checkpoint(model, family: str, path: Path, **save_kw) -> Path:
     return path
 
 
-def write_random_predictors(model_dir: Path, rank: int = 8, seed: int = 0, trained_for: str | None = None) -> None:
-    """Random low-rank predictors in the runtime's predictor format (a stand-in for trained ones)."""
+def write_random_predictors(model_dir: Path, rank: int = 8, seed: int = 0, trained_for: str | None = None,
+                            frequencies: bool = False) -> None:
+    """Random low-rank predictors in the runtime's predictor format (a stand-in for trained ones); with
+    `frequencies`, random activation frequencies too (the runtime then pins hot neurons)."""
     from flashllm import format as fmt
     from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_FORMAT, PREDICTOR_META, PREDICTOR_VERSION
     from flashllm.st_io import write_safetensors
@@ -133,6 +135,8 @@ def write_random_predictors(model_dir: Path, rank: int = 8, seed: int = 0, train
         tensors[f"layers.{i}.A"] = torch.randn(rank, spec.d_model, generator=g) / spec.d_model ** 0.5
         tensors[f"layers.{i}.B"] = torch.randn(spec.d_ffn, rank, generator=g)
         tensors[f"layers.{i}.b"] = torch.randn(spec.d_ffn, generator=g) * 0.1
+        if frequencies:
+            tensors[f"layers.{i}.freq"] = torch.rand(spec.d_ffn, generator=g) ** 3
     write_safetensors(model_dir / PREDICTOR_FILE, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()],
                       tensors.__getitem__)
     meta = {"format": PREDICTOR_FORMAT, "format_version": PREDICTOR_VERSION,

@@ -73,7 +73,7 @@ def decode_stats(model, rounds_rows: list[dict]) -> dict:
 
 
 def check(model_dir: Path, budget, machine, disk, ids, prefill: int, rounds: int, context: int, data,
-          dtype: str | None, max_dropped: float, sample_tokens: int) -> dict:
+          dtype: str | None, max_dropped: float, sample_tokens: int, min_seconds: float) -> dict:
     load_before = os.getloadavg()[:1]
     t0 = time.perf_counter()
     plan = planner.make_plan(model_dir, budget, machine, disk, data=data, context=context,
@@ -91,7 +91,7 @@ def check(model_dir: Path, budget, machine, disk, ids, prefill: int, rounds: int
     runs = {k: [] for k in models}
     for _ in range(rounds):
         for name, m in models.items():
-            runs[name] += calibration.token_costs(m, ids, prefill, planner.CALIBRATE_WARMUP)
+            runs[name] += calibration.token_costs(m, ids, prefill, planner.CALIBRATE_WARMUP, min_seconds)
     med = {name: decode_stats(models[name], rs) for name, rs in runs.items()}
     med.setdefault("hand", med["plan"])
     spread = {name: [round(r["total_ms"], 1) for r in rs] for name, rs in runs.items()}
@@ -145,6 +145,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--tokens", type=int, default=16, help="decode tokens per round (default 16)")
     p.add_argument("--prefill", type=int, default=4, help="prompt tokens (default 4)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--min-seconds", type=float, default=1.0,
+                   help="each round decodes its tokens again until this long, per configuration (default 1.0; the "
+                   "planner calibrates for planner.CALIBRATE_SECONDS)")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--max-dropped", type=float, default=0.05,
                    help="share of predicted neurons the plan may drop (the hand defaults drop at small budgets; "
@@ -174,13 +177,13 @@ def main(argv=None) -> list[dict]:
             ids = token_ids(model_dir, args.prefill + args.tokens, text)
             for budget in budgets:
                 r = check(model_dir, budget, machine, disk, ids, args.prefill, args.rounds, context, sample, dtype,
-                          args.max_dropped, args.sample_tokens)
+                          args.max_dropped, args.sample_tokens, args.min_seconds)
                 print(json.dumps({k: r[k] for k in ("model", "budget", "plan", "error", "plan_over_hand")}),
                       file=sys.stderr, flush=True)
                 results.append(r)
     command = "python bench/plan_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = table(results, f"{command}\nmachine: {machine.host}, torch threads {machine.torch_threads}; "
-                          f"{args.rounds} interleaved rounds of {args.tokens} decode tokens, typical token "
+                          f"{args.rounds} interleaved rounds of {args.tokens} decode tokens (repeated for {args.min_seconds:g} s), typical token "
                           f"(interquartile mean); load = load average before/after each check (2 cores)")
     print(text)
     if args.out:

@@ -10,6 +10,7 @@ docs/cost_model.md, "Calibration".
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -37,30 +38,27 @@ class Measured:
         return asdict(self)
 
 
-def measure(model_dir, options: dict, ids: list[int], prefill: int, warmup: int = 2) -> Measured:
-    """Decode ids[prefill:] after the prompt ids[:prefill] with `options` (LoadOptions fields); the
-    first `warmup` decode tokens are not counted (caches fill, allocations settle)."""
-    from . import load
-
-    return typical(token_costs(load(model_dir, **options), ids, prefill, warmup))
-
-
-def token_costs(model, ids: list[int], prefill: int, warmup: int = 2) -> list[dict]:
+def token_costs(model, ids: list[int], prefill: int, warmup: int = 2, min_seconds: float = 0.0) -> list[dict]:
     """Per decode token of ids[prefill:] (after the prompt ids[:prefill] and `warmup` uncounted decode
-    tokens): the runtime's stats and the FFN kernels' time from its part timer."""
+    tokens): the runtime's stats and the FFN kernels' time from its part timer. The sequence is decoded
+    again (from its prompt) until `min_seconds` have passed: on a shared machine a window of a few
+    tokens sees one moment's load, not the typical one (the embedded model decodes 12 tokens in 0.1 s)."""
     from .stats import PartTimer
 
     timer = model.backend.parts = PartTimer(model.backend.sync)
-    model.logits(ids[:prefill])
-    rows = []
-    for i, t in enumerate(ids[prefill:]):
-        timer.reset()
-        model.forward([t], prefill + i)
-        cost = model.token_stats[-1]
-        if i >= warmup:
-            rows.append({**{k: cost[k] for k in FIELDS if k != "ffn_ms"}, "ffn_ms": timer.ms["ffn"],
-                         "bytes_read": cost["bytes_read"], "reads": cost["reads"],
-                         "neurons_dropped": cost["neurons_dropped"]})
+    rows, start = [], time.perf_counter()
+    while not rows or time.perf_counter() - start < min_seconds:
+        model.logits(ids[:prefill])
+        for i, t in enumerate(ids[prefill:]):
+            timer.reset()
+            model.forward([t], prefill + i)
+            cost = model.token_stats[-1]
+            if i >= warmup:
+                rows.append({**{k: cost[k] for k in FIELDS if k != "ffn_ms"}, "ffn_ms": timer.ms["ffn"],
+                             "bytes_read": cost["bytes_read"], "reads": cost["reads"],
+                             "neurons_dropped": cost["neurons_dropped"]})
+        if len(ids) <= prefill + warmup:
+            break
     model.backend.parts = None
     if not rows:
         raise ValueError(f"no decode tokens measured: {len(ids)} ids, prefill {prefill}, warm-up {warmup}")

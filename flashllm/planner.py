@@ -41,6 +41,7 @@ MAX_DROPPED = 0.0  # default share of predicted neurons a plan may drop for lack
 SAMPLE_TOKENS = 512
 CALIBRATE_TOKENS = 12  # decode tokens the runtime measures per mode (0: the cost model alone)
 CALIBRATE_PREFILL, CALIBRATE_WARMUP = 4, 2  # prompt tokens before them; decode tokens not counted
+CALIBRATE_SECONDS = 3.0  # ... decoded again until this long: a shared machine's load varies over seconds
 
 
 @dataclass
@@ -161,7 +162,8 @@ def _sha(path: Path) -> str:
 
 def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes: list[str] | None = None,
               context: int | None = None, threads: int = 32, sample_tokens: int = SAMPLE_TOKENS,
-              max_dropped: float = MAX_DROPPED, calibrate_tokens: int = CALIBRATE_TOKENS, log=None) -> Plan:
+              max_dropped: float = MAX_DROPPED, calibrate_tokens: int = CALIBRATE_TOKENS,
+              calibrate_seconds: float | None = None, log=None) -> Plan:
     """The cheapest way (by the cost model) to decode with `model_dir` within `budget` bytes or fraction.
 
     Sparse mode is loaded at the budget once per candidate predictor, so its memory (what the caches may
@@ -177,6 +179,7 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
     from .budget import BudgetTooSmall, format_size
 
     log = log or (lambda msg: None)
+    calibrate_seconds = CALIBRATE_SECONDS if calibrate_seconds is None else calibrate_seconds
     manifest = fmt.read_manifest(model_dir, verify=False)
     spec = manifest.spec
     if spec.is_moe:
@@ -194,8 +197,9 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
             model = load(model_dir, **{**plan.load_options(), "context": context})
             if not (ids and measure):
                 return model, None
-            log(f"measuring {what} ({calibrate_tokens} decode tokens)")
-            return model, calibration.typical(calibration.token_costs(model, ids, CALIBRATE_PREFILL, CALIBRATE_WARMUP))
+            log(f"measuring {what} ({calibrate_tokens} decode tokens, again until {calibrate_seconds:g} s)")
+            return model, calibration.typical(calibration.token_costs(model, ids, CALIBRATE_PREFILL, CALIBRATE_WARMUP,
+                                                                         calibrate_seconds))
         except BudgetTooSmall as exc:
             needs.append(getattr(exc, "needed", None))
             notes.append(f"{what}: does not fit ({exc})")
@@ -326,7 +330,8 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
     best.notes = notes + ["threads and the I/O engine: runtime defaults; hot set: as the runtime pins it; "
                           "FFN quantization: as converted"]
     if ids:
-        best.notes.append(f"calibrated on {calibrate_tokens} decode tokens per mode measured now; noise "
+        best.notes.append(f"calibrated on {calibrate_tokens} decode tokens per mode measured now (repeated for "
+                          f"{calibrate_seconds:g} s); noise "
                           f"(half the interquartile range of per-token latency) {noise:.1%}")
     best.key = _key(manifest, machine, disk, budget, context)
     return best

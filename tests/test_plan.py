@@ -82,6 +82,11 @@ def test_milp_picks_cheapest_within_memory():
     assert plan_sparse.solve(costs, curves, 100, 500) is None
 
 
+@pytest.fixture(autouse=True)
+def short_calibration(monkeypatch):
+    monkeypatch.setattr(planner, "CALIBRATE_SECONDS", 0.0)  # the tokens asked for, once (keeps the tests fast)
+
+
 @pytest.fixture(scope="module")
 def planned_model(tiny_models, tmp_path_factory):
     out = shutil.copytree(tiny_models("opt").model_dir, tmp_path_factory.mktemp("plan") / "opt")
@@ -199,3 +204,30 @@ def test_plan_errors_are_one_line(planned_model, cached_profiles, capsys):
     smallest = err.split("the smallest budget that works is --dram-budget ")[1].split()[0]  # names a budget that works
     assert main(["plan", str(planned_model), "--dram-budget", smallest, "--context", "64", "--quiet",
                  "--sample-tokens", "64", "--calibrate-tokens", "0"]) == 0
+
+
+def test_plan_weighs_the_gate_predictor_against_lowrank(tiny_models, tmp_path):
+    """A gated FFN with a sparse activation can run the low-rank predictors or its resident gate rows: the
+    plan costs both (the gate's rows charged to the budget, its reads up and down rows only) and the
+    cheaper prediction wins."""
+    from flashllm import plan_sparse
+
+    model_dir = shutil.copytree(tiny_models("llama-relu").model_dir, tmp_path / "llama-relu")
+    write_random_predictors(model_dir, trained_for=fmt.read_manifest(model_dir).data["files"]["ffn"]["sha256"])
+    (tmp_path / "sample.txt").write_text("def main(): return sum(x * x for x in range(10))\n" * 40)
+    assert planner.predictor_choices(fmt.read_manifest(model_dir)) == ["lowrank", "gate"]
+    spec = fmt.read_manifest(model_dir).spec
+    gate = plan_sparse.probe(flashllm.load(model_dir, mode="sparse", predictor="gate", dram_budget="400KiB", context=64))
+    lowrank = plan_sparse.probe(flashllm.load(model_dir, mode="sparse", predictor="lowrank", dram_budget="400KiB", context=64))
+    assert gate.predictor_bytes == spec.n_layers * spec.d_ffn * spec.d_model * 4 and gate.ranks is None
+    assert gate.fixed - lowrank.fixed == gate.predictor_bytes - lowrank.predictor_bytes  # charged to the budget
+    assert gate.geometry.layout.parts == ("up", "down") and gate.row < lowrank.row
+    plan = planner.make_plan(model_dir, "400KiB", MACHINE, FakeDisk(), data=tmp_path / "sample.txt", context=64,
+                             sample_tokens=64, calibrate_tokens=0)
+    costed = [(plan.to_dict()["predictor"] if plan.mode == "sparse" else plan.mode, plan.predicted["total_ms"])]
+    costed += [(a["what"], a["total_ms"]) for a in plan.alternatives]
+    assert any("gate predictor" in w for w, _ in costed[1:]) or plan.predictor == "gate"
+    assert any("lowrank predictor" in w for w, _ in costed[1:]) or plan.predictor == "lowrank"
+    assert costed[0][1] == min(ms for _, ms in costed)  # no calibration, no noise: the cheapest prediction
+    model = flashllm.load(model_dir, context=64, **plan.load_options())
+    assert model.stats.get("predictor", plan.predictor) == plan.predictor

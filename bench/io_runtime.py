@@ -226,21 +226,23 @@ def _f(x, nd=0):
 
 def markdown(reps: list[dict]) -> str:
     r0 = reps[0]
-    L = ["| configuration | total ms | read ms (engine) | io_ms (waited) | mem_ms | compute ms | predictor ms | "
+    L = ["| run | configuration | total ms | read ms (engine) | io_ms (waited) | mem_ms | compute ms | predictor ms | "
          "total / max(read, CPU) | GB/token | reads/token | engine GB/s | fio GB/s, same mix: file / one layer | "
-         "engine / fio: file / one layer | dropped/token | lookahead recall | load avg |", "|---" * 16 + "|"]
+         "engine / fio: file / one layer | dropped/token | lookahead recall | load avg |", "|---" * 17 + "|"]
     for rep in reps:
         for name, r in rep["runs"].items():
             if "error" in r:
-                L.append(f"| {name} | failed: {r['error']} |" + " |" * 14)
+                L.append(f"| {rep['date']} | {name} | failed: {r['error']} |" + " |" * 15)
                 continue
             cpu = r["total_ms"] - r["io_ms"]
             eng = r["bytes_read"] / r["read_ms"] / 1e6 if r["read_ms"] else None
-            f, fl = r["fio"]["bw_bytes"] / GB, r["fio_layer"]["bw_bytes"] / GB
-            L.append(f"| {name} | {_f(r['total_ms'])} | {_f(r['read_ms'])} | {_f(r['io_ms'])} | {_f(r['mem_ms'])} | "
+            f = r["fio"]["bw_bytes"] / GB
+            fl = r["fio_layer"]["bw_bytes"] / GB if "fio_layer" in r else None  # (runs before it was measured)
+            L.append(f"| {rep['date']} | {name} | {_f(r['total_ms'])} | {_f(r['read_ms'])} | {_f(r['io_ms'])} | {_f(r['mem_ms'])} | "
                      f"{_f(r['compute_ms'])} | {_f(r['predictor_ms'])} | {r['total_ms'] / max(r['read_ms'], cpu):.2f} | "
-                     f"{r['bytes_read'] / GB:.3f} | {_f(r['reads'])} | {_f(eng, 3)} | {f:.3f} / {fl:.3f} | "
-                     f"{_f(eng / f if eng else None, 2)} / {_f(eng / fl if eng else None, 2)} | {_f(r['neurons_dropped'])} | "
+                     f"{r['bytes_read'] / GB:.3f} | {_f(r['reads'])} | {_f(eng, 3)} | {f:.3f} / {_f(fl, 3)} | "
+                     f"{_f(eng / f if eng else None, 2)} / {_f(eng / fl if eng and fl else None, 2)} | "
+                     f"{_f(r['neurons_dropped'])} | "
                      f"{_f(r.get('lookahead_recall'), 2)} | {r['load_average_at_start']:.1f}–{r['load_average_after']:.1f} |")
     L += ["", "Runs: " + "; ".join(f"`{rep['command']}` ({rep['date']})" for rep in reps),
           f"memory limit {r0['memory_limit'] / GB:.2f} GB (DRAM budget {r0['dram_budget'] / GB:.2f} GB of "

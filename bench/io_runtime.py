@@ -17,8 +17,10 @@ offsets, right after the run. Reported per configuration:
 Configurations: `default` (the runtime's defaults: no read-ahead, gap 0, compute in the storage dtype),
 `lookahead` (read layer l+1's predicted neurons while layer l computes), `ordered` (the FFN laid out in
 co-activation order; on random weights a permutation of the replay, see TracePredictor), `ordered+lookahead`,
-and `ordered+gap` (gap-filling with the threshold fio's measurement gives: reading g more bytes costs g
-over the bandwidth, one read less saves the per-read cost, from a fit of fio at one and at eight bundles).
+`ordered+gap` (gap-filling with the threshold fio's measurement gives: reading g more bytes costs g
+over the bandwidth, one read less saves the per-read cost, from a fit of fio at one and at eight bundles),
+and `lookahead+aio` (read-ahead through native AIO: the kernel reads while the layer computes, with no
+reader thread competing for the cores).
 Beside the runs, a replay (no I/O, unlimited cache) counts reads and bundles per token for gaps of 0..8
 bundles before and after ordering, on trace tokens not used to compute the order.
 
@@ -48,7 +50,8 @@ from flashllm.budget import budget_bytes, parse_budget  # noqa: E402
 GB, MiB = 1e9, 1 << 20
 CONFIGS = {"default": {}, "lookahead": {"prefetch": True}, "ordered": {"order": "coactivation"},
            "ordered+lookahead": {"order": "coactivation", "prefetch": True},
-           "ordered+gap": {"order": "coactivation", "gap_bytes": "fio"}}
+           "ordered+gap": {"order": "coactivation", "gap_bytes": "fio"},
+           "lookahead+aio": {"prefetch": True, "aio_depth": 2048}}
 
 
 def _paper_measure():
@@ -128,7 +131,8 @@ def run_config(args, name: str, budget: int, runner, gap: dict | None) -> dict:
     run = dict(label=name, mode="sparse", window=args.window, bundled=True, backend="torch", budget=budget,
                threads=args.threads, aio_depth=0, trace=args.trace, seed=args.seed, predictor="trace",
                predictor_rank=128, torch_threads=args.torch_threads, tokens=args.tokens, warmup=args.warmup,
-               model_dir=str(args.model_dir), dtype=args.dtype, read_sizes=True, per_token=True, **cfg)
+               model_dir=str(args.model_dir), dtype=args.dtype, read_sizes=True, per_token=True)
+    run.update(cfg)
     res = runner(run)
     if "error" in res:
         return res

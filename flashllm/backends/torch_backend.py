@@ -429,7 +429,11 @@ class TorchRowStore:
             return
         with (cost.timed if cost is not None else untimed)("mem_ms"):
             if self.staging is None:
-                self.raw[rows] = block[src, :self.raw.shape[1]]
+                width, r0 = self.raw.shape[1], int(rows[0])
+                if int(rows[-1]) - r0 + 1 == len(rows):  # consecutive free rows: one gather pass into them
+                    np.take(block[:, :width], src, axis=0, out=self.raw[r0:r0 + len(rows)], mode="clip")
+                else:
+                    self.raw[rows] = block[src, :width]
             else:
                 values = bundle_values(self.layout, block[src], self.storage_dtype)
                 idx = torch.from_numpy(rows).to(self.backend.device)

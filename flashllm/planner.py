@@ -212,7 +212,8 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
         if m is not None:  # costed as measured
             plan.predicted = {**plan.predicted, "model_ms": parts.total_s * 1e3, "calibrated": True}
             parts = cm.Parts(compute_s=(m.compute_ms - m.ffn_ms) / 1e3, ffn_s=m.ffn_ms / 1e3,
-                             predictor_s=m.predictor_ms / 1e3, io_s=m.io_ms / 1e3, mem_s=m.mem_ms / 1e3)
+                             predictor_s=m.predictor_ms / 1e3, io_s=calibration.cold_io_s(m.io_ms / 1e3, parts.io_s),
+                             mem_s=m.mem_ms / 1e3)
             noise = max(noise, m.spread)
         options.append((parts, plan, what))
 

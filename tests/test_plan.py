@@ -117,13 +117,15 @@ def test_calibration_reproduces_its_measurement_and_scales_terms():
 
     m = Measured(total_ms=100.0, compute_ms=40.0, ffn_ms=10.0, predictor_ms=5.0, io_ms=50.0, mem_ms=5.0,
                  bytes_read=1e6, reads=10, spread=0.08, tokens=8)
-    cal = calibrate(m, model_ffn_s=0.02, model_io_s=0.1, model_mem_s=0.0)
-    here = cal.apply(0.02, 0.1, 0.0)
+    cal = calibrate(m, model_ffn_s=0.02, model_io_s=0.025, model_mem_s=0.0)
+    here = cal.apply(0.02, 0.025, 0.0)
     assert here.total_s * 1e3 == pytest.approx(m.total_ms)  # the reference point is predicted as measured
-    there = cal.apply(0.04, 0.05, 0.0)  # twice the FFN, half the I/O of the model's terms
+    there = cal.apply(0.04, 0.0125, 0.0)  # twice the FFN, half the I/O of the model's terms
     assert there.to_ms()["compute_ms"] == pytest.approx(30 + 20) and there.io_s * 1e3 == pytest.approx(25)
     assert there.mem_s * 1e3 == pytest.approx(5.0) and cal.noise == 0.08  # a term the model puts at 0 stays as measured
-    assert calibrate(m, 0.02, 0.1, 0.0, min_noise=0.1).noise == 0.1
+    # reads measured faster than the disk profile's cold reads came from a cache: never scaled below the profile
+    assert calibrate(m, 0.02, 0.1, 0.0).apply(0.02, 0.1, 0.0).io_s == pytest.approx(0.1)
+    assert calibrate(m, 0.02, 0.025, 0.0, min_noise=0.1).noise == 0.1
 
 
 def test_calibrated_plan_keeps_defaults_unless_the_gain_beats_the_noise(planned_model):

@@ -57,7 +57,8 @@ def _child(model_dir: str, options: dict, decode_tokens: int = 0) -> dict:
     float_resident = sum(n // fmt.STORAGE_DTYPES[model.manifest.dtype] * model.backend.itemsize for n in sizes)
     out = {"peak": peak, "held": host + device, "transient": peak - host - device,
            "largest_tensor": max(sizes), "float_resident": float_resident,
-           "resident_held": model.backend.nbytes() - model.backend.kv_bytes()}
+           "resident_held": model.backend.nbytes() - model.backend.kv_bytes(),
+           "resident_neurons": getattr(model.plan, "resident_rows", 0)}
     if decode_tokens:
         for pos in range(decode_tokens):
             model.forward([1 + pos % 8], pos)
@@ -66,10 +67,13 @@ def _child(model_dir: str, options: dict, decode_tokens: int = 0) -> dict:
     return out
 
 
-def measure(model_dir, decode_tokens: int = 0, **options) -> dict:
+def measure(model_dir, decode_tokens: int = 0, glibc_defaults: bool = False, **options) -> dict:
     """Load `model_dir` with LoadOptions `options` in a child process (then decode `decode_tokens`
-    tokens); its measurements (bytes)."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 << 10)}
+    tokens); its measurements (bytes). `glibc_defaults`: leave glibc's malloc settings as a user's
+    process has them (then the peak includes freed blocks glibc keeps)."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    if not glibc_defaults:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(64 << 10)
     out = subprocess.run([sys.executable, __file__, "--child", str(model_dir), json.dumps(options), str(decode_tokens)],
                          capture_output=True, text=True, env=env)
     if out.returncode:

@@ -12,6 +12,7 @@ both the Python API and the CLI: memory is then sized by the model, not capped.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import re
 
@@ -23,6 +24,22 @@ UNITS = {"": 1, "b": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1 << 40, "kib": KiB, 
          "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*|%)\s*$")
 FORMS = "a fraction of the model in (0, 1], a percentage (50%), a size (6GiB, 700MiB, 20M) or bytes (>= 4096)"
+
+
+HEAP_MMAP_THRESHOLD = 1 * MiB  # glibc allocations at least this large get their own mapping
+
+
+def return_freed_memory() -> bool:
+    """Under a DRAM budget: make glibc give every freed block of HEAP_MMAP_THRESHOLD or more back to the
+    kernel at once (mallopt M_MMAP_THRESHOLD, which also stops glibc raising that threshold after the
+    first large free). By default glibc keeps freed blocks of up to 32 MiB in its heaps, one per
+    thread, for reuse: loading a quantized model with 2 compute threads left 450-600 MiB of such
+    blocks resident on the opt-1.3b shape, which the budget does not count (the int8 hybrid run of
+    bench/quant_table3.py went over its cgroup limit). False where the C library has no mallopt."""
+    try:
+        return bool(ctypes.CDLL(None).mallopt(-3, HEAP_MMAP_THRESHOLD))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
 
 
 def parse_budget(value: str | float | int | None) -> float | int | None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import format as fmt
 from . import modes
-from .budget import budget_bytes, too_small
+from .budget import budget_bytes, return_freed_memory, too_small
 from .chat_template import ChatTemplate
 from .errors import FlashLLMError
 from .experts import MOE_PLANS
@@ -53,6 +53,8 @@ class Model:
         """`options` (see LoadOptions; keyword `changes` override single fields). On a GPU, weights,
         KV and caches count against `gpu_budget` and host staging against `dram_budget`."""
         self.options = opts = LoadOptions.of(options, **changes)
+        if opts.dram_budget is not None:
+            return_freed_memory()
         self.manifest = fmt.read_manifest(model_dir, verify=opts.verify)
         self.spec, self.layout, self.mode = self.manifest.spec, self.manifest.layout, opts.mode
         self.context = min(opts.context or DEFAULT_CONTEXT, self.spec.context_limit)

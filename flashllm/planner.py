@@ -188,7 +188,7 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
     nbudget = _budget_bytes(budget, manifest)
     ids = sample_ids(model_dir, data, CALIBRATE_PREFILL + CALIBRATE_WARMUP + calibrate_tokens) if calibrate_tokens else None
     options, notes, reference, defaults, noise, needs = [], [], [], None, 0.0, []
-    dtypes = dtypes or [default_compute_dtype(None, manifest.dtype, True)]
+    dtypes = dtypes or [default_compute_dtype(None, manifest.dtype, True, quantized_ffn=manifest.layout.quant is not None)]
 
     def loaded(plan: Plan, what: str, measure: bool = True):
         """(the runtime loaded with `plan`'s options, its measured costs or None); (None, None) with a note

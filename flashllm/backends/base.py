@@ -23,15 +23,23 @@ RESIDENT_QUANT_BITS = {"none": None, "int8": 8, "int4": 4}  # --quantize-residen
 QUANTIZED_RESIDENT = re.compile(r"(embed|lm_head|layers\.\d+\.[qkvo])\.weight")
 
 
-def default_compute_dtype(requested: str | None, storage: str, on_cpu: bool, float16_on_cpu: bool = True) -> str:
+def default_compute_dtype(requested: str | None, storage: str, on_cpu: bool, float16_on_cpu: bool = True,
+                          quantized_ffn: bool = False) -> str:
     """The compute dtype: the requested one, else the storage dtype, except float16 files on a CPU
     whose backend is slow in float16 (`float16_on_cpu` False: MLX's CPU build), which compute in
     float32. torch CPU keeps float16: its matrix-vector products stream float16 at least as many
     values per second as float32 at half the bytes, and a 7B float16 model fits in DRAM only so
-    (bench/results/compute_roofline.md; quality cost in bench/results/compute_dtype.md)."""
+    (bench/results/compute_roofline.md; quality cost in bench/results/compute_dtype.md). Quantized
+    FFN bundles with float16 resident tensors on torch's CPU compute in bfloat16: their rows are
+    dequantized into cache rows of the compute dtype, and one token's FFN over bfloat16 rows took
+    0.44-1.02x the time of float16 rows (0.50-0.54x over 4096 rows; bench/results/quant_compute.md: a
+    cache of the stored quantized rows computes 1.7-27x slower than either; torch's weight-only kernels
+    for quantized resident matrices take bfloat16 activations too)."""
     if requested is not None:
         return requested
-    return "float32" if on_cpu and storage == "float16" and not float16_on_cpu else storage
+    if on_cpu and storage == "float16" and not float16_on_cpu:
+        return "float32"
+    return "bfloat16" if on_cpu and storage == "float16" and quantized_ffn else storage
 
 
 def compute_threads(requested: int | None, current: int) -> int:

@@ -30,7 +30,7 @@ def default_compute_dtype(requested: str | None, storage: str, on_cpu: bool, flo
     float32. torch CPU keeps float16: its matrix-vector products stream float16 at least as many
     values per second as float32 at half the bytes, and a 7B float16 model fits in DRAM only so
     (bench/results/compute_roofline.md; quality cost in bench/results/compute_dtype.md). Quantized
-    FFN bundles with float16 resident tensors on torch's CPU compute in bfloat16: their rows are
+    FFN bundles (not experts) with float16 resident tensors on torch's CPU compute in bfloat16: their rows are
     dequantized into cache rows of the compute dtype, and one token's FFN over bfloat16 rows took
     0.44-1.02x the time of float16 rows (0.50-0.54x over 4096 rows; bench/results/quant_compute.md: a
     cache of the stored quantized rows computes 1.7-27x slower than either; torch's weight-only kernels

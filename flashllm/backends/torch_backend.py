@@ -38,7 +38,7 @@ class TorchBackend(Backend):
         if self.device.type == "cpu":
             self.STAGING_BUFFERS = 1  # the cast out of staging is synchronous: nothing to overlap
         self.dtype_name = default_compute_dtype(dtype, storage_dtype, self.device.type == "cpu",
-                                                quantized_ffn=quantized_ffn)
+                                                quantized_ffn=quantized_ffn and not spec.is_moe)
         self.storage_dtype_name = storage_dtype
         self.dtype = cdt = DTYPES[self.dtype_name]
         self.storage_dtype = DTYPES[storage_dtype]

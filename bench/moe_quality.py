@@ -62,7 +62,7 @@ def measure(model_dir: Path, chunks, prompt, gen, opts: dict, budget_bytes: int 
             break
         logits = at.logits(c, prefill=1)
         scored.append(nll(logits[:-1], c[1:]))
-        diff = max(diff, float(np.abs(logits - dense.logits(c)).max()))
+        diff = max(diff, float(np.abs(logits - dense.logits(c, prefill=1)).max()))  # same decode path as `at`
         n += len(c) - 1
     out.update(budget_ppl=float(math.exp(np.concatenate(scored).mean())), budget_tokens=n, budget_max_logit_diff=diff,
                slots=at.plan.capacities[0], expert_slots=at.stats["expert_slots"],

@@ -209,11 +209,53 @@ def evaluate(model, seqs, batch_size=16, window=4):
 # ----------------------------------------------------------------------------- training
 
 def lr_at(step, progress, args):
-    """Linear warmup over --warmup steps, then cosine decay to lr*min_lr_ratio over progress."""
+    """Linear warmup over --warmup steps, then down to lr*min_lr_ratio at progress 1: cosine over
+    the whole run, or (wsd) constant until 1 - decay_frac, then cosine over the last decay_frac.
+    With wsd and --steps, the lr before the decay does not depend on the step count, so a resumed
+    run may change --steps until the decay starts and still equal a run with that count from scratch."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
+    if args.schedule == "wsd":
+        progress = max(0.0, (progress - (1 - args.decay_frac)) / args.decay_frac)
     cos = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cos)
+
+
+def save_training_state(path, model, opt, gen, state):
+    """Everything a resumed run needs, atomically: parameters and AdamW moments (safetensors),
+    batch RNG state and progress (json). Tied parameters are stored once."""
+    from safetensors.torch import save_file
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {f"param.{n}": p.detach().contiguous() for n, p in model.named_parameters()}
+    for idx, st in opt.state_dict()["state"].items():
+        for key, value in st.items():
+            tensors[f"opt.{idx}.{key}"] = torch.as_tensor(value).contiguous()
+    tensors["rng"] = gen.get_state()
+    for name, payload in (("state.safetensors", None), ("state.json", state)):
+        tmp = path / f".{name}.tmp"
+        if payload is None:
+            save_file(tensors, str(tmp))
+        else:
+            tmp.write_text(json.dumps(payload) + "\n")
+        os.replace(tmp, path / name)
+
+
+def load_training_state(path, model, opt, gen):
+    """Restore what save_training_state wrote; returns its progress dict."""
+    from safetensors.torch import load_file
+    tensors = load_file(str(path / "state.safetensors"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(tensors[f"param.{n}"])
+    sd = opt.state_dict()
+    sd["state"] = {}
+    for key, value in tensors.items():
+        if key.startswith("opt."):
+            _, idx, name = key.split(".", 2)
+            sd["state"].setdefault(int(idx), {})[name] = value
+    opt.load_state_dict(sd)
+    gen.set_state(tensors["rng"])
+    return json.loads((path / "state.json").read_text())
 
 
 def train(model, stream, args, heldout_small):
@@ -230,8 +272,14 @@ def train(model, stream, args, heldout_small):
         handles = [m.register_forward_hook(lambda _m, _i, out: pre_relu.append(out))
                    for m in fc1_modules(model)]
     model.train()
-    t0 = time.time()
-    step, losses, curve = 0, [], []
+    step, losses, curve, done_before = 0, [], [], 0.0
+    ckpt = Path(args.checkpoint) if args.checkpoint else None
+    if ckpt is not None and (ckpt / "state.json").exists():
+        saved = load_training_state(ckpt, model, opt, gen)
+        step, losses, curve, done_before = (saved["step"], saved["losses"], saved["curve"],
+                                            saved["seconds"])
+        log(f"resumed from {ckpt} at step {step} ({done_before:.0f} s trained)")
+    t0 = time.time() - done_before
     while True:
         elapsed = time.time() - t0
         if args.steps is not None and step >= args.steps:
@@ -265,6 +313,10 @@ def train(model, stream, args, heldout_small):
             log(f"step {step} lr {lr:.2e} train {curve[-1]['train_loss']:.3f} "
                 f"heldout {ev['loss']:.3f} (ppl {ev['ppl']:.1f}) active {ev['mean_active']:.3f} "
                 f"{rate:.2f} s/step")
+        if ckpt is not None and (step % args.checkpoint_every == 0):
+            save_training_state(ckpt, model, opt, gen, {
+                "step": step, "losses": losses[-max(50, args.log_every):], "curve": curve,
+                "seconds": round(time.time() - t0, 1)})
     if args.l1 > 0:
         for h in handles:
             h.remove()
@@ -358,6 +410,14 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--schedule", choices=["cosine", "wsd"], default="cosine",
+                    help="after warmup: cosine over the whole run, or wsd: constant, then cosine over "
+                    "the last --decay-frac (default cosine)")
+    ap.add_argument("--decay-frac", type=float, default=0.25, help="wsd: decayed fraction (default 0.25)")
+    ap.add_argument("--checkpoint", default=None,
+                    help="directory for the training state (safetensors); saved every --checkpoint-every "
+                    "steps and resumed from when it exists (default: none)")
+    ap.add_argument("--checkpoint-every", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--clip", type=float, default=1.0)
@@ -386,7 +446,15 @@ def main(argv=None):
     log(f"corpus: {corpus['train']['files']} train files ({corpus['train']['bytes']} B), "
         f"{corpus['heldout']['files']} held-out files ({corpus['heldout']['bytes']} B)")
 
-    tok = train_tokenizer(train_texts, args.vocab)
+    saved_tok = Path(args.checkpoint) / "tokenizer.json" if args.checkpoint else None
+    if saved_tok is not None and saved_tok.exists():  # a resumed run keeps its token ids
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(saved_tok))
+    else:
+        tok = train_tokenizer(train_texts, args.vocab)
+        if saved_tok is not None:
+            saved_tok.parent.mkdir(parents=True, exist_ok=True)
+            tok.save(str(saved_tok))
     train_stream = token_stream(tok, train_texts)
     heldout_stream = token_stream(tok, heldout_texts)
     corpus["train"]["tokens"] = int(len(train_stream))

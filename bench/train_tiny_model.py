@@ -392,7 +392,7 @@ def verify(out, heldout_text, prompts, max_new_tokens):
 
 # ----------------------------------------------------------------------------- main
 
-def main(argv=None):
+def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="flashllm/data/tiny-opt")
     ap.add_argument("--arch", choices=["opt", "llama"], default="opt",
@@ -430,6 +430,11 @@ def main(argv=None):
     ap.add_argument("--autocast", choices=["bf16", "none"], default="bf16",
                     help="bf16 autocast for training steps (default); none: float32 (measured 9x faster per step "
                     "for the Llama model on this CPU, which has no native bfloat16)")
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.steps is None and args.minutes <= 0:
         ap.error("--minutes must be positive")

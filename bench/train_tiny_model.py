@@ -18,9 +18,13 @@ enough to commit and to run on a laptop CPU. This script makes one from scratch,
    generation_config.json, training.json) written atomically to ``--out``, then reloaded with
    ``transformers`` to check it generates and that the tokenizer round-trips text.
 
-    python bench/train_tiny_model.py --minutes 20 --out flashllm/data/tiny-opt
-    nice -n 10 python bench/train_tiny_model.py --arch llama --ffn 704 --lr 2e-3 --minutes 18 \
-        --out flashllm/data/tiny-llama
+    python bench/train_tiny_model.py --steps 1200 --out flashllm/data/tiny-opt
+    nice -n 19 python bench/train_tiny_model.py --arch llama --layers 4 --ffn 704 --lr 3e-3 --warmup 100 \
+        --batch-size 8 --threads 1 --autocast none --schedule wsd --steps 1650 \
+        --checkpoint /tmp/swiglu-state --out flashllm/data/tiny-swiglu
+
+With ``--checkpoint DIR`` the training state is saved every ``--checkpoint-every`` steps and a
+run started again with the same arguments resumes from it (bit for bit: tested).
 """
 import argparse
 import json

@@ -70,12 +70,15 @@ def test_decode_attention_over_the_head_major_cache_is_attention(kv_heads):
 def test_compute_threads_requested_or_by_load(tiny_models, monkeypatch):
     import torch
 
-    from flashllm.backends import base
+    from flashllm.backends import base, torch_backend
 
     before = torch.get_num_threads()
     try:
         flashllm.load(tiny_models("llama").model_dir, compute_threads=1)
         assert torch.get_num_threads() == 1
+        monkeypatch.setattr(base.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+        flashllm.load(tiny_models("llama").model_dir)  # an idle machine: a later load is not held to 1
+        assert torch.get_num_threads() == min(len(base.os.sched_getaffinity(0)), torch_backend.INITIAL_THREADS)
         assert base.compute_threads(3, 1) == 3  # a requested count is taken as it is
         monkeypatch.setattr(base.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
         monkeypatch.setattr(base.os, "getloadavg", lambda: (2.5, 0.0, 0.0))

@@ -42,15 +42,15 @@ def default_compute_dtype(requested: str | None, storage: str, on_cpu: bool, flo
     return "bfloat16" if on_cpu and storage == "float16" and quantized_ffn else storage
 
 
-def compute_threads(requested: int | None, current: int) -> int:
+def compute_threads(requested: int | None, most: int) -> int:
     """Intra-op threads of the math: the requested count, else every core the 1-minute load average
-    leaves idle (at least 1, never more than the process's `current` setting). Measured on 2 busy cores
+    leaves idle (at least 1, at most `most`: the process's own setting before any load changed it). Measured on 2 busy cores
     (bench/results/compute_roofline.md): a second thread made decode tokens up to 1.6x slower, its
     attention 20x (OpenMP workers wait on a thread the scheduler has not run)."""
     if requested:
         return requested
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(current, cores - int(os.getloadavg()[0])))
+    return max(1, min(most, cores - int(os.getloadavg()[0])))
 
 
 class Backend:

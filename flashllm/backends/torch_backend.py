@@ -15,6 +15,9 @@ from .staging import StagingRing, bundle_values, host_array
 from .torch_quant import Int4ExpertSlots, KVCache, QuantMatrix, dequantize_rows
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# torch's intra-op threads before any load changed them (OMP_NUM_THREADS or the cores): the default
+# --compute-threads never goes above it, and a later load may use more than an earlier busy one chose
+INITIAL_THREADS = torch.get_num_threads()
 
 
 # How one token's down projection h[1, n] @ rows[n, d] (rows = cache rows, any row stride) runs on
@@ -48,7 +51,7 @@ class TorchBackend(Backend):
         self.down_kernel = DOWN_KERNEL[self.dtype_name] if self.device.type == "cpu" and self.tuned else "matmul"
         self.context = context
         if self.device.type == "cpu":
-            torch.set_num_threads(compute_threads(threads, torch.get_num_threads()))
+            torch.set_num_threads(compute_threads(threads, INITIAL_THREADS))
         self.w: dict[str, torch.Tensor] = {}
         self.kv_bits = kv_bits
         self.kvs = [self.new_kv()]  # one KV cache per sequence decoded together (set_sequences)

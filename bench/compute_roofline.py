@@ -19,7 +19,8 @@
 
 Configurations: before (kernels="plain": the file's tensors with torch's default kernels, 2 threads),
 session2 (tuned kernels, 2 threads), after (the defaults: kernels="tuned", compute threads by the machine's load), after-1t / after-2t
-(compute_threads 1 / 2), after-passive (2 threads, OMP_WAIT_POLICY=PASSIVE), mlx. Each run also
+(compute_threads 1 / 2; OpenMP workers sleep at barriers, flashllm's default), after-2t-spin (2 threads, workers
+spin first: libgomp's default, as in sessions 1-3; before and session2 too), mlx. Each run also
 records the process's CPU seconds per token ("cpu ms"): on a loaded machine wall time is mostly
 waiting for a core, and CPU time shows the work itself.
 """
@@ -43,13 +44,14 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # run from a checkout
 
 GB = 1e9
+SPIN = {"GOMP_SPINCOUNT": "300000"}  # libgomp's own default waiting (spin, then sleep): sessions 1-3
 CONFIGS = {  # name -> (load options, extra environment)
-    "before": (dict(kernels="plain", compute_threads=2), {}),  # the kernels and threads of session 1
-    "session2": (dict(kernels="tuned", compute_threads=2), {}),  # session 2's defaults (2 threads)
+    "before": (dict(kernels="plain", compute_threads=2), SPIN),  # the kernels, threads and waiting of session 1
+    "session2": (dict(kernels="tuned", compute_threads=2), SPIN),  # session 2's defaults (2 threads)
     "after": (dict(kernels="tuned", dtype=None), {}),  # every default (dtype, threads by the machine's load)
     "after-1t": (dict(kernels="tuned", compute_threads=1), {}),
-    "after-2t": (dict(kernels="tuned", compute_threads=2), {}),
-    "after-passive": (dict(kernels="tuned", compute_threads=2), {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "after-2t": (dict(kernels="tuned", compute_threads=2), {}),  # OpenMP workers sleep (flashllm's default)
+    "after-2t-spin": (dict(kernels="tuned", compute_threads=2), SPIN),  # ... or spin first (session 3)
     "mlx": (dict(backend="mlx"), {}),
 }
 QUANT_GROUP = 64
@@ -249,7 +251,7 @@ def child(args) -> dict:
     B.parts = None
     mean = lambda key: statistics.fmean(p[key] for p in per_token)  # noqa: E731
     return dict(config=args.config, backend=B.name, dtype=B.dtype_name, load_s=load_s, load=os.getloadavg()[0],
-                threads=_torch_threads(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+                threads=_torch_threads(), omp_wait_policy="spin" if "GOMP_SPINCOUNT" in os.environ else os.environ.get("OMP_WAIT_POLICY"),
                 parts={k: statistics.fmean(p["parts"][k] for p in per_token) for k in per_token[0]["parts"]},
                 bytes={k: statistics.fmean(p["bytes"][k] for p in per_token) for k in per_token[0]["bytes"]},
                 **{k: mean(k) for k in ("compute_ms", "total_ms", "io_ms", "mem_ms", "predictor_ms", "cpu_ms")})
@@ -315,7 +317,7 @@ def report(meta, roof_rows, survey, runs) -> str:
             r0 = rs[0]
             rate = roof.get((r0["backend"], r0["dtype"]))
             who = f"{r0['backend']} {r0['dtype']} {r0['threads'] or '-'}" + \
-                (f" {r0['omp_wait_policy']}" if r0["omp_wait_policy"] else "")
+                (f" {r0['omp_wait_policy']}" if r0["omp_wait_policy"] not in (None, "PASSIVE") else "")
             for part in parts + ["compute (all parts)"]:
                 ms = [r["compute_ms"] if part.startswith("compute") else r["parts"][part] for r in rs]
                 nb = r0["bytes"].get(part) if not part.startswith("compute") else sum(r0["bytes"].values())
@@ -346,7 +348,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictor", default="oracle", help="sparse without --trace (default: %(default)s)")
     p.add_argument("--trace", default=None, help="bench/trace.py trace: its active sets (the 'all' token)")
     p.add_argument("--predictor-rank", type=int, default=128, help="trace predictor's cost stand-in rank")
-    p.add_argument("--configs", nargs="+", default=["before", "after", "after-1t", "after-passive"],
+    p.add_argument("--configs", nargs="+", default=["before", "after", "after-1t", "after-2t"],
                    choices=list(CONFIGS), help="(default: %(default)s)")
     p.add_argument("--rounds", type=int, default=2, help="(default: %(default)s)")
     p.add_argument("--tokens", type=int, default=6, help="measured decode tokens per run (default: %(default)s)")

@@ -90,6 +90,19 @@ def test_compute_threads_requested_or_by_load(tiny_models, monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_openmp_workers_sleep_unless_the_user_chose():
+    """Importing flashllm (before torch) makes OpenMP workers sleep at barriers; a user's setting wins."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, flashllm; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    for extra, want in (({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"), ({"GOMP_SPINCOUNT": "1000"}, "None")):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want, extra
+
+
 def test_compute_roofline_bench_reports_every_part(tiny_models, tmp_path):
     from tiny import bench
 
@@ -100,5 +113,5 @@ def test_compute_roofline_bench_reports_every_part(tiny_models, tmp_path):
     text = out.read_text()
     for part in PartTimer.PARTS + ("python/other", "compute (all parts)"):
         assert f"| after-1t | torch float32 1 | {part} |" in text
-    assert "| before | torch float32 2 | ffn |" in text and "process CPU" in text
+    assert "| before | torch float32 2 spin | ffn |" in text and "process CPU" in text
     assert "| float32, S=256 | " in text and "| float32 | " in text  # the attention and down-projection surveys

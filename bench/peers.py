@@ -275,6 +275,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-trace", default=str(DEFAULT_MOE_TRACE),
                    help="routing trace to replay (bench/moe_trace.py) (default: %(default)s)")
     p.add_argument("--moe-policy", default="lru", help="MoE expert-cache policy (default: %(default)s)")
+    p.add_argument("--cgroup-limit", type=parse_budget, default=None,
+                   help="the memory group's limit itself (a fraction of the --budget-of model files, or bytes: 25%%, "
+                   "2GiB); flashllm's DRAM budget is then the limit less the interpreter baseline and "
+                   "--cgroup-slack, and --dram-budget is not used (default: limit = budget + baseline + slack)")
     p.add_argument("--cgroup-slack", type=int, default=1024, help="MiB in the limit above budget + interpreter "
                    "baseline (default: %(default)s)")
     p.add_argument("--no-cgroup", action="store_true", help="run without a memory limit (the table says so)")
@@ -332,10 +336,19 @@ def _run(args, argv, log) -> dict:
     except FlashLLMError as exc:
         raise SystemExit(f"peers: error: --flashllm: {exc}") from None
     model_bytes = sum(e["size"] for k, e in manifest.data["files"].items() if k in ("resident", "ffn"))
-    budget = budget_bytes(args.dram_budget, Path(args.gguf).stat().st_size if args.budget_of == "gguf" else model_bytes)
+    of_bytes = Path(args.gguf).stat().st_size if args.budget_of == "gguf" else model_bytes
+    budget = budget_bytes(args.dram_budget, of_bytes)
     why_not = "--no-cgroup" if args.no_cgroup else pt.MemoryGroup.available()
     base = pt.baseline_rss()
     limit = None if why_not else (budget + base + args.cgroup_slack * MiB) // 4096 * 4096  # as the kernel stores it
+    if args.cgroup_limit is not None:  # the group's limit is given; flashllm's budget is what it leaves
+        if why_not:
+            raise SystemExit(f"peers: error: --cgroup-limit: no memory group can be made ({why_not})")
+        limit = budget_bytes(args.cgroup_limit, of_bytes) // 4096 * 4096
+        budget = limit - base - args.cgroup_slack * MiB
+        if budget <= 0:
+            raise SystemExit(f"peers: error: --cgroup-limit {limit / GB:.2f} GB leaves no DRAM budget after the "
+                             f"interpreter baseline {base / GB:.2f} GB and --cgroup-slack {args.cgroup_slack} MiB")
     files = model_files(args)
     drop = [f for fs in files.values() for f in fs]
     report = {"name": args.name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -344,7 +357,8 @@ def _run(args, argv, log) -> dict:
               "model_bytes": {k: sum(f.stat().st_size for f in fs) for k, fs in files.items()},
               "dram_budget": budget, "budget_of": args.budget_of, "quantize_resident": args.quantize_resident,
               "top_k": manifest.spec.top_k if manifest.spec.is_moe else None,
-              "memory_limit": limit, "baseline_rss": base, "cgroup_slack_mib": args.cgroup_slack,
+              "memory_limit": limit, "limit_given": args.cgroup_limit is not None, "baseline_rss": base,
+              "cgroup_slack_mib": args.cgroup_slack,
               "no_limit_because": why_not, "trace": args.trace, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
               "tokens": args.tokens, "warmup": args.warmup, "runs": []}
     log(f"memory limit: {limit / GB:.2f} GB" if limit else f"no memory limit: {why_not}")

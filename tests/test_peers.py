@@ -150,6 +150,23 @@ def test_moe_model_runs_once_per_routing_with_budget_of_the_gguf(tmp_path):
     assert "computes only the top-2 experts" in md and "llama-bench 1 warm-up + 2 timed; random token ids" in md
 
 
+def test_cgroup_limit_is_the_groups_limit_and_the_budget_is_what_it_leaves(tmp_path):
+    _group_or_skip()
+    mm = bench("make_model")
+    model = mm.write_model(mm.spec_for("tiny-moe"), tmp_path / "m", progress=False, shape_name="tiny-moe")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\0" * 4096)
+    args = ["--flashllm", str(model), "--gguf", str(gguf), "--budget-of", "gguf", "--peers", "flashllm", "--quiet"]
+    with pytest.raises(SystemExit, match="peers: error: --cgroup-limit 0.00 GB leaves no DRAM budget"):
+        bench("peers").main(args + ["--cgroup-limit", "0.5"])
+    report = bench("peers").main(args + ["--cgroup-limit", "1GiB", "--cgroup-slack", "64", "--moe-routing", "model",
+                                         "--tokens", "1", "--warmup", "0", "--markdown", str(tmp_path / "p.md")])
+    assert report["memory_limit"] == 1 << 30 and report["runs"][0]["cgroup_limit"] == 1 << 30
+    assert report["dram_budget"] == (1 << 30) - report["baseline_rss"] - (64 << 20)
+    assert report["runs"][0]["outcome"] == "ran" and report["runs"][0]["dram_bytes"] <= report["dram_budget"]
+    assert "flashllm's DRAM budget" in (tmp_path / "p.md").read_text() and "= the limit less" in (tmp_path / "p.md").read_text()
+
+
 def test_bad_moe_routing_and_budget_of_without_gguf_are_one_line_errors(tmp_path):
     with pytest.raises(SystemExit, match="peers: error: --moe-routing oracle"):
         bench("peers").main(["--flashllm", str(tmp_path), "--moe-routing", "oracle"])

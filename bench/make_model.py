@@ -20,6 +20,7 @@ them. No tokenizer is written: drive these models with token ids.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -387,6 +388,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="hard-link DIR's resident file (a model of the same shape, dtype and seed, e.g. the float16 "
                    "one beside a --quantize one) instead of writing it again")
     p.add_argument("--activation", default=None, help="override the shape's activation (e.g. silu)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="cut the shape to its first N layers (same per-layer shape and weights; default: all)")
     p.add_argument("--hf", action="store_true", help="also write an HF checkpoint of the same weights")
     p.add_argument("--hf-out", default=None, help="where to write it (default OUT/hf)")
     p.add_argument("--force", action="store_true", help="replace OUT if it is a flashllm model directory or empty")
@@ -397,6 +400,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> Path:
     args = setup_arg_parser().parse_args(argv)
     spec = spec_for(args.shape, args.activation)
+    if args.layers is not None:
+        if not 0 < args.layers <= spec.n_layers:
+            raise SystemExit(f"make_model: error: --layers {args.layers}: expected 1 to {spec.n_layers} "
+                             "(the shape's layers)")
+        spec = dataclasses.replace(spec, n_layers=args.layers)
     t0 = time.perf_counter()
     try:
         out = write_model(spec, Path(args.out), args.dtype, args.seed, not args.no_bundle, args.force,

@@ -208,3 +208,12 @@ def test_paper_measure_records_read_sizes_and_lookahead(tiny_random):
     assert sum(b * c for b, c in sizes.items()) <= out["bytes_read"] + 1e-6
     assert min(sizes) >= fmt.read_manifest(tiny_random[1]).layout.stride  # whole bundles or runs of them
     assert out["prefetch_rows"] > 0 and 0 <= out["lookahead_recall"] <= 1
+
+
+def test_make_model_layers_cuts_the_shape_to_its_first_layers(tmp_path):
+    mm = bench("make_model")
+    out = mm.main(["--shape", "tiny-moe", "--layers", "1", "--out", str(tmp_path / "m"), "--quiet"])
+    spec = fmt.read_manifest(out).spec
+    assert spec.n_layers == 1 and spec.n_experts == mm.spec_for("tiny-moe").n_experts
+    with pytest.raises(SystemExit, match="make_model: error: --layers 3: expected 1 to 2"):
+        mm.main(["--shape", "tiny-moe", "--layers", "3", "--out", str(tmp_path / "n"), "--quiet"])

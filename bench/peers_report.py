@@ -175,15 +175,15 @@ def markdown(report: dict) -> str:
     of = (f" ({report['dram_budget'] / sizes['llama.cpp']:.0%} of the GGUF's {sizes['llama.cpp'] / GB:.2f} GB)"
           if report.get("budget_of") == "gguf" else "")
     base_of = sizes["llama.cpp"] if report.get("budget_of") == "gguf" else sizes.get("flashllm")
-    of_limit = f" ({limit / base_of:.0%} of the {'GGUF' if report.get('budget_of') == 'gguf' else 'model'}'s " \
-               f"{base_of / GB:.2f} GB)" if limit and base_of else ""
+    of_limit = f"{limit / base_of:.0%} of the {'GGUF' if report.get('budget_of') == 'gguf' else 'model'}'s " \
+               f"{base_of / GB:.2f} GB" if limit and base_of else ""
     moe = fl.get("expert_hit_rate") is not None
     lines = [f"## {report['name'] or 'peers'}", "",
              f"- date: {report['date']}", f"- command: `{report['command']}`", f"- machine: {report['machine']}",
              "- versions: " + "; ".join(f"{k} {v}" for k, v in report["versions"].items()),
              f"- model: {report['model']}", f"- model files: {files}"]
     if limit and report.get("limit_given"):
-        lines.append(f"- memory limit: {limit / GB:.2f} GB for every run{of_limit} (cgroup v1 memory.limit_in_bytes, "
+        lines.append(f"- memory limit: {limit / GB:.2f} GB for every run, {of_limit} (cgroup v1 memory.limit_in_bytes, "
                      f"page cache charged; a new group per run, removed after it); flashllm's DRAM budget "
                      f"{report['dram_budget'] / GB:.2f} GB = the limit less the interpreter/torch baseline RSS "
                      f"{report['baseline_rss'] / GB:.2f} GB and {report['cgroup_slack_mib']} MiB slack")

@@ -198,7 +198,7 @@ def markdown(report: dict) -> str:
     lines += [f"- page cache: every model file evicted before each run (posix_fadvise DONTNEED); largest fraction "
               f"still cached at a run's start: {max(cached):.1%}" if cached else "- page cache: no run",
               (f"- tokens: flashllm a {report['warmup'] + 1}-token prompt + {report['tokens']} timed decode tokens "
-               "(experts streamed)" if moe else
+               "(experts streamed" if moe else
                f"- tokens: flashllm {report['warmup']} warm-up + {report['tokens']} timed decode tokens (sparse, "
                f"compute {fl.get('compute_dtype', '?')}") + (f", resident matrices {report['quantize_resident']}"
                                                             if report.get("quantize_resident", "none") != "none" else "")

@@ -95,8 +95,13 @@ def compute_dtype(choice: str, model_dir: Path, backend: str) -> str | None:
     return "bfloat16" if stored == "float16" else stored
 
 
+UNBUNDLED_RUNS = ("hybrid+predictor", "+windowing")  # the rows that read the unbundled copy
+
+
 def ensure_unbundled(args, model_dir: Path, manifest, log) -> tuple[Path | None, bool, str]:
     """(unbundled model dir or None, whether we wrote it (delete after), how it was made)."""
+    if args.only and not any(name in args.only for name in UNBUNDLED_RUNS):
+        return None, False, f"no unbundled copy (--only runs none of {', '.join(UNBUNDLED_RUNS)})"
     if args.unbundled_dir:
         p = Path(args.unbundled_dir)
         if not p.exists():

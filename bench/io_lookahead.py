@@ -1,0 +1,105 @@
+"""Recall of the sparse lookahead per layer, from which residual stream and at which margin.
+
+The read-ahead (`--prefetch` in sparse mode) predicts layer l+1's neurons before layer l+1's FFN
+input exists. This measures, per layer and decode token, the share of the layer's own prediction
+(from its exact FFN input) that a lookahead names, and how many neurons it names per exact one:
+
+- after attention: layer l+1's predictor on the residual stream after layer l's attention, normed
+  as layer l+1 norms its FFN input (what the runtime does; the read overlaps layer l's FFN and
+  layer l+1's attention);
+- layer output: on layer l's output, after its FFN (one sublayer closer, but the read can only
+  overlap layer l+1's attention); sequential (non-parallel) blocks without post-norms only;
+
+each at the predictor's threshold and at a margin of 1 and 2 logits below it (more neurons, more
+recall, more bytes). Low-rank predictors (their scores are logits).
+
+    python bench/io_lookahead.py [MODEL_DIR] --tokens 48 --markdown bench/results/io_lookahead.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+MARGINS = (0.0, 1.0, 2.0)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", nargs="?", help="model directory (default: the embedded model, demo settings)")
+    p.add_argument("--tokens", type=int, default=48, help="decode tokens (default: %(default)s)")
+    p.add_argument("--markdown", help="also write the report here")
+    return p
+
+
+def measure(model_dir, settings: dict, prompt: str, tokens: int) -> dict:
+    """{source: {margin: (recall per layer, predicted per exact neuron per layer)}}; layer 0 has none."""
+    import flashllm
+    from flashllm.predictor import predict_scored
+
+    model = flashllm.load(model_dir, mode="sparse", predictor="lowrank", **settings)
+    spec, B, pred = model.spec, model.backend, model.plan.predictor
+    if spec.parallel_attn or spec.post_norms:
+        raise SystemExit("io_lookahead: sequential blocks without post-norms only")
+    L = spec.n_layers
+    seen: dict[int, dict] = {}
+    model.hooks.add("ffn_input", lambda layer, x: seen.__setitem__(layer, {"attn": model.plan._residual}))
+    model.hooks.add("ffn_output", lambda layer, y: seen[layer].__setitem__(
+        "out", None if seen[layer]["attn"] is None else seen[layer]["attn"] + y))
+    exact: dict[int, np.ndarray] = {}
+    model.hooks.add("predict", lambda layer, mask: exact.__setitem__(layer, mask[-1].copy()))
+    counts = {(src, m): np.zeros((L, 3)) for src in ("attn", "out") for m in MARGINS}
+    steps = model.generate_ids(model.tokenizer.encode(prompt), tokens)
+    next(steps)  # the prompt
+    for _ in steps:
+        for layer in range(1, L):
+            for src in ("attn", "out"):
+                scores = predict_scored(pred, layer, B.norm(f"layers.{layer}.ffn_norm", seen[layer - 1][src]))[1][-1]
+                for m in MARGINS:
+                    guess = scores > -m
+                    counts[src, m][layer] += [(guess & exact[layer]).sum(), exact[layer].sum(), guess.sum()]
+    return {k: (c[:, 0] / np.maximum(c[:, 1], 1), c[:, 2] / np.maximum(c[:, 1], 1)) for k, c in counts.items()}
+
+
+def markdown(res: dict, command: str, tokens: int, model_dir) -> str:
+    L = len(next(iter(res.values()))[0])
+    names = {"attn": "after layer l's attention (runtime)", "out": "layer l's output (after its FFN)"}
+    lines = [f"# Lookahead recall per layer ({datetime.datetime.now().isoformat(timespec='seconds')})", "",
+             f"- command: `{command}`", f"- model: `{model_dir}`, {tokens} greedy decode tokens, low-rank predictors",
+             "- recall: share of layer l+1's predicted neurons (from its exact FFN input) that the lookahead names; "
+             "size: neurons the lookahead names per exact one (what it would read, before the cache)", "",
+             "| source | margin (logits) | " + " | ".join(f"layer {i}" for i in range(1, L)) + " | mean recall | mean size |",
+             "|---|---|" + "---|" * (L + 1)]
+    for (src, m), (rec, size) in res.items():
+        cells = " | ".join(f"{r:.2f} ({s:.2f}x)" for r, s in zip(rec[1:], size[1:]))
+        lines.append(f"| {names[src]} | {m:g} | {cells} | {rec[1:].mean():.2f} | {size[1:].mean():.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    args = setup_arg_parser().parse_args(argv)
+    import torch
+
+    from flashllm import demo
+
+    torch.set_num_threads(1)
+    if args.model_dir:
+        model_dir, settings = Path(args.model_dir), {}
+    else:
+        model_dir, settings = demo.prepare(), dict(demo.SETTINGS, dram_budget=0.5, window=4)
+    res = measure(model_dir, settings, demo.PROMPT, args.tokens)
+    md = markdown(res, " ".join(["python", "bench/io_lookahead.py", *(argv if argv is not None else sys.argv[1:])]),
+                  args.tokens, model_dir)
+    if args.markdown:
+        Path(args.markdown).write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,9 @@ device, not a cache: the scratch file is written with direct I/O (it never enter
 cache), it is large (1 GiB; a virtual disk's host may still cache what the guest just wrote, and a
 small file it keeps whole: the 128 MiB file of earlier versions measured 1.4 GiB/s of 1 MiB reads on a
 0.8 GiB/s disk and so a 674 KiB gap), no piece of it is read twice, and reads go to random offsets
-over all of it. A profile measured without direct I/O derives no gap (``gap_bytes`` 0). Fitting the amortised cost of one
+over all of it. A model file at least that large is read instead (read-only): written earlier, it is
+less likely to be in a host's cache than a scratch file just written (on this machine's virtual disk
+a fresh 1 GiB scratch file still gave 1.2-1.5 GiB/s of 1 MiB reads: bench/results/io_pipeline.md). A profile measured without direct I/O derives no gap (``gap_bytes`` 0). Fitting the amortised cost of one
 read, ``size / throughput(size)``, to ``per_read_s + size / bandwidth`` gives the cost model that
 gap-filling uses: reading through a gap of g bytes costs g / bandwidth, a separate read costs
 per_read_s, so a gap is read through when ``g < per_read_s * bandwidth`` (``gap_bytes``).
@@ -220,8 +222,9 @@ def measure(path, sizes=SIZES, inflight=INFLIGHT, seconds: float = SECONDS,
             scratch_bytes: int = SCRATCH_BYTES, progress=None, open_reader=None) -> DiskProfile:
     """Measure the disk holding ``path`` (a file or directory) with the flash I/O engine.
 
-    Reads go to a scratch file of ``scratch_bytes`` written next to ``path`` and deleted afterwards;
-    where that cannot be written, to ``path`` itself if it is a file (read-only). ``open_reader(file,
+    Reads go to ``path`` itself (read-only) if it is a file of at least ``scratch_bytes``; else to a
+    scratch file of ``scratch_bytes`` written next to it and deleted afterwards, or, where that cannot
+    be written, to ``path`` if it is a file. ``open_reader(file,
     threads, max_chunk_bytes)``: the engine to measure (default: FlashReader)."""
     from .flashio import FlashReader, aligned_empty
 
@@ -231,7 +234,12 @@ def measure(path, sizes=SIZES, inflight=INFLIGHT, seconds: float = SECONDS,
         raise FlashLLMError(f"{target}: no such file or directory (cannot profile its disk)")
     directory = target if target.is_dir() else target.parent
     notes: list[str] = []
-    file, ours = _scratch(directory, scratch_bytes, notes)
+    if target.is_file() and target.stat().st_size >= scratch_bytes:  # e.g. a large model's FFN file
+        file, ours = str(target), False
+        notes.append(f"measured on {target} (read-only; written earlier, it is less likely than a fresh "
+                     f"scratch file to be held by a host's cache)")
+    else:
+        file, ours = _scratch(directory, scratch_bytes, notes)
     if not file:
         if not target.is_file():
             raise FlashLLMError(f"{directory}: not writable, and no file to read there to profile the disk")

@@ -65,6 +65,14 @@ def test_measured_gap_is_the_simulated_disks_break_even(tmp_path, monkeypatch):
     assert len(set(first_cell)) == len(first_cell)
 
 
+def test_a_large_file_is_measured_in_place_without_a_scratch_file(tmp_path):
+    big = tmp_path / "ffn.bin"
+    big.write_bytes(np.random.default_rng(0).bytes(1 << 20))
+    p = disk_profile.measure(big, sizes=(4096,), inflight=(2,), seconds=0.01, scratch_bytes=1 << 20)
+    assert p.scratch_bytes == 0 and any("ffn.bin" in n for n in p.notes)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["ffn.bin"] and big.stat().st_size == 1 << 20
+
+
 def test_no_gap_from_a_profile_measured_without_direct_io():
     p = synthetic(50, 1000)
     assert p.gap_bytes(32) > 0

@@ -3,8 +3,9 @@
 Configurations (each loaded fresh, decoding the same prompt greedily at the same DRAM budget): naive
 with (its default) and without read-ahead; sparse at its defaults (hot neurons pinned, no gap-filling,
 no read-ahead); without pinning; with lookahead read-ahead; with gap-filling (the disk profile's cost
-model); and both modes on the other I/O engine (native AIO from the calling thread vs preadv worker
-threads: the engine choice). Every round runs every configuration once, in a rotated order; the table
+model, measured afresh at the start); and both modes on the other I/O engine (native AIO from the
+calling thread vs preadv worker threads: the engine choice), sparse there also with gap-filling and
+with read-ahead. Every round runs every configuration once, in a rotated order; the table
 shows medians and [min, max] over the rounds, and ratios are taken within each round (the machine is
 shared and noisy). Process CPU time per decode token is reported beside the wall time: on a loaded
 machine a token's wall time is mostly its wait for a core, in proportion to the CPU it needs.

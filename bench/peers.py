@@ -229,6 +229,19 @@ def read_result(run: dict, res: dict) -> dict:
     return {}
 
 
+def read_ahead_kb(path) -> int | None:
+    """The read-ahead of the block device holding `path` (KiB; None if unknown): a page fault on an mmap'd
+    file reads that much around the page, so it sets what llama.cpp's mmap reads (flashllm reads direct)."""
+    dev = os.stat(path).st_dev
+    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for queue in (base / "queue", base / ".." / "queue"):  # a disk, or a partition of one
+        try:
+            return int((queue / "read_ahead_kb").read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def model_files(args) -> dict[str, list[Path]]:
     files = {"flashllm": paper_tables().model_files(args.flashllm)}
     if args.gguf:
@@ -353,7 +366,8 @@ def _run(args, argv, log) -> dict:
     drop = [f for fs in files.values() for f in fs]
     report = {"name": args.name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "command": " ".join(shlex.quote(a) for a in ["python", "bench/peers.py", *(argv or sys.argv[1:])]),
-              "machine": pt.machine(), "versions": versions(args), "model": pt.model_desc(manifest, model_bytes),
+              "machine": pt.machine(), "read_ahead_kb": read_ahead_kb(args.gguf or args.flashllm),
+              "versions": versions(args), "model": pt.model_desc(manifest, model_bytes),
               "model_bytes": {k: sum(f.stat().st_size for f in fs) for k, fs in files.items()},
               "dram_budget": budget, "budget_of": args.budget_of, "quantize_resident": args.quantize_resident,
               "top_k": manifest.spec.top_k if manifest.spec.is_moe else None,

@@ -179,7 +179,9 @@ def markdown(report: dict) -> str:
                f"{base_of / GB:.2f} GB" if limit and base_of else ""
     moe = fl.get("expert_hit_rate") is not None
     lines = [f"## {report['name'] or 'peers'}", "",
-             f"- date: {report['date']}", f"- command: `{report['command']}`", f"- machine: {report['machine']}",
+             f"- date: {report['date']}", f"- command: `{report['command']}`", f"- machine: {report['machine']}" + (
+                 f"; disk read-ahead {report['read_ahead_kb']} KiB (a page fault on llama.cpp's mmap'd file reads "
+                 "about that much around it; flashllm's direct reads do not)" if report.get("read_ahead_kb") else ""),
              "- versions: " + "; ".join(f"{k} {v}" for k, v in report["versions"].items()),
              f"- model: {report['model']}", f"- model files: {files}"]
     if limit and report.get("limit_given"):

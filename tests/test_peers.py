@@ -148,6 +148,8 @@ def test_moe_model_runs_once_per_routing_with_budget_of_the_gguf(tmp_path):
     assert "(50% of the GGUF's" in md and "experts streamed, replayed routing, prefetch), resident int4" in md
     assert "uniform random routing" in md and "| expert cache hit rate | prefetch recall |" in md
     assert "computes only the top-2 experts" in md and "llama-bench 1 warm-up + 2 timed; random token ids" in md
+    ra = bench("peers").read_ahead_kb(gguf)
+    assert report["read_ahead_kb"] == ra and (ra is None or f"disk read-ahead {ra} KiB" in md)
 
 
 def test_cgroup_limit_is_the_groups_limit_and_the_budget_is_what_it_leaves(tmp_path):

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -120,6 +121,32 @@ def run_child(argv: list[str], limit: int | None, drop: list[Path], timeout: flo
     return res
 
 
+# -- the disk's read-ahead --------------------------------------------------------------------
+def read_ahead_file(path) -> Path:
+    """sysfs read_ahead_kb of the block device holding `path`: how much the kernel reads around an mmap
+    page fault (llama.cpp's default load); flashllm's direct reads do not use it."""
+    st = os.stat(path)
+    dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    for queue in (dev / "queue", dev.resolve().parent / "queue"):  # a whole disk, or a partition's disk
+        if (queue / "read_ahead_kb").is_file():
+            return queue / "read_ahead_kb"
+    raise SystemExit(f"peers: error: --read-ahead-kb: no read_ahead_kb for the disk of {path} in {dev}")
+
+
+@contextmanager
+def read_ahead(file: Path | None, kb: int | None):
+    """The disk's read-ahead set to `kb` KiB for the block (None: left as it is), restored afterwards."""
+    if file is None or kb is None:
+        yield
+        return
+    old = file.read_text().strip()
+    file.write_text(str(kb))
+    try:
+        yield
+    finally:
+        file.write_text(old)
+
+
 # -- the peers -------------------------------------------------------------------------------
 def flashllm_argv(args, model_dir: Path, budget: int, tmp: Path, routing: str | None = None) -> tuple[list[str], Path]:
     """The flashllm child: bench/paper_tables.py's measurement (dense-FFN models, sparse mode) or, for a
@@ -171,8 +198,9 @@ def plan(args, budget: int, tmp: Path) -> list[dict]:
     """One round's runs: label, peer, argv (None: skipped, with why) and how to read the result."""
     runs = flashllm_runs(args, budget, tmp)
     bench_bin = Path(args.llama_cpp) / "bin" / "llama-bench"
-    for name in args.llama_config:
-        run = dict(peer="llama.cpp", label=f"llama.cpp ({name})")
+    for name, kb in ((c, kb) for c in args.llama_config for kb in args.read_ahead_kb or [None]):
+        run = dict(peer="llama.cpp", label=f"llama.cpp ({name}" + (f", read-ahead {kb} KiB)" if kb else ")"),
+                   read_ahead_kb=kb)
         if not args.gguf:
             run["skipped"] = "no --gguf model"
         elif not bench_bin.is_file():
@@ -307,6 +335,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="which to run (default: flashllm,llama.cpp,accelerate)")
     p.add_argument("--llama-config", type=lambda s: s.split(","), default=list(LLAMA_CONFIGS),
                    help=f"llama.cpp configurations: {', '.join(LLAMA_CONFIGS)} (default: all)")
+    p.add_argument("--read-ahead-kb", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="run each llama.cpp configuration with the disk's read-ahead at each of these KiB (e.g. "
+                   "128,8192; root; restored after each run): its mmap'd weights are paged in with read-ahead around "
+                   "every fault (default: the disk's setting as it is)")
     p.add_argument("--llama-cpp", default=str(DEFAULT_LLAMA_CPP), help="bench/build_llama_cpp.sh's prefix "
                    "(default: %(default)s, or $LLAMA_CPP_DIR)")
     p.add_argument("--seed", type=int, default=0)
@@ -364,6 +396,7 @@ def _run(args, argv, log) -> dict:
                              f"interpreter baseline {base / GB:.2f} GB and --cgroup-slack {args.cgroup_slack} MiB")
     files = model_files(args)
     drop = [f for fs in files.values() for f in fs]
+    ra_file = read_ahead_file(args.gguf) if args.read_ahead_kb and args.gguf else None
     report = {"name": args.name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "command": " ".join(shlex.quote(a) for a in ["python", "bench/peers.py", *(argv or sys.argv[1:])]),
               "machine": pt.machine(), "read_ahead_kb": read_ahead_kb(args.gguf or args.flashllm),
@@ -374,7 +407,8 @@ def _run(args, argv, log) -> dict:
               "memory_limit": limit, "limit_given": args.cgroup_limit is not None, "baseline_rss": base,
               "cgroup_slack_mib": args.cgroup_slack,
               "no_limit_because": why_not, "trace": args.trace, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
-              "tokens": args.tokens, "warmup": args.warmup, "runs": []}
+              "tokens": args.tokens, "warmup": args.warmup, "runs": [],
+              "disk_read_ahead_kb": int(ra_file.read_text()) if ra_file else None}
     log(f"memory limit: {limit / GB:.2f} GB" if limit else f"no memory limit: {why_not}")
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         for rnd in range(args.rounds):
@@ -387,8 +421,9 @@ def _run(args, argv, log) -> dict:
                     log(f"{run['label']}: skipped: {run['skipped']}")
                 else:
                     log(f"round {rnd + 1}/{args.rounds}: {run['label']}")
-                    res = run_child(run["argv"], limit, drop, args.timeout, f"flashllm-peers-{os.getpid()}-{rnd}-{k}",
-                                    log)
+                    with read_ahead(ra_file, run.get("read_ahead_kb")):
+                        res = run_child(run["argv"], limit, drop, args.timeout,
+                                        f"flashllm-peers-{os.getpid()}-{rnd}-{k}", log)
                     row.update({k2: v for k2, v in res.items() if k2 != "stdout"}, **read_result(run, res))
                 report["runs"].append(row)
     rows = peers_report.summarize(report["runs"])

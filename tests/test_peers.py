@@ -251,3 +251,24 @@ def test_link_resident_reuses_the_same_bytes_and_refuses_another_seed(tmp_path):
     with pytest.raises(SystemExit, match="--link-resident .*seed 3"):
         mm.main(["--shape", "tiny-llama", "--out", str(tmp_path / "d"), "--seed", "3", "--link-resident", str(f16),
                  "--quiet"])
+
+
+def test_llama_cpp_runs_once_per_read_ahead_and_the_setting_is_restored(tmp_path):
+    peers = bench("peers")
+    model = bench("make_model").main(["--shape", "tiny", "--out", str(tmp_path / "m"), "--quiet"])
+    args = peers.setup_arg_parser().parse_args(["--flashllm", str(model), "--gguf", str(tmp_path / "m.gguf"),
+                                                "--llama-config", "default,no-mmap", "--read-ahead-kb", "128,8192",
+                                                "--peers", "llama.cpp", "--llama-cpp", str(tmp_path / "none")])
+    runs = peers.plan(args, 1 << 20, tmp_path)
+    assert [(r["label"], r["read_ahead_kb"]) for r in runs] == [
+        ("llama.cpp (default, read-ahead 128 KiB)", 128), ("llama.cpp (default, read-ahead 8192 KiB)", 8192),
+        ("llama.cpp (no-mmap, read-ahead 128 KiB)", 128), ("llama.cpp (no-mmap, read-ahead 8192 KiB)", 8192)]
+    knob = tmp_path / "read_ahead_kb"  # stands in for sysfs
+    knob.write_text("8192\n")
+    with pytest.raises(RuntimeError):
+        with peers.read_ahead(knob, 128):
+            assert knob.read_text() == "128"
+            raise RuntimeError("the run failed")
+    assert knob.read_text() == "8192"  # restored whatever happened
+    with peers.read_ahead(knob, None):  # no setting asked: untouched
+        assert knob.read_text() == "8192"

@@ -153,7 +153,7 @@ class KVCache:
     16-bit caches are head-major, K as [layers, kv heads, context, head dim] and V transposed as
     [layers, kv heads, head dim, context]: a decode token's scores (q . keys) and output (values . weights)
     are then batched matrix-vector products over contiguous rows of each head, written in place
-    (bench/results/compute_roofline.md: 7-14x faster than SDPA over a sequence-major cache at 0.5-2k keys).
+    (bench/results/compute_roofline.md: 12-25x faster than torch's CPU SDPA at 256 float16 keys, 1.4-12x at 2048).
     """
 
     def __init__(self, spec, context: int, dtype: torch.dtype, device, bits: int = 16):

@@ -14,7 +14,7 @@ reference for the I/O saving.
 
     python bench/stdlib_corpus.py --split train --out /tmp/calib.txt --max-bytes 1200000 --max-file-bytes 2000
     python bench/stdlib_corpus.py --split heldout --out /tmp/heldout.txt --max-bytes 200000
-    nice -n 10 python bench/silu_sparsity.py flashllm/data/tiny-llama --calib /tmp/calib.txt \\
+    nice -n 19 python bench/silu_sparsity.py flashllm/data/tiny-swiglu --calib /tmp/calib.txt \\
         --heldout /tmp/heldout.txt --dram-budget none,0.5 --out bench/results/silu_sparsity
 """
 
@@ -80,9 +80,10 @@ def budget_name(b) -> str:
 
 
 def table(rows, budgets) -> str:
-    out = ["| DRAM budget | target sparsity | skipped per layer | FFN error | predictor | ppl dense → sparse | top-1 | "
+    out = ["| DRAM budget | target sparsity | skipped per layer | FFN error | predictor | ppl dense → sparse | top-1 greedy | "
+           "top-1 held-out | "
            "flash KiB / token | naive / sparse bytes | dropped / token | cache rows per layer | DRAM MiB |",
-           "|" + "---|" * 12]
+           "|" + "---|" * 13]
     for b in budgets:
         for r in rows:
             for pt in r["points"]:
@@ -92,12 +93,12 @@ def table(rows, budgets) -> str:
                        f"{min(r['layer_sparsity']):.2f}–{max(r['layer_sparsity']):.2f} | " \
                        f"{sum(r['layer_ffn_error']) / len(r['layer_ffn_error']):.3f} | {pt.get('predictor', '')} | "
                 if "refused" in pt:
-                    out.append(head + f"refused: {pt['refused']} |" + " |" * 6)
+                    out.append(head + f"refused: {pt['refused']} |" + " |" * 7)
                     continue
                 ratio = r["naive_bytes_per_token"] / pt["bytes_per_token"] if pt["bytes_per_token"] else float("inf")
                 caps = pt["cache_capacity"]
                 out.append(head + f"{pt['ppl_dense']:.2f} → {pt['ppl_sparse']:.2f} ({pt['ppl_ratio'] - 1:+.1%}) | "
-                           f"{pt['top1_agreement']:.3f} | {pt['bytes_per_token'] / 1024:.1f} | {ratio:.2f}x | "
+                           f"{pt['top1_agreement']:.3f} | {pt['top1_agreement_heldout']:.3f} | {pt['bytes_per_token'] / 1024:.1f} | {ratio:.2f}x | "
                            f"{pt['neurons_dropped_per_token']:.0f} | {min(caps)}–{max(caps)} | "
                            f"{pt['dram_bytes'] / 2**20:.2f} |")
     return "\n".join(out)

@@ -332,7 +332,7 @@ def cmd_demo(args) -> None:
         result = demo.run_moe(max_new_tokens=args.max_new_tokens)
         print(json.dumps(result) if args.json else demo.report_moe(result))
         return
-    result = demo.run(max_new_tokens=args.max_new_tokens)
+    result = demo.run(max_new_tokens=args.max_new_tokens, swiglu=args.swiglu)
     print(json.dumps(result) if args.json else demo.report(result))
 
 
@@ -397,8 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: %(default)s)")
     d.add_argument("--json", action="store_true", help="print one JSON object: model_dir, text, stats "
                    "(default: off)")
-    d.add_argument("--moe", action="store_true", help="the embedded mixture-of-experts model instead (4 layers, "
+    which = d.add_mutually_exclusive_group()
+    which.add_argument("--moe", action="store_true", help="the embedded mixture-of-experts model instead (4 layers, "
                    "16 experts, top-2): experts streamed at 50%% of its size, compared with dense (default: off)")
+    which.add_argument("--swiglu", action="store_true", help="the embedded SwiGLU (Llama-style) model instead, "
+                   "sparse through its shipped thresholds (--sparsity 0.4), at 50%% of its size (default: off)")
     d.set_defaults(func=cmd_demo)
 
     pr = sub.add_parser("predictors", help="train and evaluate the low-rank activation predictors",

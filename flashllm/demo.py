@@ -10,12 +10,16 @@ from pathlib import Path
 
 from . import format as fmt
 from .errors import FlashLLMError
-from .predictor import PREDICTOR_FILE, PREDICTOR_META
+from .predictor import PREDICTOR_META
 
 DATA = Path(__file__).parent / "data"
 EMBEDDED = DATA / "tiny-opt"
 EMBEDDED_PREDICTORS = DATA / "tiny-opt-predictors"
 EMBEDDED_MOE = DATA / "tiny-moe"
+# The embedded SwiGLU model and what `flashllm predictors train --sparsity 0.4` wrote for it: calibrated
+# thresholds (sparsity.json) and low-rank predictors. It is sparse only through those thresholds.
+EMBEDDED_SWIGLU = DATA / "tiny-swiglu"
+EMBEDDED_SWIGLU_SPARSITY = DATA / "tiny-swiglu-sparsity"
 PROMPT = "def read_config(path):\n    \"\"\"Read a configuration file and return"
 
 
@@ -23,22 +27,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FLASHLLM_CACHE", Path.home() / ".cache" / "flashllm"))
 
 
-def prepare(out: Path | None = None) -> Path:
-    """The converted embedded model with its shipped predictors (converted once, then reused)."""
+def prepare(out: Path | None = None, embedded: Path = EMBEDDED, extras: Path = EMBEDDED_PREDICTORS) -> Path:
+    """The converted embedded model with its shipped predictors (and thresholds, if any: every file of
+    `extras`), converted once, then reused."""
     from .converters import convert
 
-    out = out or cache_dir() / "tiny-opt"
-    if not (EMBEDDED / "config.json").is_file():
-        raise FlashLLMError(f"{EMBEDDED}: the embedded model is missing from this installation")
+    out = out or cache_dir() / embedded.name
+    if not (embedded / "config.json").is_file():
+        raise FlashLLMError(f"{embedded}: the embedded model is missing from this installation")
     try:
         fmt.read_manifest(out)
         ready = (out / PREDICTOR_META).is_file()
     except FlashLLMError:
         ready = False
     if not ready:
-        convert(EMBEDDED, out, dtype="float32", force=True)
-        for name in (PREDICTOR_FILE, PREDICTOR_META):
-            shutil.copyfile(EMBEDDED_PREDICTORS / name, out / name)
+        convert(embedded, out, dtype="float32", force=True)
+        names = sorted(f.name for f in extras.iterdir() if f.name != PREDICTOR_META) + [PREDICTOR_META]
+        for name in names:  # the file that marks the directory ready comes last
+            shutil.copyfile(extras / name, out / name)
     return out
 
 
@@ -47,12 +53,17 @@ def prepare(out: Path | None = None) -> Path:
 SETTINGS = dict(dtype="bfloat16", context=256)
 
 
-def run(prompt: str = PROMPT, max_new_tokens: int = 48, naive_tokens: int = 16, budget: float = 0.5) -> dict:
-    """Sparse generation at `budget` of the model size, and a short naive run to compare with."""
+def run(prompt: str = PROMPT, max_new_tokens: int = 48, naive_tokens: int = 16, budget: float = 0.5,
+        swiglu: bool = False) -> dict:
+    """Sparse generation at `budget` of the model size, and a short naive run to compare with. The SwiGLU
+    model is sparse through its shipped thresholds; `auto` picks its resident gate rows as the predictor."""
     from . import load
 
-    model_dir = prepare()
-    sparse = load(model_dir, mode="sparse", predictor="lowrank", dram_budget=budget, window=4, **SETTINGS)
+    if swiglu:
+        model_dir, predictor = prepare(embedded=EMBEDDED_SWIGLU, extras=EMBEDDED_SWIGLU_SPARSITY), "auto"
+    else:
+        model_dir, predictor = prepare(), "lowrank"
+    sparse = load(model_dir, mode="sparse", predictor=predictor, dram_budget=budget, window=4, **SETTINGS)
     ids = sparse.tokenizer.encode(prompt)
     new = list(sparse.generate_ids(ids, max_new_tokens))
     text = sparse.tokenizer.decode(new)
@@ -72,7 +83,8 @@ def report(result: dict) -> str:
             ("latency / token (ms)", s["total_ms"], n["total_ms"]),
             ("DRAM held (MiB)", s["dram_bytes"] / 2**20, n["dram_bytes"] / 2**20)]
     lines = _page(f"model: {result['model_dir']} ({s['model_bytes'] / 2**20:.1f} MiB on flash as float32, "
-                  f"computed in bfloat16; DRAM budget 50% = {s['dram_budget'] / 2**20:.1f} MiB, window 4)",
+                  f"computed in bfloat16; DRAM budget {s['dram_budget'] / s['model_bytes']:.0%} = "
+                  f"{s['dram_budget'] / 2**20:.1f} MiB, window 4)",
                   result, ("sparse", "naive"), rows)
     lines.append(f"sparse vs naive: flash bytes {compare(s['bytes_read'], n['bytes_read'], 'fewer', 'more')}; "
                  f"latency {compare(s['total_ms'], n['total_ms'], 'faster', 'slower')}")

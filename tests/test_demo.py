@@ -43,3 +43,15 @@ def test_demo_moe_json(tmp_path, monkeypatch, capsys):
     assert out["same_as_dense"] and sparse["predictor"] == "router" and dense["mode"] == "dense"
     assert sparse["dram_bytes"] <= sparse["dram_budget"] <= 0.5 * sparse["model_bytes"] < dense["dram_bytes"]
     assert max(sparse["cache_capacity"]) < 16 and sparse["bytes_read"] > 0 and dense["bytes_read"] == 0
+
+
+def test_demo_swiglu_json(tmp_path, monkeypatch, capsys):
+    """The embedded SwiGLU model runs sparse through its shipped thresholds, with the gate rows resident."""
+    monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path))
+    assert main(["demo", "--swiglu", "--json", "--max-new-tokens", "6"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model_dir"] == str(tmp_path / "tiny-swiglu") and out["text"]
+    sparse, naive = out["stats"]["sparse"], out["stats"]["naive"]
+    assert sparse["predictor"] == "gate" and sparse["activation_sparsity"] and naive["mode"] == "naive"
+    assert sparse["dram_bytes"] <= sparse["dram_budget"] <= 0.5 * sparse["model_bytes"]
+    assert 0 < sparse["bytes_read"] < naive["bytes_read"]

@@ -110,13 +110,17 @@ def check(model_dir: Path, budget, machine, disk, ids, prefill: int, rounds: int
             "rounds_total_ms": spread, "error": meas["total_ms"] / pred["total_ms"] - 1,
             "plan_over_hand": meas["total_ms"] / med["hand"]["total_ms"], "alternatives": plan.alternatives,
             "hand_predicted": hand_pred,
-            "hand_error": None if hand_pred is None else med["hand"]["total_ms"] / hand_pred["total_ms"] - 1}
+            "hand_error": None if hand_pred is None else med["hand"]["total_ms"] / hand_pred["total_ms"] - 1,
+            # the plan's latency relative to the hand defaults measured in the same rounds, against the predicted
+            # ratio: the machine's load drifting between the calibration and the check cancels out
+            "ratio_error": None if hand_pred is None else
+            (meas["total_ms"] / med["hand"]["total_ms"]) / (pred["total_ms"] / hand_pred["total_ms"]) - 1}
 
 
 def table(results: list[dict], header: str) -> str:
     lines = [header, "", f"{'model':<10}{'budget':>8}  {'plan':<30}{'model ms':>9}{'error':>8}{'pred ms':>9}"
              f"{'meas ms':>9}{'noise':>7}{'error':>8}"
-             f"{'hand ms':>9}{'(pred)':>8}{'plan/hand':>10}{'dropped p/h':>13}{'KiB/tok p/m':>15}{'reads p/m':>13}"
+             f"{'hand ms':>9}{'(pred)':>8}{'h.error':>8}{'plan/hand':>10}{'ratio err':>10}{'dropped p/h':>13}{'KiB/tok p/m':>15}{'reads p/m':>13}"
              f"{'load':>11}   predicted / measured parts (compute, predictor, io, mem ms)"]
     for r in results:
         p = r["plan"]
@@ -128,7 +132,10 @@ def table(results: list[dict], header: str) -> str:
         lines.append(f"{r['model']:<10}{str(r['budget']):>8}  {what:<30}{r['model_ms']:>9.1f}{r['model_error']:>+8.0%}"
                      f"{pr['total_ms']:>9.1f}{me['total_ms']:>9.1f}{me['spread']:>7.0%}"
                      f"{r['error']:>+8.0%}{r['hand']['total_ms']:>9.1f}"
-                     f"{(r['hand_predicted'] or {}).get('total_ms', float('nan')):>8.1f}{r['plan_over_hand']:>10.2f}"
+                     f"{(r['hand_predicted'] or {}).get('total_ms', float('nan')):>8.1f}"
+                     f"{r['hand_error'] if r['hand_error'] is not None else float('nan'):>+8.0%}"
+                     f"{r['plan_over_hand']:>10.2f}"
+                     f"{r['ratio_error'] if r['ratio_error'] is not None else float('nan'):>+10.0%}"
                      f"{me['neurons_dropped']:>7.0f}/{r['hand']['neurons_dropped']:<5.0f}"
                      f"{pr.get('bytes_per_token', 0) / 1024:>8.0f}/{me['bytes_read'] / 1024:<6.0f}"
                      f"{pr.get('reads_per_token', 0):>7.0f}/{me['reads']:<5.0f}{'-'.join(map(str, r['load'])):>11}"

@@ -190,12 +190,12 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
     options, notes, reference, defaults, noise, needs = [], [], [], None, 0.0, []
     dtypes = dtypes or [default_compute_dtype(None, manifest.dtype, True, quantized_ffn=manifest.layout.quant is not None)]
 
-    def loaded(plan: Plan, what: str, measure: bool = True):
-        """(the runtime loaded with `plan`'s options, its measured costs or None); (None, None) with a note
-        when it does not fit or cannot run."""
+    def loaded(plan: Plan, what: str):
+        """(the runtime loaded with `plan`'s options, its measured costs or None when not calibrating);
+        (None, None) with a note when it does not fit or cannot run."""
         try:
             model = load(model_dir, **{**plan.load_options(), "context": context})
-            if not (ids and measure):
+            if not ids:
                 return model, None
             log(f"measuring {what} ({calibrate_tokens} decode tokens, again until {calibrate_seconds:g} s)")
             return model, calibration.typical(calibration.token_costs(model, ids, CALIBRATE_PREFILL, CALIBRATE_WARMUP,

@@ -122,15 +122,25 @@ def run_child(argv: list[str], limit: int | None, drop: list[Path], timeout: flo
 
 
 # -- the disk's read-ahead --------------------------------------------------------------------
-def read_ahead_file(path) -> Path:
-    """sysfs read_ahead_kb of the block device holding `path`: how much the kernel reads around an mmap
-    page fault (llama.cpp's default load); flashllm's direct reads do not use it."""
-    st = os.stat(path)
-    dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
-    for queue in (dev / "queue", dev.resolve().parent / "queue"):  # a whole disk, or a partition's disk
+def read_ahead_path(path) -> Path | None:
+    """sysfs read_ahead_kb of the block device holding `path` (None if there is none): a page fault on an
+    mmap'd file reads that much around the page, so it sets what llama.cpp's mmap reads (flashllm reads
+    direct)."""
+    dev = os.stat(path).st_dev
+    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for queue in (base / "queue", base / ".." / "queue"):  # a disk, or a partition of one
         if (queue / "read_ahead_kb").is_file():
             return queue / "read_ahead_kb"
-    raise SystemExit(f"peers: error: --read-ahead-kb: no read_ahead_kb for the disk of {path} in {dev}")
+    return None
+
+
+def read_ahead_kb(path) -> int | None:
+    """The read-ahead of the block device holding `path` (KiB; None if unknown)."""
+    file = read_ahead_path(path)
+    try:
+        return int(file.read_text()) if file else None
+    except (OSError, ValueError):
+        return None
 
 
 @contextmanager
@@ -255,19 +265,6 @@ def read_result(run: dict, res: dict) -> dict:
     except (ValueError, KeyError, OSError) as exc:
         return {"parse_error": f"{type(exc).__name__}: {exc}"}
     return {}
-
-
-def read_ahead_kb(path) -> int | None:
-    """The read-ahead of the block device holding `path` (KiB; None if unknown): a page fault on an mmap'd
-    file reads that much around the page, so it sets what llama.cpp's mmap reads (flashllm reads direct)."""
-    dev = os.stat(path).st_dev
-    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    for queue in (base / "queue", base / ".." / "queue"):  # a disk, or a partition of one
-        try:
-            return int((queue / "read_ahead_kb").read_text())
-        except (OSError, ValueError):
-            continue
-    return None
 
 
 def model_files(args) -> dict[str, list[Path]]:
@@ -396,7 +393,9 @@ def _run(args, argv, log) -> dict:
                              f"interpreter baseline {base / GB:.2f} GB and --cgroup-slack {args.cgroup_slack} MiB")
     files = model_files(args)
     drop = [f for fs in files.values() for f in fs]
-    ra_file = read_ahead_file(args.gguf) if args.read_ahead_kb and args.gguf else None
+    ra_file = read_ahead_path(args.gguf) if args.read_ahead_kb and args.gguf else None
+    if args.read_ahead_kb and args.gguf and ra_file is None:
+        raise SystemExit(f"peers: error: --read-ahead-kb: no read_ahead_kb in sysfs for the disk of {args.gguf}")
     report = {"name": args.name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "command": " ".join(shlex.quote(a) for a in ["python", "bench/peers.py", *(argv or sys.argv[1:])]),
               "machine": pt.machine(), "read_ahead_kb": read_ahead_kb(args.gguf or args.flashllm),
@@ -408,7 +407,7 @@ def _run(args, argv, log) -> dict:
               "cgroup_slack_mib": args.cgroup_slack,
               "no_limit_because": why_not, "trace": args.trace, "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
               "tokens": args.tokens, "warmup": args.warmup, "runs": [],
-              "disk_read_ahead_kb": int(ra_file.read_text()) if ra_file else None}
+              "read_ahead_runs_kb": args.read_ahead_kb if ra_file else None}
     log(f"memory limit: {limit / GB:.2f} GB" if limit else f"no memory limit: {why_not}")
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         for rnd in range(args.rounds):

@@ -197,10 +197,9 @@ def markdown(report: dict) -> str:
     else:
         lines.append(f"- memory limit: none ({report['no_limit_because']})")
     cached = [r.get("page_cache_at_start") for r in report["runs"] if r.get("page_cache_at_start") is not None]
-    if report.get("disk_read_ahead_kb"):
-        lines.append(f"- disk read-ahead: {report['disk_read_ahead_kb']} KiB, this machine's setting, for every run but "
-                     "those whose label names another (set for that run only, then restored); llama.cpp's mmap'd "
-                     "weights are paged in with it around every fault, flashllm's direct reads do not use it")
+    if report.get("read_ahead_runs_kb"):
+        lines.append(f"- llama.cpp runs once per disk read-ahead, {' and '.join(map(str, report['read_ahead_runs_kb']))} "
+                     "KiB as their labels say (set for that run only, then restored); the other runs at the machine's")
     lines += [f"- page cache: every model file evicted before each run (posix_fadvise DONTNEED); largest fraction "
               f"still cached at a run's start: {max(cached):.1%}" if cached else "- page cache: no run",
               (f"- tokens: flashllm a {report['warmup'] + 1}-token prompt + {report['tokens']} timed decode tokens "

@@ -1,6 +1,6 @@
 """Batch mode's throughput: the same prompts decoded one at a time and in batches, at one DRAM budget.
 
-For each mode and batch size B, the P prompts are decoded B at a time (`Model.generate_batch`; B = 1 is
+For each mode and batch size B, the P prompts are decoded B at a time (`Model.generate_batch_ids`; B = 1 is
 one-at-a-time) by a model loaded with `batch_size=B` at the same budget (its B KV caches count against
 it), in interleaved rounds. Reported per configuration: decode tokens/s (decode time only) and end to
 end (prompts included), flash bytes and reads per generated token, neurons dropped per token, and how
@@ -51,7 +51,7 @@ def run_batches(model, prompts, batch: int, tokens: int) -> dict:
     """Decode `prompts` `batch` at a time; totals of decode time, prompt time, tokens, bytes and reads."""
     out = {"tokens": 0, "decode_ms": 0.0, "prompt_ms": 0.0, "bytes": 0.0, "reads": 0.0, "dropped": 0.0, "ids": []}
     for k in range(0, len(prompts), batch):
-        model.generate_batch(prompts[k:k + batch], max_new_tokens=tokens)
+        model.generate_batch_ids(prompts[k:k + batch], max_new_tokens=tokens)  # ids: a made model has no tokenizer
         s, n = model.stats, model.stats["decode_tokens"]
         out["tokens"] += n
         out["decode_ms"] += s["total_ms"] * n

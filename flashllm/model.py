@@ -263,29 +263,41 @@ class Model:
         """The generated text (see `stream`); `last_stop_reason` says why it ended."""
         return "".join(self.stream(prompt, max_new_tokens, temperature, top_p, seed, stop))
 
+    def generate_batch_ids(self, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0,
+                           top_p: float = 1.0, seed: int | None = 0, stop_when=None) -> list[list[int]]:
+        """The new token ids for several token-id prompts decoded together (no tokenizer needed); see
+        `generate_batch`. `stop_when(i, token)`, if given, returns True to end sequence i there."""
+        if not 1 <= len(prompts) <= len(self.backend.kvs):
+            raise FlashLLMError(f"{len(prompts)} prompts, but the model was loaded for batches of up to "
+                                f"{len(self.backend.kvs)} (load with batch_size={max(len(prompts), 1)})")
+        ids = [[int(t) for t in p] for p in prompts]
+        self._costs, self._prompts = [], len(ids)
+        self.last_generations = runs = [Generation() for _ in ids]
+        for i, token in generate_batch(self.forward, ids, self.context, max_new_tokens, temperature, top_p, seed,
+                                       eos_token_ids(self.spec, self.manifest.root), runs):
+            if stop_when is not None and stop_when(i, token):
+                runs[i].stop_reason = "stop"
+        return [run.token_ids for run in runs]
+
     def generate_batch(self, prompts: list[str | list[int]], max_new_tokens: int = 32, temperature: float = 0.0,
                        top_p: float = 1.0, seed: int | None = 0, stop: str | Iterable[str] = ()) -> list[str]:
         """The texts generated for several prompts decoded together (load with batch_size >= their
         number): each step obtains every layer's weights once for all of them (sparse: the union of their
         predicted neurons). Each text is what `generate` gives for its prompt alone (greedy, with an exact
         predictor); `last_generations` holds each one's ids and stop reason, `stats` the whole batch's."""
-        if not 1 <= len(prompts) <= len(self.backend.kvs):
-            raise FlashLLMError(f"{len(prompts)} prompts, but the model was loaded for batches of up to "
-                                f"{len(self.backend.kvs)} (load with batch_size={max(len(prompts), 1)})")
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
         stops = [stop] if isinstance(stop, str) else list(stop)
         streams = [TextStream(self.tokenizer, p, stops) for p in ids]
-        self._costs, self._prompts = [], len(ids)
-        self.last_generations = runs = [Generation() for _ in ids]
-        for i, token in generate_batch(self.forward, ids, self.context, max_new_tokens, temperature, top_p, seed,
-                                       eos_token_ids(self.spec, self.manifest.root), runs):
+
+        def stopped(i: int, token: int) -> bool:
             streams[i].add(token)
-            if streams[i].stopped:
-                runs[i].stop_reason = "stop"
-        for text, run in zip(streams, runs):
+            return streams[i].stopped
+
+        self.generate_batch_ids(ids, max_new_tokens, temperature, top_p, seed, stop_when=stopped)
+        for text, run in zip(streams, self.last_generations):
             text.flush()
             run.text = text.text
-        return [run.text for run in runs]
+        return [run.text for run in self.last_generations]
 
     # -- chat ----------------------------------------------------------------------------------
     @property

@@ -31,6 +31,20 @@ def test_batch_equals_one_at_a_time(tiny, mode):
     assert model.stats["decode_tokens"] == sum(len(t) for t in alone) - len(PROMPTS)  # the first comes from the prompt
 
 
+def test_batch_ids_need_no_tokenizer(tiny, tmp_path):
+    """Token-id prompts decode in a batch on a model directory without tokenizer files (as make_model writes)."""
+    import shutil
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny.model_dir, model_dir)
+    manifest = json.loads((model_dir / "flashllm.json").read_text())
+    for key in [k for k in manifest["files"] if k.startswith("tokenizer")]:
+        (model_dir / manifest["files"].pop(key)["path"]).unlink()
+    (model_dir / "flashllm.json").write_text(json.dumps(manifest))
+    model = flashllm.load(model_dir, batch_size=len(PROMPTS))
+    assert model.generate_batch_ids(PROMPTS, max_new_tokens=NEW) == one_at_a_time(tiny.model_dir)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_batch_step_logits_equal_each_sequence_alone(tiny_models, mode):
     """One batch step over three sequences at different positions gives each one's own logits."""

@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
              f"{args.context}, "
              f"{budgeted['budget_tokens']} tokens decoded one by one; groups of {args.group}.", "",
              "| experts | experts.bin MiB | ppl | ppl vs float32 | greedy agreement | slots per layer at budget | "
-             "expert slots | ppl at budget (first tokens only) | max logit diff, decoded at budget vs dense prefill |", "|---|---|---|---|---|---|---|---|---|"]
+             "expert slots | ppl at budget (first tokens only) | max logit diff, decoded at budget vs dense decoded alike |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         at = f"{r['slots']} | {r['expert_slots']} | {r['budget_ppl']:.2f} | {r['budget_max_logit_diff']:.2e}" \
             if "slots" in r else "(reference, not run at the budget) | | |"

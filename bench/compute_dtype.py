@@ -31,9 +31,8 @@ sys.path.insert(0, str(ROOT))
 import flashllm  # noqa: E402
 from flashllm.budget import BudgetTooSmall  # noqa: E402
 from flashllm.converters import convert  # noqa: E402
-from flashllm.predictors import collect  # noqa: E402
-from predictors.evaluate import _greedy as greedy, _nll as nll  # noqa: E402  (the same measures)
-from quant_quality import score_loaded  # noqa: E402  (bench/: the same scoring at a budget)
+from predictors.evaluate import _nll as nll  # noqa: E402  (the same measure)
+from quant_quality import add_heldout_args, heldout, score_loaded  # noqa: E402  (bench/: the same scoring at a budget)
 
 DTYPES = ("float32", "float16", "bfloat16")
 CONTEXT = 256  # the demo's KV cache length
@@ -59,12 +58,7 @@ def measure(model_dir: Path, dtype: str, chunks, prompt, gen, ref_logits, budget
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=ROOT / "flashllm/data/tiny-opt", help="HF checkpoint")
-    ap.add_argument("--data", type=Path, required=True, help="held-out text file")
-    ap.add_argument("--max-tokens", type=int, default=4096, help="held-out tokens scored (default: %(default)s)")
-    ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: %(default)s)")
-    ap.add_argument("--gen-tokens", type=int, default=256, help="greedy tokens compared (default: %(default)s)")
-    ap.add_argument("--prompt-tokens", type=int, default=32, help="(default: %(default)s)")
+    add_heldout_args(ap)
     ap.add_argument("--budget", type=float, default=0.5, help="sparse mode's DRAM budget, a fraction of the "
                     "model in float32, as the demo's (default: %(default)s)")
     ap.add_argument("--budget-tokens", type=int, default=512, help="held-out tokens scored at --budget "
@@ -75,10 +69,7 @@ def main(argv=None) -> str:
     try:
         model_dir = convert(args.model, work / "float16", dtype="float16", progress=False)
         ref = flashllm.load(model_dir, dtype="float32", context=CONTEXT)
-        chunks = collect.chunk_text(ref, collect.read_data(args.data, args.max_tokens), args.seq_len,
-                                    args.max_tokens, str(args.data))
-        prompt = chunks[0][:args.prompt_tokens]
-        gen = greedy(ref, prompt, min(args.gen_tokens, ref.context - len(prompt)))
+        chunks, prompt, gen = heldout(ref, args)
         budget = int(args.budget * 2 * ref.model_bytes)  # the demo's: a fraction of the float32 model
         rows, ref_logits = [], None
         for dtype in DTYPES:

@@ -103,14 +103,27 @@ def train_predictors(model_dir: Path, args) -> None:
         raise SystemExit(f"flashllm {' '.join(argv)} failed")
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_heldout_args(ap: argparse.ArgumentParser) -> None:
+    """The held-out text options every quality bench on the embedded model takes (this one, compute_dtype)."""
     ap.add_argument("--model", type=Path, default=ROOT / "flashllm/data/tiny-opt", help="HF checkpoint")
     ap.add_argument("--data", type=Path, required=True, help="held-out text file")
     ap.add_argument("--max-tokens", type=int, default=4096, help="held-out tokens scored (default: %(default)s)")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: %(default)s)")
     ap.add_argument("--gen-tokens", type=int, default=256, help="greedy tokens compared (default: %(default)s)")
     ap.add_argument("--prompt-tokens", type=int, default=32, help="(default: %(default)s)")
+
+
+def heldout(ref, args) -> tuple[list, list, list]:
+    """The held-out chunks, the greedy prompt and `ref`'s greedy continuation of it, from those options."""
+    chunks = collect.chunk_text(ref, collect.read_data(args.data, args.max_tokens), args.seq_len,
+                                args.max_tokens, str(args.data))
+    prompt = chunks[0][:args.prompt_tokens]
+    return chunks, prompt, greedy(ref, prompt, min(args.gen_tokens, ref.context - len(prompt)))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_heldout_args(ap)
     ap.add_argument("--groups", type=int, nargs="+", default=[64, 32], help="group sizes (default: %(default)s)")
     ap.add_argument("--window", type=int, default=4, help="sparse window (default: %(default)s)")
     ap.add_argument("--budget", type=float, default=None, help="also measure sparse mode (oracle) at this DRAM "
@@ -156,10 +169,7 @@ def main(argv=None):
                 print(f"training predictors on {d.name}", file=sys.stderr, flush=True)
                 train_predictors(d, args)
         ref = flashllm.load(dirs["float32"])
-        chunks = collect.chunk_text(ref, collect.read_data(args.data, args.max_tokens), args.seq_len,
-                                    args.max_tokens, str(args.data))
-        prompt = chunks[0][:args.prompt_tokens]
-        gen = greedy(ref, prompt, min(args.gen_tokens, ref.context - len(prompt)))
+        chunks, prompt, gen = heldout(ref, args)
         results, budgets = {}, {}
         for name, (d, opts) in variants.items():
             print(f"measuring {name}", file=sys.stderr, flush=True)

@@ -20,6 +20,7 @@ from .neuron_cache import NeuronCache, pinned_rows
 from .errors import FlashLLMError
 from .plan_context import PlanContext
 from .predictor import PREDICTOR_FILE, make_predictor, predict_scored
+from .quant_layers import QuantizedLayers
 from .st_io import SafetensorsFile
 
 
@@ -113,14 +114,20 @@ class NaivePlan(StreamingPlan):
     def __init__(self, ctx: PlanContext):
         super().__init__(ctx)
         st = SafetensorsFile(ctx.manifest.path("resident"))
-        self.spans = []
-        for i in range(ctx.spec.n_layers):
-            names = [n for n in st.entries if n.startswith(f"layers.{i}.")]
-            begin = min(st.entries[n]["data_offsets"][0] for n in names)
-            end = max(st.entries[n]["data_offsets"][1] for n in names)
-            self.spans.append((st.data_start + begin, end - begin, names))
+        names = [[n for n in st.entries if n.startswith(f"layers.{i}.")] for i in range(ctx.spec.n_layers)]
+        opts, self.quantized = ctx.options, None
+        if opts.quantize_resident != "none":  # quantized once here, read per token (quant_layers.py)
+            self.quantized = QuantizedLayers(st, names, self.backend, opts.quantize_resident, opts.threads,
+                                             opts.aio_depth)
+            self.spans, self.attn_reader = self.quantized.spans, self.quantized.reader
+        else:
+            self.spans = []
+            for layer in names:
+                begin = min(st.entries[n]["data_offsets"][0] for n in layer)
+                end = max(st.entries[n]["data_offsets"][1] for n in layer)
+                self.spans.append((st.data_start + begin, end - begin, layer))
+            self.attn_reader = FlashReader(st.path, threads=opts.threads, aio_depth=opts.aio_depth)
         self.st = st
-        self.attn_reader = FlashReader(st.path, threads=ctx.options.threads, aio_depth=ctx.options.aio_depth)
         attn_bytes = max(n for _, n, _ in self.spans)
         one_layer = attn_bytes + self.lay.d_ffn * self.lay.stride
         if self.buffers > 1 and ctx.budget is not None and ctx.charged(2 * one_layer, self.backend.nbytes() +
@@ -153,12 +160,14 @@ class NaivePlan(StreamingPlan):
             self._start(layer + 1)
         buf = self.attn_bufs[layer % self.buffers]
         with cost.timed("mem_ms"):
+            if self.quantized is not None:
+                self.quantized.place(layer, buf)
+                return
             base = offset - self.st.data_start
             for name in names:
                 e = self.st.entries[name]
                 b, en = e["data_offsets"]
-                self.backend.put_bytes(name, buf[b - base:en - base], self.st.dtype(name), e["shape"],
-                                       self.ctx.options.quantize_resident)  # as in every mode
+                self.backend.put_bytes(name, buf[b - base:en - base], self.st.dtype(name), e["shape"])
 
     def ffn(self, layer: int, x, cost):
         self._start(layer)

@@ -174,3 +174,27 @@ def test_resident_matrices_are_quantized_as_they_are_read(tmp_path):
         assert r["resident_held"] < r["float_resident"] / 3, r  # the quantized matrices are what stays
         assert r["peak"] < r["float_resident"], r
         assert r["transient"] <= r["largest_tensor"] + 32 * MiB, r
+
+
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_naive_mode_quantizes_resident_layers_once_at_load(tiny_models, monkeypatch, bits):
+    """Naive mode reads every layer per token, but quantizes its resident matrices once, at load (they
+    used to be re-quantized from the stored floats on every token: 65.9 of 68.7 s per token on the 7B
+    shape): no quantization while decoding, fewer bytes read per token than the stored floats, and
+    the same logits as dense mode with the same options."""
+    from flashllm.backends.torch_backend import TorchBackend
+
+    calls = []
+    real = TorchBackend.quantized
+    monkeypatch.setattr(TorchBackend, "quantized", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    d = tiny_models("llama-relu").model_dir
+    model = flashllm.load(d, mode="naive", quantize_resident=bits, dtype="float32")
+    at_load = len(calls)
+    logits = model.logits(IDS, prefill=4)  # a prompt, then 8 decode tokens
+    assert len(calls) == at_load
+    assert at_load >= 4 * model.spec.n_layers  # q, k, v, o of every layer (and embeddings, lm_head)
+    dense = flashllm.load(d, quantize_resident=bits, dtype="float32").logits(IDS, prefill=4)
+    np.testing.assert_allclose(logits, dense, atol=1e-4, rtol=1e-4)
+    plain = flashllm.load(d, mode="naive", dtype="float32")
+    plain.logits(IDS, prefill=4)
+    assert model.stats["bytes_read"] < plain.stats["bytes_read"]

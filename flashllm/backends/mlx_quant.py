@@ -41,6 +41,22 @@ class QuantArray(NamedTuple):
     def dequantize(self) -> mx.array:
         return mx.dequantize(self.packed, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
 
+    def host_pieces(self) -> tuple[dict, list[np.ndarray]]:
+        """(what `from_host_pieces` needs beside the arrays, the arrays in numpy): to keep the matrix on
+        flash (quant_layers.py); 2-byte floats travel as their bits (numpy has no bfloat16)."""
+        def bits(a):
+            return np.array(a.view(mx.uint16) if a.dtype.size == 2 and a.dtype != mx.uint16 else a)
+
+        meta = {"group_size": self.group_size, "bits": self.bits, "dtypes": [a.dtype for a in self[:3]]}
+        return meta, [bits(a) for a in self[:3]]
+
+    @classmethod
+    def from_host_pieces(cls, meta: dict, arrays: list[np.ndarray]) -> "QuantArray":
+        """The matrix `host_pieces` gave, from `arrays` (copied into MLX)."""
+        parts = [mx.array(a) for a in arrays]
+        parts = [a if a.dtype == dt else a.view(dt) for a, dt in zip(parts, meta["dtypes"])]
+        return cls(*parts, meta["group_size"], meta["bits"])
+
 
 def mlx_quantizable(layout) -> bool:
     """Whether MLX keeps this layout's bundles quantized (affine = flashllm's asymmetric scheme, a group

@@ -127,6 +127,23 @@ class QuantMatrix:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.row_codes) if t is not None)
 
+    def host_pieces(self) -> tuple[dict, list[np.ndarray]]:
+        """(what `from_host_pieces` needs beside the arrays, the codes and scales as numpy arrays): to
+        keep the matrix on flash (quant_layers.py); bfloat16 scales travel as int16 bits."""
+        meta = {"bits": self.bits, "out_dtype": self.out_dtype, "shape": self.shape, "group": getattr(self, "group", 0)}
+        return meta, [self.codes.numpy(), self.scales.view(torch.int16).numpy()]
+
+    @classmethod
+    def from_host_pieces(cls, meta: dict, arrays: list[np.ndarray]) -> "QuantMatrix":
+        """The matrix `host_pieces` gave, over `arrays` (e.g. views of a read buffer: not copied)."""
+        codes, scales = torch.from_numpy(arrays[0]), torch.from_numpy(arrays[1]).view(KERNEL_DTYPE)
+        if meta["bits"] == 4:
+            return cls.int4_packed(codes, scales, meta["group"], meta["shape"], meta["out_dtype"])
+        m = cls.__new__(cls)
+        m.bits, m.out_dtype, m.shape, m.row_codes, m.codes, m.scales = 8, meta["out_dtype"], meta["shape"], None, \
+            codes, scales
+        return m
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead, xk = x.shape[:-1], x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE)
         if self.bits == 8:

@@ -183,21 +183,23 @@ def model_bytes(spec: ArchSpec, itemsize: int, bundled: bool = True, quantize: s
 
 def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: int = 0, bundled: bool = True,
                 force: bool = False, progress: bool | None = None, shape_name: str = "",
-                quantize: str = "none", link_resident: Path | None = None) -> Path:
+                quantize: str = "none", link_resident: Path | None = None, expert_layout: str = "portable") -> Path:
     """Write the flashllm model directory `out` (atomically: temp dir + rename); `quantize` int8/int4
     stores the FFN bundles (or an MoE model's experts: codes drawn directly, see quantized_expert_bundles)
     group-wise quantized, as `flashllm convert --quantize` does. `link_resident`: a model directory of
     the same spec, dtype and seed whose resident file (the same bytes: quantization is of the FFN only)
-    is hard-linked instead of written again (a 7B shape's 4.8 GB)."""
+    is hard-linked instead of written again (a 7B shape's 4.8 GB). `expert_layout` as `flashllm convert`'s."""
     from tqdm import tqdm
 
-    from flashllm.converters.moe_families import expert_bundles, write_experts
+    from flashllm.converters.moe_families import expert_bundles, expert_packing, packed_bundles, write_experts
     from flashllm.converters.writer import _replace, check_replaceable, make_temporary, write_ffn, write_manifest
 
     out = Path(out)
     check_replaceable(out, force)
     itemsize = fmt.STORAGE_DTYPES[dtype_name]
     layout = _layout(spec, itemsize, bundled, quantize)
+    if expert_layout != "portable":
+        layout = dataclasses.replace(layout, packing=expert_packing(expert_layout, spec, layout.quant))
     ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
     weights = RandomWeights(spec, dtype_name, seed)
     shapes = fmt.resident_shapes(spec)
@@ -232,6 +234,9 @@ def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: in
 
             if spec.is_moe:
                 def bundles(i):
+                    if layout.packing:
+                        return packed_bundles(layout, weights.quantized_expert_bundles(
+                            dataclasses.replace(layout, packing=None), i))
                     if layout.quant:
                         return weights.quantized_expert_bundles(layout, i)
                     return expert_bundles(layout, weights.expert_rows(i), dtype_name)
@@ -241,7 +246,8 @@ def write_model(spec: ArchSpec, out: Path, dtype_name: str = "float16", seed: in
                 ffn_sha, layer_sha = write_ffn(tmp / ffn_file, layout, weights.ffn_rows, dtype_name, on_layer)
             drop_ffn()
         source = {"path": f"bench/make_model.py --shape {shape_name} --seed {seed}"
-                          + (f" --quantize {quantize}" if quantize != "none" else ""),
+                          + (f" --quantize {quantize}" if quantize != "none" else "")
+                          + (f" --expert-layout {expert_layout}" if expert_layout != "portable" else ""),
                   "model_type": spec.family, "random_weights": True, "seed": seed}
         write_manifest(tmp, spec, dtype_name, layout, ffn_sha, layer_sha, [], source=source, ffn_file=ffn_file)
         drop()  # write_manifest read the resident file back for its checksum
@@ -384,6 +390,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="FFN bundles (MoE shapes: experts) group-wise quantized as `flashllm convert --quantize` "
                    "stores them (asymmetric, groups of 64; default: %(default)s)")
+    p.add_argument("--expert-layout", default="portable", choices=["portable", "torch-cpu"],
+                   help="MoE int4 experts as `flashllm convert --expert-layout` stores them (default: %(default)s)")
     p.add_argument("--link-resident", default=None, metavar="DIR",
                    help="hard-link DIR's resident file (a model of the same shape, dtype and seed, e.g. the float16 "
                    "one beside a --quantize one) instead of writing it again")
@@ -408,7 +416,7 @@ def main(argv=None) -> Path:
     t0 = time.perf_counter()
     try:
         out = write_model(spec, Path(args.out), args.dtype, args.seed, not args.no_bundle, args.force,
-                          False if args.quiet else None, args.shape, args.quantize, args.link_resident)
+                          False if args.quiet else None, args.shape, args.quantize, args.link_resident, args.expert_layout)
     except FlashLLMError as exc:
         raise SystemExit(f"make_model: error: {exc}") from None
     size = sum(e["size"] for e in fmt.read_manifest(out, verify=False).data["files"].values())

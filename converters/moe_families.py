@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from flashllm.errors import FlashLLMError
-from flashllm.expert_format import ExpertLayout
+from flashllm.expert_format import ExpertLayout, packing_block
 from flashllm.spec import ArchSpec
 from flashllm.st_io import storage_bytes
 
@@ -123,7 +123,11 @@ MOE_FAMILIES = [
 def expert_bundles(layout: ExpertLayout, experts, dtype: str):
     """Per expert (part -> [d_ffn, d_model] float values, down transposed) its stored bundle: uint8
     [stride], each part stored as `dtype`, or group-wise quantized (layout.quant) in its
-    `layout.part_shape` (a quantized down projection as W_down), zero padded to the stride."""
+    `layout.part_shape` (a quantized down projection as W_down), zero padded to the stride; packed
+    when `layout.packing` says so."""
+    if layout.packing:
+        yield from packed_bundles(layout, expert_bundles(dataclasses.replace(layout, packing=None), experts, dtype))
+        return
     for parts in experts:
         bundle = np.zeros(layout.stride, dtype=np.uint8)
         for part in layout.parts:
@@ -134,6 +138,39 @@ def expert_bundles(layout: ExpertLayout, experts, dtype: str):
                 storage_bytes(w, dtype)
             bundle[layout.part_range(part)] = raw.reshape(-1)
         yield bundle
+
+
+EXPERT_LAYOUTS = ("portable", "torch-cpu")  # --expert-layout choices
+
+
+def expert_packing(expert_layout: str, spec: ArchSpec, quant) -> str | None:
+    """The packing `--expert-layout` asks for: None (quant.py's rows, which every backend reads as they
+    are) or `torch-cpu`, this torch build's int4 kernel layout on this CPU (torch reads experts straight
+    into its cache slots; other backends and CPUs unpack them on insert)."""
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise FlashLLMError(f"--expert-layout {expert_layout}: expected one of {', '.join(EXPERT_LAYOUTS)}")
+    if expert_layout == "portable":
+        return None
+    from flashllm.backends.torch_quant import INT4_GROUPS, int4_packing
+
+    if not spec.is_moe or quant is None or quant.bits != 4 or quant.group_size not in INT4_GROUPS:
+        raise FlashLLMError(f"--expert-layout torch-cpu: stores the int4 experts of an MoE model, groups of "
+                            f"{', '.join(map(str, INT4_GROUPS))} (use --quantize int4, or --expert-layout portable)")
+    packing = int4_packing()
+    if packing is None:
+        raise FlashLLMError("--expert-layout torch-cpu: this torch build's int4 layout on this CPU is not one "
+                            "flashllm knows; use --expert-layout portable")
+    return packing
+
+
+def packed_bundles(layout: ExpertLayout, bundles):
+    """Bundles stored as rows (e.g. from `expert_bundles` of the same layout without packing) -> bundles
+    packed as `layout.packing` says, the bytes torch's int4 expert slots hold."""
+    rows, block = dataclasses.replace(layout, packing=None), packing_block(layout.packing)
+    for bundle in bundles:
+        out = np.zeros(layout.stride, dtype=np.uint8)
+        rows.pack(bundle, out, block)
+        yield out
 
 
 def write_experts(path: Path, layout: ExpertLayout, bundles_of_layer, on_layer=None) -> tuple[str, list[str]]:

@@ -20,12 +20,13 @@ from flashllm.st_io import storage_bytes, write_safetensors
 
 from .checkpoint import Checkpoint
 from .families import family_for
-from .moe_families import expert_bundles, write_experts
+from .moe_families import expert_bundles, expert_packing, write_experts
 
 
 def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize: str = "none",
             force: bool = False, progress: bool | None = None, bundled: bool = True,
-            group_size: int = DEFAULT_GROUP, quant_scheme: str = DEFAULT_SCHEME) -> Path:
+            group_size: int = DEFAULT_GROUP, quant_scheme: str = DEFAULT_SCHEME,
+            expert_layout: str = "portable") -> Path:
     """Convert the HF checkpoint in `src` into a flashllm model directory at `out`; returns `out`.
 
     `quantize` int8/int4 stores the FFN bundles group-wise quantized (groups of `group_size`
@@ -33,7 +34,9 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
     tensors stay in `dtype`. `force` replaces `out` only if it is a flashllm model directory or
     empty. Everything is written into a temporary directory beside `out` and renamed into place at
     the end; on any error it is removed and `out` is untouched. `bundled=False` stores up rows and
-    down columns in separate regions (the paper's baseline without row-column bundling; for benchmarks)."""
+    down columns in separate regions (the paper's baseline without row-column bundling; for benchmarks).
+    `expert_layout` `torch-cpu` stores an MoE model's int4 experts in torch's CPU int4 kernel layout of
+    this machine (moe_families.expert_packing), so torch reads them into its cache slots with no repack."""
     quant = None if quantize == "none" else QuantScheme.named(quantize, group_size, quant_scheme)
     out = Path(out)
     check_output(Path(src), out, force)
@@ -50,7 +53,8 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
         dtype_name = dtype or stored
         if spec.is_moe and not bundled:
             raise FlashLLMError("bundled=False: an MoE model's experts are always stored as expert bundles")
-        layout = fmt.ExpertLayout.plan(spec, fmt.STORAGE_DTYPES[dtype_name], quant) if spec.is_moe else \
+        packing = expert_packing(expert_layout, spec, quant) if expert_layout != "portable" else None
+        layout = fmt.ExpertLayout.plan(spec, fmt.STORAGE_DTYPES[dtype_name], quant, packing) if spec.is_moe else \
             fmt.FFNLayout.plan(spec, fmt.STORAGE_DTYPES[dtype_name], bundled, quant)
         ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
         shapes = fmt.resident_shapes(spec)

@@ -220,7 +220,7 @@ def cmd_convert(args) -> None:
     from .converters import convert
 
     out = convert(args.src, args.out, dtype=args.dtype, quantize=args.quantize, group_size=args.group_size, force=args.force,
-                  bundled=not args.no_bundle)
+                  bundled=not args.no_bundle, expert_layout=args.expert_layout)
     print(f"wrote {out}")
 
 
@@ -355,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--group-size", type=int, default=64,
                    help="values per quantization group along d_model; must divide d_model, even for int4 "
                    "(default: %(default)s)")
+    c.add_argument("--expert-layout", default="portable", choices=["portable", "torch-cpu"],
+                   help="MoE int4 experts: `portable` rows (every backend), or `torch-cpu`: torch's CPU int4 kernel "
+                   "layout of this machine, read straight into the expert cache with no repack (other backends "
+                   "and CPUs unpack it on insert) (default: %(default)s)")
     c.add_argument("--force", action="store_true", help="replace OUT if it is a flashllm model directory or "
                    "empty; anything else is refused (default: off)")
     c.add_argument("--no-bundle", action="store_true", help="store up rows and down columns in separate "

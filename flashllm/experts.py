@@ -6,7 +6,8 @@ one I/O submission per layer into slots freed by the eviction policy. On the CPU
 dtype the slots are one preallocated buffer per layer that direct I/O fills in place; otherwise
 (quantized experts, MLX, CUDA, another compute dtype) experts pass through a staging buffer and are
 inserted into preallocated per-layer slots: int4 experts repacked into the backend's int4 kernel
-layout where it has one (torch on the CPU), else dequantized or converted to the compute dtype. A
+layout where it has one (torch on the CPU; experts stored in that layout are read straight into
+those slots instead), else dequantized or converted to the compute dtype. A
 layer may have fewer slots than top-k (a token's experts then pass through them in chunks). The
 result is exactly the dense one, whatever the budget (only bytes read change).
 
@@ -223,12 +224,14 @@ class MoEDensePlan(MoEPlan):
         kernel = lay.quant and self.backend.expert_slot_bytes(lay)  # experts stay quantized, as when streamed
         try:
             for layer in range(self.spec.n_layers):
-                buf = self.backend.host_buffer((E, lay.stride))
+                slots = expert_slots(ctx, E) if kernel else None
+                direct = kernel and self.backend.expert_reads_in_place(lay)
+                buf = slots.buffer if direct else self.backend.host_buffer((E, lay.stride))
                 reader.read(layer, np.arange(E), buf, np.arange(E))
                 if kernel:
-                    slots = expert_slots(ctx, E)
-                    for e in range(E):
-                        slots.insert(e, buf[e])
+                    if not direct:
+                        for e in range(E):
+                            slots.insert(e, buf[e])
                     self.experts.append([slots.rows(e) for e in range(E)])
                 else:
                     self.experts.append([expert_views(ctx, buf[e]) for e in range(E)])
@@ -257,17 +260,19 @@ class MoESparsePlan(MoEPlan):
         # prefetch: while layer l computes, read the experts layer l+1's router picks for layer l's input
         self.prefetch = options.expert_prefetch
         self.pending: dict[int, tuple] = {}  # layer -> (predicted experts, experts read, PendingRead)
-        # slots hold experts as stored (reads land in them: CPU in the storage dtype, or quantized experts
-        # without a kernel layout when fewer than top-k dequantized ones would fit per layer, dequantized
-        # at each use), or inserted through a staging buffer holding one token's experts (and, with
-        # prefetch, a second one for the next layer's guesses): repacked for the backend's int4 kernel,
-        # or converted/dequantized to the compute dtype
+        # slots hold experts as stored (reads land in them: CPU in the storage dtype, int4 experts stored in
+        # the backend's kernel layout, or quantized experts without a kernel layout when fewer than top-k
+        # dequantized ones would fit per layer, dequantized at each use), or inserted through a staging
+        # buffer holding one token's experts (and, with prefetch, a second one for the next layer's
+        # guesses): repacked for the backend's int4 kernel, or converted/dequantized to the compute dtype
         self.in_place = B.reads_in_place()
         self.kernel = not self.in_place and lay.quant is not None and bool(B.expert_slot_bytes(lay))
+        self.kernel_in_place = self.kernel and B.expert_reads_in_place(lay)
         converted = B.expert_slot_bytes(lay) if self.kernel else len(lay.parts) * lay.d_ffn * lay.d_model * B.itemsize
         staging_bytes = (2 if self.prefetch else 1) * s.top_k * lay.stride
-        self.as_stored = self.in_place or (lay.quant is not None and not self.kernel and budget is not None and
-                                           budget - ctx.charged(staging_bytes, B.nbytes()) < s.n_layers * s.top_k * converted)
+        self.as_stored = self.in_place or self.kernel_in_place or (
+            lay.quant is not None and not self.kernel and budget is not None and
+            budget - ctx.charged(staging_bytes, B.nbytes()) < s.n_layers * s.top_k * converted)
         self.staging = [] if self.as_stored else \
             [B.host_buffer((s.top_k, lay.stride)) for _ in range(2 if self.prefetch else 1)]
         self.slot_bytes = lay.stride if self.as_stored else converted
@@ -281,19 +286,23 @@ class MoESparsePlan(MoEPlan):
                                     "resident weights, KV cache and 1 expert slot per layer")
         self.capacities = [capacity] * s.n_layers
         self.caches = [ExpertCache(capacity, s.n_experts, window, policy) for _ in range(s.n_layers)]
-        if self.as_stored:
+        if self.kernel:  # preallocated once; inserting an expert writes its slot, or the read lands in it
+            self.slots = [expert_slots(ctx, capacity) for _ in range(s.n_layers)]
+        if self.kernel_in_place:
+            self.raw = [slots.buffer for slots in self.slots]
+        elif self.as_stored:
             self.raw = [B.host_buffer((capacity, lay.stride)) for _ in range(s.n_layers)]
             if self.in_place:  # zero-copy views, made once
                 self.views = [[expert_views(ctx, r[i]) for i in range(capacity)] for r in self.raw]
-        else:  # preallocated once; inserting an expert writes its slot
+        elif not self.kernel:
             self.slots = [expert_slots(ctx, capacity) for _ in range(s.n_layers)]
         self.reader = ctx.ffn_reader(verify=False)
 
     def describe(self) -> dict:
         return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind,
                 "expert_slots": "in place (as stored)" if self.in_place else
-                "quantized as stored (dequantized at each use)" if self.as_stored else
                 self.slots[0].KIND if self.kernel else
+                "quantized as stored (dequantized at each use)" if self.as_stored else
                 "dequantized on insert" if self.lay.quant else "converted on insert"}
 
     def reset(self) -> None:
@@ -307,7 +316,7 @@ class MoESparsePlan(MoEPlan):
         """Part -> [d_ffn, d_model] views of one slot (quantized slots: dequantized now)."""
         if self.in_place:
             return self.views[layer][slot]
-        if self.as_stored:
+        if self.as_stored and not self.kernel_in_place:
             return expert_views(self.ctx, self.raw[layer][slot])
         return self.slots[layer].rows(slot)
 

@@ -257,8 +257,11 @@ def read_manifest(model_dir: str | Path, verify: bool | None = None) -> Manifest
             if key not in files:
                 raise FlashLLMError(f"{mpath}: manifest lists no {key!r} file")
         itemsize = STORAGE_DTYPES[data["dtype"]]
-        layout = ExpertLayout.plan(spec, itemsize, quant) if spec.is_moe else \
-            FFNLayout.plan(spec, itemsize, ffn.get("bundled", True), quant)
+        try:
+            layout = ExpertLayout.plan(spec, itemsize, quant, ffn.get("expert_packing")) if spec.is_moe else \
+                FFNLayout.plan(spec, itemsize, ffn.get("bundled", True), quant)
+        except FlashLLMError as exc:
+            raise FlashLLMError(f"{mpath}: {exc}") from None
         if spec.is_moe and quant and "part_shapes" not in ffn:
             raise FlashLLMError(f"{mpath}: quantized experts in an older layout (down projections grouped "
                                 "along d_model); convert the model again")

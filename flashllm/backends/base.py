@@ -110,9 +110,14 @@ class Backend:
         layout (`expert_slots`), or None (experts are dequantized)."""
         return None
 
+    def expert_reads_in_place(self, layout) -> bool:
+        """Whether stored expert bundles are already in the layout of `expert_slots` (no insert)."""
+        return False
+
     def expert_slots(self, layout, capacity: int):
         """`capacity` preallocated slots in that layout: `insert(slot, raw bundle)`, `rows(slot)` (what
-        `ffn` takes), `nbytes()`."""
+        `ffn` takes), `nbytes()`, `KIND`; with `expert_reads_in_place`, flash reads land in `buffer`
+        (uint8 [capacity, stride]) and need no insert."""
         raise NotImplementedError
 
     def row_store(self, capacity: int, layout, biases: dict):

@@ -13,6 +13,8 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from ..expert_format import bf16_values
+
 KV_GROUP = 64
 
 
@@ -116,6 +118,9 @@ class MLXExpertSlots:
     def insert(self, slot: int, raw: np.ndarray) -> None:
         """One stored expert bundle (uint8, >= bundle_bytes) into `slot`."""
         lay = self.layout
+        if lay.packing:
+            self._insert_packed(slot, raw)
+            return
         for p, arrays in self.parts.items():
             stored = lay.part_raw(raw, p)
             pieces = lay.quant.part_layout(lay.part_shape(p)[1])
@@ -124,6 +129,19 @@ class MLXExpertSlots:
                 arrays[k][slot] = mx.array(np.ascontiguousarray(stored[:, off:off + size]).view(view)
                                            ).astype(arrays[k].dtype)
         mx.eval(self._arrays())  # in place now, while nothing else references the slot arrays
+
+    def _insert_packed(self, slot: int, raw: np.ndarray) -> None:
+        """A bundle stored in torch's int4 layout (ExpertLayout.packed_pieces): codes unpacked to MLX's
+        order, scale as stored (bfloat16), bias = zero - 8 * scale (w = (q - 8) * scale + zero)."""
+        lay, f = self.layout, self.layout.d_ffn
+        for name, parts in (("up_gate", (("up", 0), ("gate", f))), ("down", (("down", 0),))):
+            codes, sz = lay.stored_codes(raw, name), bf16_values(lay.packed(raw, name + "_sz"))
+            scale, bias = sz[..., 0].T, sz[..., 1].T - 8 * sz[..., 0].T
+            for p, start in parts:
+                arrays, rows = self.parts[p], slice(start, start + lay.part_shape(p)[0])
+                for k, values in enumerate((np.ascontiguousarray(codes[rows]).view(np.uint32), scale[rows], bias[rows])):
+                    arrays[k][slot] = mx.array(np.ascontiguousarray(values)).astype(arrays[k].dtype)
+        mx.eval(self._arrays())
 
     def rows(self, slot: int) -> dict:
         """The slot's parts as `MLXBackend.ffn` takes them: gate and up rows, and W_down as `down_t`

@@ -95,8 +95,11 @@ class TorchBackend(Backend):
         ok = self.tuned and self.device.type == "cpu" and Int4ExpertSlots.fits(layout)
         return Int4ExpertSlots.slot_bytes(layout) if ok else None
 
+    def expert_reads_in_place(self, layout) -> bool:
+        return bool(self.expert_slot_bytes(layout)) and Int4ExpertSlots.reads_in_place(layout)
+
     def expert_slots(self, layout, capacity: int) -> Int4ExpertSlots:
-        return Int4ExpertSlots(capacity, layout, self.dtype)
+        return Int4ExpertSlots(capacity, layout, self.dtype, self.host_buffer((capacity, Int4ExpertSlots.slot_bytes(layout))))
 
     def staging(self, stride: int) -> StagingRing:
         """One staging ring shared by every cache of this backend (caches fill one after another)."""

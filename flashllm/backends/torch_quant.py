@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import FlashLLMError
+from ..expert_format import PACKING_BLOCKS, pack_nibbles, packing_name
 
 KERNEL_DTYPE = torch.bfloat16  # activations and scales of the CPU kernels (float32/float16 paths are 3-6x slower)
 INT4_GROUPS = (64, 32, 128, 256)  # group sizes the int4 kernel takes, in order of preference
@@ -216,17 +217,17 @@ _PACK_BLOCK: list = []  # the int4 kernel's block of output rows on this CPU (0:
 
 
 def _pack_block() -> int:
-    """The block of N that torch's CPU int4 layout interleaves ([N / B, K, B / 2] bytes, row n and row
-    n + B/2 of a block in one byte's low and high nibble), found by comparing with torch's own converter
-    on random codes; 0 when no block matches (then the converter packs)."""
+    """The block of N that torch's CPU int4 layout interleaves on this CPU (expert_format.pack_nibbles),
+    found by comparing with torch's own converter on random codes; 0 when no block matches (then the
+    converter packs)."""
     if not _PACK_BLOCK:
         codes = torch.randint(0, 16, (128, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
         want = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         stored = (codes[:, 0::2] | (codes[:, 1::2] << 4)).numpy()
         found = 0
-        for block in (64, 32, 16):
+        for block in PACKING_BLOCKS:
             got = np.zeros((128, 32), dtype=np.uint8)
-            _pack_nibbles(stored, got, block)
+            pack_nibbles(stored, got, block)
             if torch.equal(torch.from_numpy(got), want):
                 found = block
                 break
@@ -234,15 +235,10 @@ def _pack_block() -> int:
     return _PACK_BLOCK[0]
 
 
-def _pack_nibbles(stored: np.ndarray, out: np.ndarray, block: int) -> None:
-    """Codes packed along K as stored (value 2j low nibble, 2j+1 high; uint8 [N, K / 2], rows may be
-    strided) -> `out` (uint8 [N, K / 2]) in the kernel's layout for a block of `block` rows."""
-    N, half = stored.shape
-    b = stored.reshape(N // block, 2, block // 2, half)
-    first, second = b[:, 0], b[:, 1]  # rows n and n + block/2 of each block: [blocks, block/2, K/2]
-    o = out.reshape(N // block, half, 2, block // 2)  # [blocks, K/2, even/odd k, block/2]
-    np.bitwise_or(first & 15, second << 4, out=o[:, :, 0, :].transpose(0, 2, 1))
-    np.bitwise_or(first >> 4, second & 0xF0, out=o[:, :, 1, :].transpose(0, 2, 1))
+def int4_packing() -> str | None:
+    """The name of this torch build's CPU int4 kernel layout on this CPU (expert_format's packing), or None
+    when it is not one flashllm knows."""
+    return packing_name(_pack_block()) if _pack_block() else None
 
 
 def pack_int4(stored: list[np.ndarray], out: torch.Tensor) -> None:
@@ -254,7 +250,7 @@ def pack_int4(stored: list[np.ndarray], out: torch.Tensor) -> None:
     if block and all(len(rows) % block == 0 for rows in stored):
         dst, start = out.numpy(), 0
         for rows in stored:
-            _pack_nibbles(rows, dst[start:start + len(rows)], block)
+            pack_nibbles(rows, dst[start:start + len(rows)], block)
             start += len(rows)
         return
     codes = np.concatenate([np.stack((rows & 15, rows >> 4), 2).reshape(len(rows), -1) for rows in stored])
@@ -263,15 +259,15 @@ def pack_int4(stored: list[np.ndarray], out: torch.Tensor) -> None:
 
 class Int4ExpertSlots:
     """Preallocated expert cache slots that keep int4 experts quantized, in the layout of torch's CPU
-    weight-only int4 kernel: per slot the up and gate rows as one [2 d_ffn, d_model] matrix and the
-    down projection [d_model, d_ffn], each as packed codes plus [groups, rows, 2] bfloat16 (scale,
-    zero). A stored bundle (expert_format.py, groups along each part's input dimension) is repacked
-    once when it is inserted (a nibble permutation; scales to bfloat16, zero = min + 8 * scale);
-    each use is then two kernel calls with bfloat16 activations (`QuantMatrix.linear`), instead of
-    dequantizing 3 * d_ffn * d_model values. The bfloat16 rounding of scales, zeros and activations
-    is a quality cost, measured in bench/results (the "plain" kernels dequantize instead)."""
-
-    KIND = "int4 kernel layout (repacked on insert)"  # what the runtime's stats call these slots
+    weight-only int4 kernel: one page-aligned uint8 buffer [capacity, slot_bytes], each slot an expert
+    bundle packed as `ExpertLayout.packed_pieces` says (up and gate rows as one [2 d_ffn, d_model]
+    matrix, W_down [d_model, d_ffn]; codes plus bfloat16 (scale, zero) [groups, rows, 2]). Experts
+    stored packed for this CPU's layout (`convert --expert-layout torch-cpu`) are read straight into
+    their slots (`reads_in_place`: no insert at all); any other stored bundle is repacked when it is
+    inserted (a nibble permutation; scales to bfloat16, zero = min + 8 * scale). Each use is two kernel
+    calls with bfloat16 activations (`QuantMatrix.linear`), instead of dequantizing 3 * d_ffn * d_model
+    values. The bfloat16 rounding of scales, zeros and activations is a quality cost, measured in
+    bench/results (the "plain" kernels dequantize instead)."""
 
     @staticmethod
     def fits(layout) -> bool:
@@ -279,49 +275,46 @@ class Int4ExpertSlots:
         return q is not None and q.bits == 4 and q.group_size in INT4_GROUPS and layout.d_model % 16 == 0 \
             and layout.d_ffn % 16 == 0  # the kernel's rows come in blocks of 16
 
-    @staticmethod
-    def slot_bytes(layout) -> int:
-        d, f, g = layout.d_model, layout.d_ffn, layout.quant.group_size
-        return 2 * f * d // 2 + d // g * 2 * f * 4 + d * f // 2 + f // g * d * 4
+    @classmethod
+    def slot_bytes(cls, layout) -> int:
+        """A packed bundle; a whole stride where reads land in the slots."""
+        return layout.stride if cls.reads_in_place(layout) else layout.bundle_bytes
 
-    def __init__(self, capacity: int, layout, out_dtype: torch.dtype):
-        self.layout, self.out_dtype = layout, out_dtype
+    @staticmethod
+    def reads_in_place(layout) -> bool:
+        """Whether the stored bundles are packed in this CPU's layout (reads need no insert)."""
+        return layout.packing is not None and layout.packing == int4_packing()
+
+    def __init__(self, capacity: int, layout, out_dtype: torch.dtype, buffer: np.ndarray):
+        self.layout, self.out_dtype, self.buffer = layout, out_dtype, buffer  # uint8 [capacity, slot_bytes]
+        self.block = _pack_block()
+        self.KIND = f"int4 kernel layout ({'read in place' if self.reads_in_place(layout) else 'repacked on insert'})"
         d, f, g = layout.d_model, layout.d_ffn, layout.quant.group_size
-        self.up_gate = torch.zeros((capacity, 2 * f, d // 2), dtype=torch.uint8)
-        self.up_gate_sz = torch.zeros((capacity, d // g, 2 * f, 2), dtype=KERNEL_DTYPE)
-        self.down = torch.zeros((capacity, d, f // 2), dtype=torch.uint8)
-        self.down_sz = torch.zeros((capacity, f // g, d, 2), dtype=KERNEL_DTYPE)
-        self.views = [{"up_gate": QuantMatrix.int4_packed(self.up_gate[i], self.up_gate_sz[i], g, (2 * f, d), out_dtype),
-                       "down_t": QuantMatrix.int4_packed(self.down[i], self.down_sz[i], g, (d, f), out_dtype)}
-                      for i in range(capacity)]
+        self.views = []
+        for row in buffer:
+            piece = {k: self._piece(row, k) for k in layout.packed_pieces()}
+            self.views.append({"up_gate": QuantMatrix.int4_packed(piece["up_gate"], piece["up_gate_sz"], g, (2 * f, d), out_dtype),
+                               "down_t": QuantMatrix.int4_packed(piece["down"], piece["down_sz"], g, (d, f), out_dtype)})
+
+    def _piece(self, row: np.ndarray, name: str) -> torch.Tensor:
+        piece = torch.from_numpy(self.layout.packed(row, name))
+        return piece.view(KERNEL_DTYPE) if name.endswith("_sz") else piece
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.up_gate, self.up_gate_sz, self.down, self.down_sz))
+        return self.buffer.nbytes
 
     def rows(self, slot: int) -> dict:
         """The slot's matrices as the packed FFN rows `TorchBackend.ffn` takes."""
         return self.views[slot]
 
-    def _put(self, raw: np.ndarray, parts: tuple[str, ...], codes: torch.Tensor, sz: torch.Tensor) -> None:
-        """Stored parts (stacked along their rows) into a slot's codes [rows, K / 2] and (scale, zero)
-        [G, rows, 2]."""
-        lay, q = self.layout, self.layout.quant
-        stored = [lay.part_raw(raw, p) for p in parts]
-        pieces = q.part_layout(lay.part_shape(parts[0])[1])
-        (co, cn), (so, sn) = pieces["codes"], pieces["scales"]
-        pack_int4([rows[:, co:co + cn] for rows in stored], codes)
-        start = 0
-        for rows in stored:
-            scale = torch.from_numpy(rows[:, so:so + sn].copy().view(np.float16)).float()
-            if "mins" in pieces:  # w = q * s + m = (q - 8) * s + (m + 8 s)
-                mo, mn = pieces["mins"]
-                zero = torch.from_numpy(rows[:, mo:mo + mn].copy().view(np.float16)).float() + 8 * scale
-            else:  # symmetric codes are stored as q + 8: w = (c - 8) * s
-                zero = torch.zeros_like(scale)
-            sz[:, start:start + len(rows), 0], sz[:, start:start + len(rows), 1] = scale.t(), zero.t()
-            start += len(rows)
-
     def insert(self, slot: int, raw: np.ndarray) -> None:
-        """One stored expert bundle (uint8, >= bundle_bytes) into `slot`."""
-        self._put(raw, ("up", "gate"), self.up_gate[slot], self.up_gate_sz[slot])
-        self._put(raw, ("down",), self.down[slot], self.down_sz[slot])
+        """One stored expert bundle (uint8, >= bundle_bytes) into `slot`, repacked for this CPU."""
+        lay, row = self.layout, self.buffer[slot]
+        if self.block and lay.d_model % self.block == 0 and 2 * lay.d_ffn % self.block == 0:
+            lay.pack(raw, row, self.block)
+            return
+        lay.pack(raw, row, 16)  # the scales and zeros; the codes again through torch's converter (fits: rows % 16 == 0)
+        for name in ("up_gate", "down"):
+            c = lay.stored_codes(raw, name)
+            codes = torch.from_numpy(np.stack((c & 15, c >> 4), 2).reshape(len(c), -1)).to(torch.int32)
+            self._piece(row, name).copy_(torch._convert_weight_to_int4pack_for_cpu(codes, 1))

@@ -5,12 +5,16 @@ in one process, interleaved rounds, median ms:
 - `dequantize at each use`: the slots hold the stored bundle; each use dequantizes it (numpy, as
   `expert_values`) and computes in the compute dtype (the path for quantized slots without a kernel);
 - `int4 kernel, use`: the slot holds torch's int4 kernel layout (the default for int4 on the CPU); a use is two weight-only kernel calls
-  with bfloat16 activations (`Int4ExpertSlots`); `int4 kernel, insert`: the repack of a stored bundle;
+  with bfloat16 activations (`Int4ExpertSlots`); `int4 kernel, insert`: the repack of a bundle stored as
+  rows (`--expert-layout portable`); `insert, other CPU's packing`: a bundle stored packed for another
+  CPU's block (unpacked, packed again); a bundle stored packed for this CPU (`--expert-layout torch-cpu`)
+  has no insert at all: the read lands in the slot;
 - `dequantized slot, use` / `insert`: the slot holds the dequantized expert in the compute dtype.
 Each at 1 and 2 torch threads (on a loaded 2-core machine the second thread can cost more than it gives).
 With --backend mlx (MLX's CPU device, compute float32): `MLX affine slot` (the default for int4/int8
 experts on MLX: codes, scales and mins copied in, `mx.quantized_matmul` at use; `MLXExpertSlots`)
-against a `dequantized slot` (float32, what MLX held before), each per use and per insert.
+against a `dequantized slot` (float32, what MLX held before), each per use and per insert, and the
+insert of a bundle stored packed for torch (unpacked into MLX's format).
 
     python bench/moe_expert_kernels.py --shape qwen3-30b-a3b [--backend mlx] [--rounds 7] [--out FILE.md]
 """
@@ -18,6 +22,7 @@ against a `dequantized slot` (float32, what MLX held before), each per use and p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -29,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 from flashllm.backends.torch_backend import TorchBackend  # noqa: E402
 from flashllm.backends.torch_quant import Int4ExpertSlots  # noqa: E402
-from flashllm.expert_format import ExpertLayout  # noqa: E402
+from flashllm.expert_format import PACKING_BLOCKS, ExpertLayout, packing_name  # noqa: E402
 from flashllm.quant import QuantScheme  # noqa: E402
 
 
@@ -43,6 +48,16 @@ def expert_bundle(layout: ExpertLayout, seed: int) -> np.ndarray:
     return bundle
 
 
+def packed_for_another_cpu(layout: ExpertLayout, bundle: np.ndarray) -> tuple[ExpertLayout, np.ndarray]:
+    """The layout and bytes of `bundle` stored packed for a block other than this CPU's."""
+    from flashllm.backends.torch_quant import _pack_block
+
+    block = next(b for b in PACKING_BLOCKS if b != _pack_block())
+    out = np.zeros(layout.stride, dtype=np.uint8)
+    layout.pack(bundle, out, block)
+    return dataclasses.replace(layout, packing=packing_name(block)), out
+
+
 def measure(shape: str, rounds: int, threads: tuple[int, ...], dtype: str, group: int = 64) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import make_model
@@ -51,8 +66,10 @@ def measure(shape: str, rounds: int, threads: tuple[int, ...], dtype: str, group
     layout = ExpertLayout.plan(spec, 2, QuantScheme.named("int4", group))
     backend = TorchBackend(spec, "cpu", dtype, "float16", context=4, quantized_ffn=True)
     bundle = expert_bundle(layout, 0)
-    kernel = Int4ExpertSlots(1, layout, backend.dtype)
+    kernel = Int4ExpertSlots(1, layout, backend.dtype, backend.host_buffer((1, layout.stride)))
     kernel.insert(0, bundle)
+    other_layout, other = packed_for_another_cpu(layout, bundle)
+    other_slots = Int4ExpertSlots(1, other_layout, backend.dtype, backend.host_buffer((1, layout.stride)))
     values = layout.dequantize(bundle).reshape(len(layout.parts), layout.d_ffn, layout.d_model)
     slot = backend.zeros((1, len(layout.parts), layout.d_ffn, layout.d_model))
     slot[0] = backend.tensor(values)
@@ -70,6 +87,7 @@ def measure(shape: str, rounds: int, threads: tuple[int, ...], dtype: str, group
     cases = {"dequantize at each use": dequantize_use,
              "int4 kernel, use": lambda: backend.ffn(x, kernel.rows(0), None, None, None),
              "int4 kernel, insert": lambda: kernel.insert(0, bundle),
+             "int4 kernel, insert, other CPU's packing": lambda: other_slots.insert(0, other),
              "dequantized slot, use": lambda: backend.ffn(x, rows(slot[0]), None, None, None),
              "dequantized slot, insert": dequantize_insert}
     wall, cpu = ({(n, k): [] for n in threads for k in cases} for _ in range(2))
@@ -99,6 +117,8 @@ def measure_mlx(shape: str, rounds: int, bits: int = 4, group: int = 64) -> list
     bundle = expert_bundle(layout, 0)
     slots = MLXExpertSlots(1, layout, backend.dtype)
     slots.insert(0, bundle)
+    torch_layout, torch_bundle = packed_for_another_cpu(layout, bundle) if bits == 4 else (None, None)
+    packed_slots = MLXExpertSlots(1, torch_layout, backend.dtype) if bits == 4 else None
     shape3 = (len(layout.parts), layout.d_ffn, layout.d_model)
     dense = [mx.zeros(shape3, dtype=backend.dtype)]
     x = mx.random.normal((1, spec.d_model)).astype(backend.dtype)
@@ -112,6 +132,8 @@ def measure_mlx(shape: str, rounds: int, bits: int = 4, group: int = 64) -> list
     dense_insert()
     cases = {f"MLX affine slot (int{bits}), use": lambda: use(slots.rows(0)),
              f"MLX affine slot (int{bits}), insert": lambda: slots.insert(0, bundle),
+             **({"MLX affine slot, insert of a torch-packed bundle": lambda: packed_slots.insert(0, torch_bundle)}
+                if bits == 4 else {}),
              "dequantized slot (float32), use": lambda: use({p: dense[0][k] for k, p in enumerate(layout.parts)}),
              "dequantized slot (float32), insert": dense_insert}
     wall, cpu = ({k: [] for k in cases} for _ in range(2))

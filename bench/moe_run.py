@@ -82,6 +82,7 @@ def run_one(run: dict) -> dict:
     model = flashllm.load(run["model_dir"], mode="sparse", dram_budget=run["budget_bytes"], dtype=run["dtype"],
                           expert_policy=run["policy"], expert_prefetch=run["prefetch"], window=run["window"],
                           threads=run["threads"], context=run["prompt"] + run["tokens"], kernels=run["kernels"],
+                          compute_threads=run["torch_threads"],  # as asked, whatever the load
                           quantize_resident=run.get("quantize_resident", "none"), expert_routing=routing_for(run))
     load_s = time.perf_counter() - t0
     from flashllm.stats import PartTimer

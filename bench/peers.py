@@ -158,11 +158,13 @@ def read_ahead(file: Path | None, kb: int | None):
 
 
 # -- the peers -------------------------------------------------------------------------------
-def flashllm_argv(args, model_dir: Path, budget: int, tmp: Path, routing: str | None = None) -> tuple[list[str], Path]:
+def flashllm_argv(args, model_dir: Path, budget: int, tmp: Path, routing: str | None = None,
+                  torch_threads: int = 1, tag: str = "") -> tuple[list[str], Path]:
     """The flashllm child: bench/paper_tables.py's measurement (dense-FFN models, sparse mode) or, for a
-    mixture-of-experts model, bench/moe_run.py's (experts streamed, `routing`)."""
+    mixture-of-experts model, bench/moe_run.py's (experts streamed, `routing`, `torch_threads`)."""
     pt = paper_tables()
-    spec, result = tmp / f"flashllm-run-{routing or 'ffn'}.json", tmp / f"flashllm-result-{routing or 'ffn'}.json"
+    name = f"{routing or 'ffn'}{tag}"
+    spec, result = tmp / f"flashllm-run-{name}.json", tmp / f"flashllm-result-{name}.json"
     if routing is not None:
         name, prefetch = routing.removesuffix(PREFETCH), routing.endswith(PREFETCH)
         run = dict(label=f"flashllm ({routing})", model_dir=str(model_dir), budget_bytes=budget,
@@ -170,7 +172,7 @@ def flashllm_argv(args, model_dir: Path, budget: int, tmp: Path, routing: str | 
                    prefetch=prefetch, window=args.window, threads=32, seed=args.seed,
                    prompt=1 + args.warmup, tokens=args.tokens,
                    routing=f"replay:{args.moe_trace}" if name == "replay" else name,
-                   torch_threads=args.threads or 1, kernels="tuned",  # moe_run's defaults
+                   torch_threads=torch_threads, kernels="tuned",
                    quantize_resident=args.quantize_resident)
         spec.write_text(json.dumps(run))
         return [sys.executable, str(BENCH / "moe_run.py"), "--run-one", str(spec), "--result", str(result)], result
@@ -193,13 +195,17 @@ def flashllm_runs(args, budget: int, tmp: Path) -> list[dict]:
                                                                  if args.quantize_resident != "none" else ""))
         run["argv"], run["result"] = flashllm_argv(args, model_dir, budget, tmp)
         return [run]
-    runs = []
-    for routing in args.moe_routing:
+    runs, dirs = [], [model_dir] + ([Path(args.flashllm_compare)] if args.flashllm_compare else [])
+    threads = args.flashllm_threads or [args.threads or 1]  # moe_run's default: 1
+    for k, (d, routing, n) in enumerate((d, r, n) for r in args.moe_routing for n in threads for d in dirs):
+        packing = fmt.read_manifest(d, verify=False).layout.packing
+        extra = [f"experts {'packed ' + packing if packing else 'as rows'}"] * bool(args.flashllm_compare) + \
+            [f"{n} thread{'s' * (n > 1)}"] * (len(threads) > 1)
         run = dict(peer="flashllm", moe=True, routing=routing, tokens=args.tokens,
                    label=f"flashllm (experts streamed, {MOE_ROUTINGS[routing.removesuffix(PREFETCH)]} routing"
-                         f"{', prefetch' if routing.endswith(PREFETCH) else ''})" + (f", resident {args.quantize_resident}"
-                                                                   if args.quantize_resident != "none" else ""))
-        run["argv"], run["result"] = flashllm_argv(args, model_dir, budget, tmp, routing)
+                         f"{', prefetch' if routing.endswith(PREFETCH) else ''}{''.join(', ' + e for e in extra)})"
+                         + (f", resident {args.quantize_resident}" if args.quantize_resident != "none" else ""))
+        run["argv"], run["result"] = flashllm_argv(args, d, budget, tmp, routing, n, f"-{k}")
         runs.append(run)
     return runs
 
@@ -292,6 +298,11 @@ def versions(args) -> dict:
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flashllm", required=True, help="flashllm model directory")
+    p.add_argument("--flashllm-compare", default=None, metavar="DIR",
+                   help="MoE: a second flashllm directory of the same model (e.g. its experts in the other "
+                   "--expert-layout), run beside --flashllm with the same budget")
+    p.add_argument("--flashllm-threads", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="MoE: flashllm's torch threads, one run per value, e.g. 1,2 (default: --threads, else 1)")
     p.add_argument("--gguf", default=None, help="the same model as GGUF (bench/gguf_convert.py) for llama.cpp")
     p.add_argument("--hf", default=None, help="the same model as an HF checkpoint, for accelerate")
     p.add_argument("--dram-budget", type=parse_budget, default=0.5,

@@ -22,8 +22,8 @@ from .spec import ArchSpec
 
 EXPERTS_FILE = "experts.bin"
 EXPERT_ALIGN = 4096
-PACKING_PREFIX = "torch_cpu_int4_n"  # + the block of rows torch's CPU int4 layout interleaves (16, 32, 64)
-PACKING_BLOCKS = (64, 32, 16)
+PACKING_PREFIX = "torch_cpu_int4_n"  # + the block of rows torch's CPU int4 layout interleaves
+PACKING_BLOCKS = (64, 32)  # torch's weight_to_int4pack_kernel: 64 with AVX-512, 32 with AVX2
 
 
 def packing_name(block: int) -> str:

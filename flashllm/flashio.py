@@ -93,13 +93,13 @@ class PendingRead:
     """A submitted call: ``wait()`` blocks until all its reads are done, then returns IOStats or raises."""
 
     def __init__(self, path: str, pending: int, requested: int, t0: float, fadvise=None, driver=None,
-                 total: int | None = None, helper=None):
+                 total: int | None = None, helper=None, job=None):
         """`pending`: workers serving the call; `total`: its reads (it is over when all are counted, without
         waiting for workers woken too late to find any left); `helper`: does reads of the call in the
         waiting thread, which is running already (a woken worker may wait long for a core on a loaded
         machine); `driver`: an AioQueue whose `progress` the waiting thread calls (AIO reads)."""
         self.path, self.pending, self._requested, self._t0, self._fadvise = path, pending, requested, t0, fadvise
-        self._driver, self._total, self._helper = driver, total, helper
+        self._driver, self._total, self._helper, self._job = driver, total, helper, job
         self._t1 = t0  # when the last read finished
         self.lock, self.event = threading.Lock(), threading.Event()
         self.bytes_read = self.reads = 0
@@ -135,7 +135,7 @@ class PendingRead:
     def wait(self) -> IOStats:
         """Wait for the reads; raise the first error (a failed call must not be treated as loaded)."""
         while self._driver is not None and not self.event.is_set():
-            self._driver.progress()
+            self._driver.progress(job=self._job)
         if self._helper is not None and not self.event.is_set():
             self._helper()
         self._helper = None
@@ -363,6 +363,11 @@ class FlashReader:
         else:
             order = np.argsort(indices, kind="stable")
             offs, doffs = base_offset + indices[order] * stride, dest_rows[order] * pitch
+        if self._aio is not None and not self.gap_bytes and len(offs) * row_bytes <= self.max_chunk_bytes and \
+                not ((base_offset | stride | row_bytes) % self.alignment or (dest.ctypes.data | pitch) % self.mem_alignment):
+            call = self._aio_rows(offs, doffs, row_bytes, stride == row_bytes == pitch, dest, t0)
+            if call is not None:
+                return call
         span = (dest.shape[0] - 1) * pitch + dest.shape[1] * dest.itemsize
         flat = np.lib.stride_tricks.as_strided(dest.view(np.uint8), shape=(span,), strides=(1,))
         if self.max_chunk_bytes < 2 * row_bytes:  # rows alone (cut into max_chunk pieces)
@@ -437,6 +442,30 @@ class FlashReader:
             finally:
                 self._help_lock.release()
 
+    def _aio_rows(self, offs: np.ndarray, doffs: np.ndarray, row_bytes: int, joinable: bool, dest: np.ndarray,
+                  t0: float) -> PendingRead | None:
+        """The sparse decode's call in few numpy operations (no read plan): aligned rows at sorted file
+        offsets `offs` bound for dest offsets `doffs`, AIO, no gap-filling, at most one max chunk in all;
+        with `joinable` (rows as wide as their stride and dest pitch), rows adjacent in the file and in
+        dest are one read. None when file-adjacent rows go to rows apart (a vectored read: `Reads.plan`)."""
+        n = len(offs)
+        lens = None
+        if joinable and n > 1:
+            start = np.empty(n, dtype=bool)
+            start[0] = True
+            np.not_equal(np.diff(offs), row_bytes, out=start[1:])
+            apart = np.diff(doffs) != row_bytes
+            if (apart > start[1:]).any():
+                return None
+            first = np.flatnonzero(start)
+            if len(first) < n:
+                lens = np.diff(np.append(first, n)) * row_bytes
+                offs, doffs = offs[first], doffs[first]
+        if lens is None:
+            lens = np.full(len(offs), row_bytes, dtype=np.int64)
+        iocbs = make_iocbs(self._fd, doffs.astype(np.uint64) + np.uint64(dest.ctypes.data), offs, lens)
+        return self._aio_call(iocbs, offs, lens, n * row_bytes, t0, dest)
+
     def _submit_aio(self, flat: np.ndarray, reads: "Reads", requested: int, t0: float) -> PendingRead:
         """Submit the reads to the AIO queue from this thread; the returned handle reaps them when waited on."""
         base = flat.ctypes.data
@@ -448,8 +477,13 @@ class FlashReader:
             iovecs["base"] = np.where(reads.p_doff >= 0, base + reads.p_doff, self._junk_addr).astype(np.uint64)
             iovecs["len"] = reads.p_len
             gathered_iocbs(iocbs, multi, iovecs, reads.p_start)
+        return self._aio_call(iocbs, reads.off, reads.len, requested, t0, (flat, iovecs))
+
+    def _aio_call(self, iocbs: np.ndarray, offs: np.ndarray, lens: np.ndarray, requested: int, t0: float,
+                  keep) -> PendingRead:
+        """Queue `iocbs` (reads of `lens` bytes at file offsets `offs`) as one call; `keep`: what they read
+        into, held until they are back."""
         call = PendingRead(self.path, 1, requested, t0, driver=self._aio)
-        offs, lens = reads.off, reads.len
 
         def describe(k: int, res: int | None, exc: OSError | None = None) -> FlashIOError:
             off, n = int(offs[k]), int(lens[k])
@@ -461,5 +495,6 @@ class FlashReader:
             return FlashIOError(f"{self.path}: read of {n} bytes at offset {off} failed: "
                                 f"[{errno.errorcode.get(-res, -res)}] {os.strerror(-res)}")
 
-        self._aio.add(AioJob(iocbs, lens.astype(np.int64), call.finish, describe, (flat, iovecs)))
+        call._job = AioJob(iocbs, lens.astype(np.int64), call.finish, describe, keep)
+        self._aio.add(call._job)
         return call

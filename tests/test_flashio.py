@@ -208,6 +208,26 @@ def test_aio_engine_is_used_for_direct_reads_and_reads_in_batches(data_file):
         assert r.engine == "preadv" and r.aio_depth == 0
 
 
+def test_aio_joins_rows_adjacent_in_file_and_dest_and_waits_once(data_file, monkeypatch):
+    """The sparse decode's AIO call: runs of rows adjacent in the file and in dest are one read each;
+    rows adjacent in the file but apart in dest are one vectored read; the waiter reaps all of a call's
+    reads in one sleeping syscall."""
+    path, data = data_file
+    rows = data.reshape(-1, 4096)
+    mins = []
+    real = flashio.AioContext.reap
+    monkeypatch.setattr(flashio.AioContext, "reap", lambda self, lo, hi: mins.append(lo) or real(self, lo, hi))
+    with aio_reader(path, threads=2, aio_depth=64) as r:
+        ids = np.array([3, 4, 5, 9, 11, 12, 40])
+        dest = aligned_empty((8, 4096), np.uint8)
+        stats = r.read_rows(0, 4096, 4096, ids, dest, np.arange(7))
+        assert stats.reads == 4 and stats.bytes_read == 7 * 4096 and (dest[:7] == rows[ids]).all()
+        assert mins == [4]
+        dest[:] = 0
+        stats = r.read_rows(0, 4096, 4096, ids, dest, np.array([0, 2, 4, 5, 6, 7, 1]))  # 3|4|5 apart in dest
+        assert (dest[[0, 2, 4, 5, 6, 7, 1]] == rows[ids]).all() and stats.reads == 4
+
+
 def test_aio_errors_name_the_read_and_leave_workers_alive(data_file, monkeypatch):
     path, _ = data_file
     real = flashio.AioContext.reap

@@ -9,6 +9,10 @@ with gap filling g" replays the same loads (predicted now, not in the window's e
 cache) and merges needed bundles at most g bundles apart into one read (the bytes then include the gaps).
 
     python bench/neuron_order.py [--tokens 1024] [--budget 0.5] [--out bench/results/neuron_order]
+
+The co-activation order `flashllm demo` uses is the one this computes, shipped with the embedded model
+(flashllm/data/tiny-opt-predictors/neuron_order.safetensors); `--ship` computes it and writes that file
+(the report says whether the order computed here is the shipped one).
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ def frequency_order(model_dir: Path) -> list[np.ndarray]:
 def run(tokens: int, seq_len: int, prefill: int, budget, window: int, cal_tokens: int, workdir: Path) -> dict:
     import stdlib_corpus  # bench/, on the path when run as a script (here so that gap_runs imports alone)
 
-    base = demo.prepare(workdir / "converter")
+    base = demo.prepare(workdir / "converter", order=False)
     heldout = workdir / "heldout.txt"
     train = workdir / "train.txt"
     stdlib_corpus.write_text("heldout", heldout, max_bytes=16 * tokens)
@@ -105,17 +109,42 @@ def run(tokens: int, seq_len: int, prefill: int, budget, window: int, cal_tokens
     dirs["coactivation"] = Path(shutil.copytree(base, workdir / "coactivation"))
     info = order_model(dirs["coactivation"], train, max_tokens=cal_tokens, window=window, progress=False)
     order_s = time.perf_counter() - t0
+    shipped = demo.EMBEDDED_PREDICTORS / demo.ORDER_FILE
+    same = shipped.is_file() and all(np.array_equal(a, b) for a, b in zip(read_perms(shipped),
+                                                                          read_perms(dirs["coactivation"] / demo.ORDER_FILE)))
     results = {f"{name}, gap {'auto' if gap is None else gap}": measure(d, sequences, prefill, budget, window, gap)
                for gap in (0, None) for name, d in dirs.items()}
     return {"budget": budget, "window": window, "settings": demo.SETTINGS, "tokens": results["converter, gap 0"]["tokens"],
             "calibration_tokens": info["tokens"], "order_seconds": round(order_s, 1),
             "expected_on_calibration": {k: info[k] for k in ("runs_per_token_before", "runs_per_token_after")},
-            "results": results}
+            "same_as_shipped": same, "results": results}
+
+
+def read_perms(path: Path) -> list[np.ndarray]:
+    st = SafetensorsFile(path)
+    return [st.read(f"layers.{i}.perm") for i in range(len(st.entries))]
+
+
+def ship(cal_tokens: int, window: int, workdir: Path) -> dict:
+    """Compute the co-activation order of the embedded model (from the converter's order, on the train split)
+    and write it where `flashllm demo` takes it from."""
+    import stdlib_corpus
+
+    base = demo.prepare(workdir / "converter", order=False)
+    train = workdir / "train.txt"
+    stdlib_corpus.write_text("train", train, max_bytes=16 * cal_tokens)
+    info = order_model(base, train, max_tokens=cal_tokens, window=window, progress=True)
+    dest = demo.EMBEDDED_PREDICTORS / demo.ORDER_FILE
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.copyfile(base / demo.ORDER_FILE, tmp)
+    os.replace(tmp, dest)
+    return {k: info[k] for k in ("tokens", "runs_per_token_before", "runs_per_token_after")}
 
 
 def table(r: dict) -> str:
     lines = [f"embedded model, sparse, lowrank predictors, budget {r['budget']}, window {r['window']}, "
-             f"{r['tokens']} held-out decode tokens; ordering from {r['calibration_tokens']} train-split tokens",
+             f"{r['tokens']} held-out decode tokens; ordering from {r['calibration_tokens']} train-split tokens "
+             f"({'the' if r.get('same_as_shipped') else 'NOT the'} order shipped for `flashllm demo`)",
              "", f"{'order, engine gap':<24}{'reads/tok':>10}{'KiB/tok':>9}{'io ms':>8}{'total ms':>9}" +
              "".join(f"{'g=' + str(g) + ' reads':>12}{'KiB':>7}" for g in GAPS)]
     for name, m in r["results"].items():
@@ -140,11 +169,19 @@ def main(argv=None) -> dict:
     p.add_argument("--calibration-tokens", type=int, default=20000, help="tokens the order is computed on (default 20000)")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    p.add_argument("--ship", action="store_true", help="only compute the order and write it to "
+                   "flashllm/data/tiny-opt-predictors/neuron_order.safetensors (what `flashllm demo` uses)")
     args = p.parse_args(argv)
     budget = None if args.budget == "unlimited" else flashllm.budget.parse_budget(args.budget)
     import torch
 
     torch.set_num_threads(args.torch_threads)  # a tiny model: more threads only spin on a loaded machine
+    if args.ship:
+        with tempfile.TemporaryDirectory(prefix="flashllm-order-") as tmp:
+            info = ship(args.calibration_tokens, args.window, Path(tmp))
+        print(f"wrote {demo.EMBEDDED_PREDICTORS / demo.ORDER_FILE}: expected reads per token on the calibration text "
+              f"{info['runs_per_token_before']} -> {info['runs_per_token_after']} ({info['tokens']} tokens)")
+        return info
     with tempfile.TemporaryDirectory(prefix="flashllm-order-") as tmp:
         r = run(args.tokens, args.seq_len, args.prefill, budget, args.window, args.calibration_tokens, Path(tmp))
     r["command"] = "python bench/neuron_order.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -4,6 +4,7 @@ the embedded small mixture-of-experts model, its experts streamed at half its si
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -27,24 +28,42 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FLASHLLM_CACHE", Path.home() / ".cache" / "flashllm"))
 
 
-def prepare(out: Path | None = None, embedded: Path = EMBEDDED, extras: Path = EMBEDDED_PREDICTORS) -> Path:
+# Each layer's neurons in co-activation order (`flashllm predictors order` on the stdlib corpus' train split,
+# written by `python bench/neuron_order.py --ship`): neurons the predictors select together are adjacent on
+# flash, so a token's missing bundles take fewer reads. A permutation: the model's function is unchanged.
+ORDER_FILE = "neuron_order.safetensors"
+
+
+def prepare(out: Path | None = None, embedded: Path = EMBEDDED, extras: Path = EMBEDDED_PREDICTORS,
+            order: bool = True) -> Path:
     """The converted embedded model with its shipped predictors (and thresholds, if any: every file of
-    `extras`), converted once, then reused."""
+    `extras`) and, with `order`, in the neuron order `extras` ships, if any; converted once, then reused
+    (again when the shipped order differs from the directory's)."""
     from .converters import convert
 
     out = out or cache_dir() / embedded.name
     if not (embedded / "config.json").is_file():
         raise FlashLLMError(f"{embedded}: the embedded model is missing from this installation")
+    shipped = extras / ORDER_FILE if order and (extras / ORDER_FILE).is_file() else None
+    want = hashlib.sha256(shipped.read_bytes()).hexdigest() if shipped else None
     try:
-        fmt.read_manifest(out)
-        ready = (out / PREDICTOR_META).is_file()
+        have = fmt.read_manifest(out).data.get("neuron_order", {}).get("shipped_sha256")
+        ready = (out / PREDICTOR_META).is_file() and have == want
     except FlashLLMError:
         ready = False
     if not ready:
         convert(embedded, out, dtype="float32", force=True)
-        names = sorted(f.name for f in extras.iterdir() if f.name != PREDICTOR_META) + [PREDICTOR_META]
-        for name in names:  # the file that marks the directory ready comes last
+        names = sorted(f.name for f in extras.iterdir() if f.name not in (PREDICTOR_META, ORDER_FILE))
+        for name in names + [PREDICTOR_META]:  # the file that marks the directory ready comes last
             shutil.copyfile(extras / name, out / name)
+        if shipped:
+            from .predictors.reorder import apply_order
+            from .st_io import SafetensorsFile
+
+            st = SafetensorsFile(shipped)
+            perms = [st.read(f"layers.{i}.perm") for i in range(len(st.entries))]
+            apply_order(out, perms, {"method": "coactivation", "shipped_sha256": want,
+                                     "source": f"{shipped.name} shipped with the embedded model"}, progress=False)
     return out
 
 
@@ -111,8 +130,6 @@ MOE_SETTINGS = dict(dtype="float16", context=256)
 def prepare_moe(out: Path | None = None) -> Path:
     """The converted embedded MoE model (converted once per checkpoint, then reused: the cache directory
     is named by the checkpoint's hash, so a newer embedded model is converted again)."""
-    import hashlib
-
     from .converters import convert
 
     weights = EMBEDDED_MOE / "model.safetensors"

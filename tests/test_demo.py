@@ -55,3 +55,26 @@ def test_demo_swiglu_json(tmp_path, monkeypatch, capsys):
     assert sparse["predictor"] == "gate" and sparse["activation_sparsity"] and naive["mode"] == "naive"
     assert sparse["dram_bytes"] <= sparse["dram_budget"] <= 0.5 * sparse["model_bytes"]
     assert 0 < sparse["bytes_read"] < naive["bytes_read"]
+
+
+def test_demo_model_is_prepared_in_the_shipped_neuron_order(tmp_path):
+    """The demo's directory holds the shipped co-activation order (recorded in its manifest): the same
+    function as the converter's order, fewer reads per token; a directory in another order is redone."""
+    import numpy as np
+
+    import flashllm
+    from flashllm import demo, format as fmt
+
+    ordered, plain = demo.prepare(tmp_path / "ordered"), demo.prepare(tmp_path / "plain", order=False)
+    sha = fmt.read_manifest(ordered).data["neuron_order"]["shipped_sha256"]
+    assert sha and "neuron_order" not in fmt.read_manifest(plain).data
+    ids = [2, 100, 7, 42, 9, 300]
+    dense = [flashllm.load(d, mode="dense", **demo.SETTINGS).logits(ids, prefill=2) for d in (ordered, plain)]
+    np.testing.assert_allclose(dense[0], dense[1], rtol=0, atol=0.05)
+    reads = []
+    for d in (ordered, plain):
+        m = flashllm.load(d, mode="sparse", predictor="lowrank", dram_budget=0.5, **demo.SETTINGS)
+        list(m.generate_ids(m.tokenizer.encode(demo.PROMPT), 12))
+        reads.append(m.stats["reads"])
+    assert reads[0] < 0.9 * reads[1]
+    assert demo.prepare(plain) == plain and fmt.read_manifest(plain).data["neuron_order"]["shipped_sha256"] == sha

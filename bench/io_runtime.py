@@ -231,12 +231,13 @@ def _f(x, nd=0):
 def markdown(reps: list[dict]) -> str:
     r0 = reps[0]
     L = ["| run | configuration | total ms | read ms (engine) | io_ms (waited) | mem_ms | compute ms | predictor ms | "
-         "total / max(read, CPU) | GB/token | reads/token | engine GB/s | fio GB/s, same mix: file / one layer | "
-         "engine / fio: file / one layer | dropped/token | lookahead recall | load avg |", "|---" * 17 + "|"]
+         "total / max(read, CPU) | CPU ms: process / reader threads | GB/token | reads/token | engine GB/s | "
+         "fio GB/s, same mix: file / one layer | engine / fio: file / one layer | dropped/token | lookahead recall | "
+         "load avg |", "|---" * 18 + "|"]
     for rep in reps:
         for name, r in rep["runs"].items():
             if "error" in r:
-                L.append(f"| {rep['date']} | {name} | failed: {r['error']} |" + " |" * 15)
+                L.append(f"| {rep['date']} | {name} | failed: {r['error']} |" + " |" * 16)
                 continue
             cpu = r["total_ms"] - r["io_ms"]
             eng = r["bytes_read"] / r["read_ms"] / 1e6 if r["read_ms"] else None
@@ -244,6 +245,7 @@ def markdown(reps: list[dict]) -> str:
             fl = r["fio_layer"]["bw_bytes"] / GB if "fio_layer" in r else None  # (runs before it was measured)
             L.append(f"| {rep['date']} | {name} | {_f(r['total_ms'])} | {_f(r['read_ms'])} | {_f(r['io_ms'])} | {_f(r['mem_ms'])} | "
                      f"{_f(r['compute_ms'])} | {_f(r['predictor_ms'])} | {r['total_ms'] / max(r['read_ms'], cpu):.2f} | "
+                     f"{_f(r.get('cpu_ms'))} / {_f(r.get('io_cpu_ms'))} | "
                      f"{r['bytes_read'] / GB:.3f} | {_f(r['reads'])} | {_f(eng, 3)} | {f:.3f} / {_f(fl, 3)} | "
                      f"{_f(eng / f if eng else None, 2)} / {_f(eng / fl if eng and fl else None, 2)} | "
                      f"{_f(r['neurons_dropped'])} | "
@@ -252,6 +254,10 @@ def markdown(reps: list[dict]) -> str:
           f"memory limit {r0['memory_limit'] / GB:.2f} GB (DRAM budget {r0['dram_budget'] / GB:.2f} GB of "
           f"{r0['model_bytes'] / GB:.2f} GB); {r0['fio_version']}"]
     for rep in reps:
+        for name, r in rep["runs"].items():
+            if r.get("lookahead_recall_per_layer"):
+                L.append(f"- {rep['date']} {name}: lookahead recall per layer " + " ".join(
+                    "-" if x is None else f"{x:.2f}" for x in r["lookahead_recall_per_layer"]))
         for name, r in rep["runs"].items():
             if "error" not in r:
                 L.append(f"- {name}: fio mix `{r['fio']['bssplit']}` ({r['fio']['threads']} jobs, mean read "

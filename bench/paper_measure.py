@@ -95,7 +95,13 @@ def measure(run: dict) -> dict:
     model.hooks.add("read", on_read)
     model.hooks.add("predict", on_predict)
     ids = np.random.default_rng(run["seed"]).integers(3, model.spec.vocab_size, size=n).tolist()
-    read_ms, predicted = [], []
+    read_ms, predicted, cpu = [], [], []
+    readers = [r for r in (getattr(model.plan, "reader", None), getattr(model.plan, "attn_reader", None)) if r]
+    readers = [getattr(r, "io", r) for r in readers]
+
+    def cpu_now():  # process, this (the generating) thread, the flash reader threads: CPU seconds so far
+        return time.process_time(), time.thread_time(), sum(r.cpu_seconds() for r in readers)
+
     prof = sizes = None
     for pos in range(n):
         if run.get("profile") and pos == 1 + run["warmup"]:  # profile the measured tokens only
@@ -106,15 +112,18 @@ def measure(run: dict) -> dict:
         if run.get("read_sizes") and pos == 1 + run["warmup"]:
             sizes = record_read_sizes(model.plan.reader.io)
         read_acc[0], predicted_acc[0] = 0.0, 0
+        c0 = cpu_now()
         model.forward([ids[pos]], pos)
+        cpu.append([(b - a) * 1e3 for a, b in zip(c0, cpu_now())])
         read_ms.append(read_acc[0] * 1e3)
         predicted.append(predicted_acc[0])
     if prof is not None:
         prof.disable()
     costs = model.token_stats  # the 1-token prompt first, then each decode token
     decode = costs[1:]
-    for c, r, p in zip(decode, read_ms[1:], predicted[1:]):
+    for c, r, p, u in zip(decode, read_ms[1:], predicted[1:], cpu[1:]):
         c["read_ms"], c["predicted"] = r, p
+        c["cpu_ms"], c["main_cpu_ms"], c["io_cpu_ms"] = u  # CPU: the process, the generating thread, the readers
     measured = decode[run["warmup"]:]
     k = max(len(measured), 1)
 
@@ -129,7 +138,7 @@ def measure(run: dict) -> dict:
            "context": model.context, "gap_bytes": model.stats.get("gap_bytes"), "n_layers": model.spec.n_layers, "d_ffn": model.spec.d_ffn, "kv_bytes": _kv_bytes(model), "row_bytes": row_bytes,
            "prompt": {k2: costs[0][k2] for k2 in ("bytes_read", "io_ms", "total_ms")}}
     for key in ("bytes_read", "bytes_wasted", "reads", "io_ms", "read_ms", "mem_ms", "compute_ms", "predictor_ms",
-                "total_ms", "neurons_dropped", "predicted"):
+                "total_ms", "neurons_dropped", "predicted", "cpu_ms", "main_cpu_ms", "io_cpu_ms"):
         out[key] = mean(key)
     if run["mode"] == "sparse":
         cached = sum(sum(c["neurons_cached"]) for c in measured) / k
@@ -148,7 +157,7 @@ def measure(run: dict) -> dict:
         out["resident_neurons"] = model.stats["resident_neurons"]
     if run.get("per_token"):
         out["per_token"] = [{key: c[key] for key in ("bytes_read", "reads", "io_ms", "read_ms", "mem_ms", "total_ms",
-                                                     "neurons_dropped")} for c in decode]
+                                                     "neurons_dropped", "cpu_ms", "io_cpu_ms")} for c in decode]
     if prof is not None:
         out["profile"] = profile_rows(prof, max(run["tokens"], 1))
     if sizes is not None:  # request size (bytes) -> reads of that size, per measured token
@@ -156,7 +165,7 @@ def measure(run: dict) -> dict:
     if run.get("prefetch"):
         s = model.stats
         out.update({key: s.get(key) for key in ("lookahead_recall", "lookahead_recall_per_layer", "neurons_prefetched",
-                                                 "prefetch_unused", "prefetch_rows")})
+                                                 "prefetch_unused", "prefetch_rows", "read_ahead")})
     out["rss_peak"] = _vm("VmHWM")
     out["cgroup"] = _own_memory_cgroup()
     del model

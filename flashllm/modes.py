@@ -280,14 +280,20 @@ class SparsePlan(StreamingPlan):
         if avail is not None and avail < L * row:
             raise ctx.too_small(base + L * row,
                                 "resident weights, KV cache, staging, predictors and one cached neuron per layer")
-        self.prefetch_rows = self._prefetch_rows(avail, row, need) if options.prefetch is True and L > 1 else 0
+        # read-ahead (layer l+1's lookahead set read while layer l computes): straight into the rows its cache
+        # frees for them where reads land in cache rows (no budget, no copy), else into a buffer of its own
+        self.read_ahead = options.prefetch is True and L > 1
+        self.ahead_in_place = self.read_ahead and B.reads_in_place()
+        self.prefetch_rows = self._prefetch_rows(avail, row, need) if self.read_ahead and not self.ahead_in_place \
+            else 0
         if avail is not None:
             avail -= ctx.charged(self.prefetch_rows * lay.stride, 0)
         self.capacities = budget_mod.sparse_capacities(avail, row, L, lay.d_ffn, need) if options.cache_rows is None \
             else budget_mod.given_capacities(options.cache_rows, avail, row, L, lay.d_ffn)
         self.prefetch_buf = B.host_buffer((self.prefetch_rows, lay.stride)) if self.prefetch_rows else None
         self._residual = None  # the residual stream the current layer's FFN input came from (decode)
-        self._pending = None  # (layer, neuron ids in prefetch_buf rows 0.., lookahead set, read in flight)
+        # (layer, neuron ids read ahead, lookahead set, read in flight, cache rows it lands in or None: prefetch_buf)
+        self._pending = None
         par = ctx.spec.parallel_attn and not ctx.spec.ffn_norm
         self._norm = "attn_norm" if par else "ffn_norm"  # the norm that makes a layer's FFN input
         if not getattr(self.predictor, "selective", True) and min(self.capacities) < lay.d_ffn:
@@ -355,6 +361,7 @@ class SparsePlan(StreamingPlan):
         return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind,
                 "pinned_neurons": [c.pinned for c in self.caches],
                 "gap_bytes": self.reader.io.gap_bytes, "prefetch_rows": self.prefetch_rows,
+                "read_ahead": ("into cache rows" if self.ahead_in_place else "via a buffer") if self.read_ahead else "off",
                 **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
 
     @property
@@ -372,20 +379,24 @@ class SparsePlan(StreamingPlan):
 
     def _load(self, layer: int, active: np.ndarray, window: int, cost) -> int:
         """One cache step: evict outside the window, then read the missing bundles into free rows
-        (those the lookahead already read are placed from the prefetch buffer)."""
+        (those the lookahead already read into cache rows are held by then; those it read into the
+        prefetch buffer are placed from there). Returns the neurons loaded, read ahead or now."""
         cache = self.caches[layer]
+        ahead = self._finish_prefetch(layer, active, cost)
         with cost.timed("mem_ms"):
             missing, _, _ = cache.evict(active, window)
-        rest = self._use_prefetch(layer, active, missing, cost)
+        rest = self._use_prefetch(layer, missing, cost)
         io = cache.insert(rest, self.reader.reader_for(layer), cost)
         if io is not None:
             cost.add_io(io)
-        return len(missing)
+        return len(missing) + ahead
 
     def _lookahead(self, layer: int, cost) -> None:
         """Predict `layer`'s neurons from the previous layer's residual stream (normed as `layer` norms
-        its FFN input) and start reading those not cached; `_load` of `layer` waits and corrects."""
-        if self.prefetch_buf is None or self._residual is None or layer >= len(self.caches):
+        its FFN input) and start reading those not cached: into the rows the cache frees for them by
+        its window rule (`NeuronCache.reserve`), or into the prefetch buffer; `_load` of `layer` waits
+        and corrects."""
+        if not self.read_ahead or self._residual is None or layer >= len(self.caches):
             return
         self._drop_prefetch()
         with cost.timed("predictor_ms"):
@@ -397,27 +408,52 @@ class SparsePlan(StreamingPlan):
             best = np.argsort(-scores[predicted], kind="stable")[:capacity] if scores is not None else \
                 np.arange(capacity)
             predicted = np.sort(predicted[best])
-        ids = predicted[self.caches[layer].row_of[predicted] < 0]
-        if len(ids) > self.prefetch_rows:  # the highest-scored ones fit
-            keep = np.argsort(-scores[ids], kind="stable")[:self.prefetch_rows] if scores is not None else \
-                np.arange(self.prefetch_rows)
-            ids = np.sort(ids[keep])
-        pending = self.reader.submit(layer, ids, self.prefetch_buf, np.arange(len(ids)))
-        self._pending = (layer, ids, predicted, pending)
+        cache = self.caches[layer]
+        if self.ahead_in_place:
+            with cost.timed("mem_ms"):
+                ids = cache.reserve(predicted, self.window)
+            rows = cache.free_rows(len(ids))
+            pending = self.reader.submit(layer, ids, cache.store.landing(), rows)
+        else:
+            ids, rows = predicted[cache.row_of[predicted] < 0], None
+            if len(ids) > self.prefetch_rows:  # the highest-scored ones fit
+                keep = np.argsort(-scores[ids], kind="stable")[:self.prefetch_rows] if scores is not None else \
+                    np.arange(self.prefetch_rows)
+                ids = np.sort(ids[keep])
+            pending = self.reader.submit(layer, ids, self.prefetch_buf, np.arange(len(ids)))
+        self._pending = (layer, ids, predicted, pending, rows)
         cost.neurons_prefetched += len(ids)
 
-    def _use_prefetch(self, layer: int, active: np.ndarray, missing: np.ndarray, cost) -> np.ndarray:
-        """Place the prefetched bundles of `missing` neurons; the rest of `missing` is still to read."""
+    def _finish_prefetch(self, layer: int, active: np.ndarray, cost) -> int:
+        """Wait for the read ahead of `layer` (once its true set `active` is known) and count the
+        lookahead's recall; read into cache rows, its neurons are held from now on. Returns how many."""
         if self._pending is None or self._pending[0] != layer:
             self._drop_prefetch()
-            return missing
-        _, ids, predicted, pending = self._pending
-        self._pending = None
+            return 0
+        _, ids, predicted, pending, rows = self._pending
         with cost.timed("io_ms"):
             cost.add_io(pending.wait())
         if len(cost.lookahead_active) > layer:  # decode: the recall of the lookahead vs this prediction
             cost.lookahead_found[layer] = int(np.isin(active, predicted, assume_unique=True).sum())
             cost.lookahead_active[layer] = len(active)
+        if rows is None:
+            return 0  # in the prefetch buffer: `_use_prefetch` places what the layer needs
+        self._pending = None
+        cache = self.caches[layer]
+        cache.store.placed(ids, rows, cost)
+        cache.append(ids)
+        unused = len(ids) - int(np.isin(ids, active, assume_unique=True).sum())
+        cost.prefetch_unused += unused
+        cost.bytes_wasted += unused * self.lay.stride  # read ahead for nothing
+        return len(ids)
+
+    def _use_prefetch(self, layer: int, missing: np.ndarray, cost) -> np.ndarray:
+        """Place the bundles of `missing` neurons read ahead into the prefetch buffer (waited for by
+        `_finish_prefetch`); the rest of `missing` is still to read."""
+        if self._pending is None or self._pending[0] != layer:
+            return missing
+        _, ids, _, _, _ = self._pending
+        self._pending = None
         pos = np.searchsorted(ids, missing)
         hit = (pos < len(ids)) & (ids[np.minimum(pos, len(ids) - 1)] == missing) if len(ids) else \
             np.zeros(len(missing), dtype=bool)
@@ -494,6 +530,7 @@ class SparsePlan(StreamingPlan):
         the cache rows in chunks, then leave the cache as if the last `window` tokens were decoded (a
         prompt; a batch step whose union did not fit leaves it empty)."""
         cache, B = self.caches[layer], self.backend
+        self._drop_prefetch()  # a read ahead may still be landing in this cache's free rows
         cache.reset()  # the window's rows serve as the read buffer below; pinned rows stay and are computed
         h = cache.pinned
         union = np.flatnonzero(mask.any(axis=0))

@@ -2,8 +2,10 @@
 
 Rows [:num_used] of a preallocated matrix hold the bundles of the neurons active in the last k
 tokens; `pointer[row]` is the neuron id in that row. Per token: evict neurons not active in the
-last k tokens by moving the last used rows into their places, then append the new neurons'
-bundles at num_used. The matrix itself lives in a backend RowStore (move / fill / views).
+last k tokens, then read the new neurons' bundles straight into the rows they emptied and after
+num_used; only live rows beyond the new end move into emptied rows (the paper moves the last rows
+into every emptied one: a copy of each evicted row's worth of bytes per token), so rows[:num_used]
+are whole again once the token's reads arrived. The matrix lives in a backend RowStore (move / fill / views).
 
 Hot neurons (PowerInfer) may be pinned: rows [:pinned] hold a set of the layer's most frequently
 active neurons, filled once (`pin`) and not evicted; the window works on the rows after them. A token
@@ -54,12 +56,15 @@ class NeuronCache:
         self.pinned = 0  # rows [:pinned] hold pinned neurons (never evicted)
         self.num_used = 0
         self.token = -1
+        self._free = np.empty(0, dtype=np.int64)  # rows below num_used emptied by eviction, to be refilled
 
     def reset(self) -> None:
         """A new sequence: the window's rows are forgotten, pinned rows stay."""
         h = self.pinned
-        self.row_of[self.pointer[h:self.num_used]] = -1
+        held = self.pointer[h:self.num_used]
+        self.row_of[held[held >= 0]] = -1
         self.pointer[h:] = -1
+        self._free = self._free[:0]
         self.last_active[:] = NEVER
         self.num_used, self.token = h, -1
 
@@ -87,14 +92,31 @@ class NeuronCache:
         token when the union of the last `window` tokens would not fit (paper App. C.3).
         """
         self.token += 1
-        t, n, h = self.token, self.num_used, self.pinned
-        self.last_active[active] = t
-        cached = self.pointer[h:n]  # the window's rows (pinned rows never leave)
+        self.last_active[active] = self.token
+        return self._make_room(active, window, self.token)
+
+    def reserve(self, guess: np.ndarray, window: int) -> np.ndarray:
+        """Before the next token's set is known: delete the rows that `evict` will delete if that set
+        is `guess` (a lookahead prediction), without starting the token. Returns the neurons of `guess`
+        not cached that fit the free rows, sorted: a read may land them in `free_rows(len(ids))`, and
+        `append` marks them held once it has. `evict` then applies the window to the true set (a
+        neuron guessed wrongly leaves at once; one evicted here that the true set needs is read again)."""
+        before = self.last_active[guess]
+        self.last_active[guess] = self.token + 1
+        missing, _, _ = self._make_room(guess, window, self.token + 1)
+        self.last_active[guess] = before
+        return missing
+
+    def _make_room(self, active: np.ndarray, window: int, t: int) -> tuple[np.ndarray, int, int]:
+        """`evict`'s work for token `t`, whose set `active` is marked in last_active already."""
+        n, h = self.num_used, self.pinned
+        cached = self.pointer[h:n]  # the window's rows (pinned rows never leave); -1: an emptied row
+        held = cached >= 0
         missing = np.sort(active[self.row_of[active] < 0])
         room = self.capacity - h
         k = window
         while True:
-            keep = self.last_active[cached] > t - k
+            keep = held & (self.last_active[cached] > t - k)
             if k == 1 or int(keep.sum()) + len(missing) <= room:
                 break
             k -= 1
@@ -102,15 +124,21 @@ class NeuronCache:
         dropped = max(0, n_keep + len(missing) - room)
         if dropped:
             missing = missing[:len(missing) - dropped]
-        holes = h + np.flatnonzero(~keep[:n_keep])  # stale rows inside the part that stays
-        movers = h + n_keep + np.flatnonzero(keep[n_keep:])  # live rows beyond it, moved into the holes
-        self.row_of[cached[~keep]] = -1
-        if len(holes):
-            self.store.move(holes, movers)
-            self.pointer[holes] = self.pointer[movers]
-            self.row_of[self.pointer[holes]] = holes
-        self.pointer[h + n_keep:n] = -1
-        self.num_used = h + n_keep
+        # rows h..end-1 are in use once `missing` is appended: the neurons missing now take the emptied rows
+        # below `end` (read straight into them), and only live rows beyond `end` move, into other emptied rows
+        end = h + n_keep + len(missing)
+        self.row_of[cached[held & ~keep]] = -1
+        self.pointer[h + np.flatnonzero(~keep)] = -1
+        holes = h + np.flatnonzero(~keep[:end - h])
+        movers = h + np.flatnonzero(keep)
+        movers = movers[movers >= end]
+        if len(movers):
+            dst, holes = holes[:len(movers)], holes[len(movers):]
+            self.store.move(dst, movers)
+            self.pointer[dst] = self.pointer[movers]
+            self.row_of[self.pointer[dst]] = dst
+            self.pointer[movers] = -1
+        self.num_used, self._free = min(n, end), holes
         return missing, k, dropped
 
     def insert(self, ids: np.ndarray, read, cost=None):
@@ -121,12 +149,16 @@ class NeuronCache:
         return io
 
     def append(self, ids: np.ndarray) -> None:
-        """Mark `ids` as held in rows num_used.. (`insert` calls it once their bundles were read there)."""
-        rows = np.arange(self.num_used, self.num_used + len(ids))
+        """Mark `ids` as held in `free_rows(len(ids))` (`insert` calls it once their bundles were read there)."""
+        rows = self.free_rows(len(ids))
         self.pointer[rows] = ids
         self.row_of[ids] = rows
-        self.num_used += len(ids)
+        refilled = min(len(ids), len(self._free))
+        self._free = self._free[refilled:]
+        self.num_used += len(ids) - refilled
 
     def free_rows(self, count: int) -> np.ndarray:
-        """The rows that the next `count` appended neurons will occupy."""
-        return np.arange(self.num_used, self.num_used + count)
+        """The rows that the next `count` appended neurons will occupy: rows the last eviction emptied
+        (sorted), then rows num_used.."""
+        free = self._free[:count]
+        return np.concatenate([free, np.arange(self.num_used, self.num_used + count - len(free))])

@@ -208,7 +208,8 @@ def test_paper_measure_records_read_sizes_and_lookahead(tiny_random):
     assert sum(sizes.values()) == pytest.approx(out["reads"]) and out["reads"] > 0  # every read, by size
     assert sum(b * c for b, c in sizes.items()) <= out["bytes_read"] + 1e-6
     assert min(sizes) >= fmt.read_manifest(tiny_random[1]).layout.stride  # whole bundles or runs of them
-    assert out["prefetch_rows"] > 0 and 0 <= out["lookahead_recall"] <= 1
+    assert out["read_ahead"] == "into cache rows" and out["prefetch_rows"] == 0 and 0 <= out["lookahead_recall"] <= 1
+    assert out["cpu_ms"] > 0 and out["io_cpu_ms"] > 0  # the process's CPU per token, and its reader threads'
 
 
 def test_make_model_layers_cuts_the_shape_to_its_first_layers(tmp_path):

@@ -49,6 +49,16 @@ def test_sparse_oracle_with_read_ahead_and_gap_filling_matches_dense(tiny, dense
         assert stats["neurons_prefetched"] > 0
 
 
+def test_read_ahead_through_a_buffer_matches_reading_when_known(tiny_models):
+    """Where reads cannot land in cache rows (compute dtype != storage), read-ahead goes through a buffer."""
+    tiny = tiny_models("opt")
+    ref = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dtype="bfloat16", threads=2,
+                        prefetch=False).logits(IDS, prefill=PREFILL)
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dtype="bfloat16", threads=2, prefetch=True)
+    np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), ref, atol=2e-2, rtol=2e-2)
+    assert model.stats["read_ahead"] == "via a buffer" and model.stats["neurons_prefetched"] > 0
+
+
 def test_read_ahead_reads_no_more_than_the_cache_keeps(tiny_models):
     """A lookahead set larger than the layer's cache is cut as `_fit` cuts the layer's own set: neurons
     that would be dropped are not read ahead for nothing."""
@@ -92,11 +102,21 @@ def test_budget_sizes_the_caches_and_is_reported(tiny_models):
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8,
                           prefetch=False)
     assert model.plan.capacities == [40, 40]
-    with_buffer = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8,
-                                prefetch=True)
+    ahead = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8,
+                          prefetch=True)
+    assert ahead.plan.capacities == [40, 40] and ahead.plan.prefetch_rows == 0  # into the rows the caches free
+    ahead.logits(IDS, prefill=PREFILL)
+    assert ahead.stats["dram_bytes"] <= budget and ahead.stats["lookahead_recall"] > 0
+    assert ahead.stats["neurons_prefetched"] > 0 and ahead.stats["read_ahead"] == "into cache rows"
+    # rows that cannot take reads directly (a compute dtype other than the storage's): a buffer of its own
+    full = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dtype="bfloat16")
+    budget16 = full.backend.nbytes() + 2 * 40 * full.compute_row_bytes() + full.plan.host_bytes()
+    with_buffer = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget16, window=8,
+                                prefetch=True, dtype="bfloat16")
     assert 0 < with_buffer.plan.prefetch_rows and max(with_buffer.plan.capacities) < 40  # the read-ahead buffer
     with_buffer.logits(IDS, prefill=PREFILL)  # counts against the same budget
-    assert with_buffer.stats["dram_bytes"] <= budget and with_buffer.stats["lookahead_recall"] > 0
+    assert with_buffer.stats["dram_bytes"] <= budget16 and with_buffer.stats["lookahead_recall"] > 0
+    assert with_buffer.stats["read_ahead"] == "via a buffer"
     model.logits(IDS, prefill=PREFILL)
     stats = model.stats
     assert stats["dram_bytes"] <= budget

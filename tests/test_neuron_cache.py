@@ -102,6 +102,46 @@ def test_small_cache_shrinks_the_window(ffn_file, seq, capacity, dtype):
                 assert torch.equal(rows["up"], ref)
 
 
+def read_ahead(cache, reader, guess, window):
+    """A lookahead: room made for `guess` by the window rule, its missing bundles read into the freed rows."""
+    ids = cache.reserve(np.asarray(sorted(guess), dtype=np.int64), window)
+    rows = cache.free_rows(len(ids))
+    layout = cache.store.layout
+    reader.read_rows(0, layout.stride, layout.stride, ids, cache.store.landing(), rows)
+    cache.store.placed(ids, rows)
+    cache.append(ids)
+    return ids
+
+
+guessed = st.lists(st.tuples(st.sets(st.integers(0, D_FFN - 1), max_size=12),
+                             st.sets(st.integers(0, D_FFN - 1), max_size=12), st.integers(1, 5)), min_size=1, max_size=25)
+
+
+@settings(max_examples=60, deadline=None)
+@given(guessed, st.integers(4, 40), st.booleans())
+def test_read_ahead_into_freed_rows_keeps_the_window(ffn_file, seq, capacity, exact):
+    """Rows read ahead for a guessed set land in the rows `reserve` frees: a right guess leaves the
+    cache as if the set had been read when known; a wrong one costs reads, never a wrong row, and its
+    neurons leave the window at the next step."""
+    _, data, path = ffn_file
+    ahead, plain = make_cache(ffn_file, capacity), make_cache(ffn_file, capacity)
+    history = []
+    with FlashReader(path, threads=2) as reader:
+        for guess, active, window in seq:
+            active = set(sorted(active)[:capacity])
+            guess = active if exact else set(sorted(guess)[:capacity])
+            history.append(active)
+            read = read_ahead(ahead, reader, guess, window)
+            assert set(read.tolist()) <= guess and ahead.num_used <= capacity
+            k, dropped = step(ahead, reader, active, window)
+            step(plain, reader, active, window)
+            cached = set(ahead.pointer[:ahead.num_used].tolist())
+            assert dropped == 0 and active <= cached <= set().union(*history[-window:])
+            check_rows(ahead, data)
+            if exact:
+                assert cached == set(plain.pointer[:plain.num_used].tolist())
+
+
 def test_failed_read_marks_nothing_loaded(ffn_file, tmp_path):
     layout, data, path = ffn_file
     short = tmp_path / "short.bin"

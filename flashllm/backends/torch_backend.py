@@ -447,6 +447,17 @@ class TorchRowStore:
                 self.matrix[idx] = values.to(device=self.backend.device, dtype=self.matrix.dtype)
             self._set_biases(ids, rows)
 
+    def landing(self) -> np.ndarray | None:
+        """The host rows flash reads land in directly (uint8, one bundle per row), or None: reads go
+        through staging. A read started into them is made usable by `placed` once it has arrived."""
+        return self.raw
+
+    def placed(self, ids: np.ndarray, rows: np.ndarray, cost=None) -> None:
+        """Bundles read straight into `landing()` rows `rows` (a read started earlier) are neurons `ids`."""
+        if len(ids) and self.bias:
+            with (cost.timed if cost is not None else untimed)("mem_ms"):
+                self._set_biases(ids, rows)
+
     def _set_biases(self, ids: np.ndarray, rows: np.ndarray) -> None:
         r = torch.from_numpy(rows).to(self.backend.device)
         i = torch.from_numpy(ids).to(self.backend.device)

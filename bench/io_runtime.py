@@ -14,17 +14,18 @@ offsets, right after the run. Reported per configuration:
   placing rows); 1.0 means I/O fully overlapped, 2.0 none at all; with the io_ms / mem_ms split;
 - reads and bytes per token.
 
-Configurations: `default` (the runtime's defaults: no read-ahead, gap 0, compute in the storage dtype),
-`lookahead` (read layer l+1's predicted neurons while layer l computes), `ordered` (the FFN laid out in
-co-activation order; on random weights a permutation of the replay, see TracePredictor), `ordered+lookahead`,
-`ordered+gap` (gap-filling with the threshold fio's measurement gives: reading g more bytes costs g
-over the bandwidth, one read less saves the per-read cost, from a fit of fio at one and at eight bundles),
-and `lookahead+aio` (read-ahead through native AIO: the kernel reads while the layer computes, with no
-reader thread competing for the cores).
+Configurations: `default` (the runtime's defaults: gap 0, compute in the storage dtype and, since
+the float16 model's reads land in the cache rows, layer l+1's lookahead set read through native AIO
+straight into the rows its cache frees while layer l computes), `no-overlap` (session 4's defaults: no
+read-ahead, 32 preadv threads), `threads-overlap` (read-ahead through the preadv threads),
+`aio-no-overlap` (native AIO, no read-ahead), `ordered` (the FFN laid out in co-activation order; on
+random weights a permutation of the replay, see TracePredictor), `ordered+no-overlap`, and `ordered+gap`
+(gap-filling with the threshold fio's measurement gives: reading g more bytes costs g over the
+bandwidth, one read less saves the per-read cost, from a fit of fio at one and at eight bundles).
 Beside the runs, a replay (no I/O, unlimited cache) counts reads and bundles per token for gaps of 0..8
 bundles before and after ordering, on trace tokens not used to compute the order.
 
-    python bench/io_runtime.py MODEL --trace trace.npz --configs default,lookahead --json-out r1.json
+    python bench/io_runtime.py MODEL --trace trace.npz --configs no-overlap,default --json-out r1.json
     python bench/io_runtime.py --report r1.json r2.json --markdown bench/results/io_runtime_7b.md
 
 Timed runs belong under the bench lock (`flock /work/wt/bench.lock ...`), a few configurations at a time.
@@ -48,10 +49,11 @@ from flashllm import format as fmt  # noqa: E402
 from flashllm.budget import budget_bytes, parse_budget  # noqa: E402
 
 GB, MiB = 1e9, 1 << 20
-CONFIGS = {"default": {}, "lookahead": {"prefetch": True}, "ordered": {"order": "coactivation"},
-           "ordered+lookahead": {"order": "coactivation", "prefetch": True},
-           "ordered+gap": {"order": "coactivation", "gap_bytes": "fio"},
-           "lookahead+aio": {"prefetch": True, "aio_depth": 2048}}
+NO_OVERLAP = {"prefetch": False, "aio_depth": 0}  # session 4's defaults: no read-ahead, preadv threads
+CONFIGS = {"default": {}, "no-overlap": NO_OVERLAP, "threads-overlap": {"prefetch": True, "aio_depth": 0},
+           "aio-no-overlap": {"prefetch": False, "aio_depth": 2048},
+           "ordered": {"order": "coactivation"}, "ordered+no-overlap": {"order": "coactivation", **NO_OVERLAP},
+           "ordered+gap": {"order": "coactivation", "gap_bytes": "fio"}}
 
 
 def _paper_measure():
@@ -129,7 +131,7 @@ def run_config(args, name: str, budget: int, runner, gap: dict | None) -> dict:
     if cfg.get("gap_bytes") == "fio":
         cfg["gap_bytes"] = gap["gap_bytes"]
     run = dict(label=name, mode="sparse", window=args.window, bundled=True, backend="torch", budget=budget,
-               threads=args.threads, aio_depth=0, trace=args.trace, seed=args.seed, predictor="trace",
+               threads=args.threads, aio_depth=None, trace=args.trace, seed=args.seed, predictor="trace",
                predictor_rank=128, torch_threads=args.torch_threads, tokens=args.tokens, warmup=args.warmup,
                model_dir=str(args.model_dir), dtype=args.dtype, read_sizes=True, per_token=True)
     run.update(cfg)
@@ -202,8 +204,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", nargs="?", help="flashllm model directory (e.g. make_model.py --shape llama-7b)")
     p.add_argument("--trace", help="activation trace to replay (bench/trace.py record)")
-    p.add_argument("--configs", type=lambda s: s.split(","), default=["default", "lookahead"],
-                   help=f"configurations, in order: {', '.join(CONFIGS)} (default: default,lookahead)")
+    p.add_argument("--configs", type=lambda s: s.split(","), default=["no-overlap", "default"],
+                   help=f"configurations, in order: {', '.join(CONFIGS)} (default: no-overlap,default)")
     p.add_argument("--dram-budget", type=parse_budget, default=0.5, help="of the model (default: %(default)s)")
     p.add_argument("--cgroup-slack", type=int, default=1024, help="MiB in the limit above budget + interpreter "
                    "baseline, as bench/peers.py (default: %(default)s)")

@@ -136,8 +136,9 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                    help="hybrid mode: share of each FFN kept resident (default: sized by the budget)")
     g.add_argument("--threads", type=_positive, default=d.threads, help="flash reads in flight (default: %(default)s)")
     g.add_argument("--aio-depth", type=_count, default=d.aio_depth,
-                   help="Linux, direct I/O: serve the reads with native AIO, this many in flight per thread "
-                        "(less CPU per read; 0: one blocking read per thread) (default: %(default)s)")
+                   help="Linux, direct I/O: serve the reads with native AIO, this many in flight "
+                        "(less CPU per read; 0: one blocking read per thread) (default: native AIO for sparse "
+                        "mode's read-ahead into cache rows, else 0)")
     g.add_argument("--gap-bytes", type=_gap_bytes, default=d.gap_bytes,
                    help="sparse mode: read through gaps of up to this many bytes between needed bundles instead "
                         "of issuing another read; 'auto': from the disk's measured per-read cost and bandwidth "
@@ -146,7 +147,8 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=d.prefetch,
                    help="read layer l+1's weights while layer l computes (sparse: the neurons layer l+1's "
                         "predictor picks from layer l's residual stream; misses are read when l+1 runs) "
-                        "(default: naive and hybrid only, where it measured faster)")
+                        "(default: naive and hybrid; sparse where the reads land in cache rows through native AIO, "
+                        "where it measured faster)")
     g.add_argument("--context", type=_positive, default=d.context,
                    help="KV cache length (default: min(model, 4096))")
     g.add_argument("--quantize-resident", default=d.quantize_resident, choices=QUANTIZE_RESIDENT,

@@ -87,7 +87,8 @@ class StreamingPlan(Plan):
 
     def __init__(self, ctx: PlanContext):
         super().__init__(ctx)
-        self.reader = ctx.ffn_reader(gap_filling=self.gap_filling, layout=getattr(self, "read_layout", None))
+        self.reader = ctx.ffn_reader(gap_filling=self.gap_filling, layout=getattr(self, "read_layout", None),
+                                     aio_depth=getattr(self, "aio_depth", None))
         # dense plans: read layer l+1 while layer l computes (two buffers), never across tokens
         self.buffers = 2 if ctx.options.prefetch is not False and ctx.spec.n_layers > 1 else 1
         self._inflight: dict = {}  # layer -> reads started for it
@@ -118,7 +119,7 @@ class NaivePlan(StreamingPlan):
         opts, self.quantized = ctx.options, None
         if opts.quantize_resident != "none":  # quantized once here, read per token (quant_layers.py)
             self.quantized = QuantizedLayers(st, names, self.backend, opts.quantize_resident, opts.threads,
-                                             opts.aio_depth)
+                                             opts.aio_depth or 0)
             self.spans, self.attn_reader = self.quantized.spans, self.quantized.reader
         else:
             self.spans = []
@@ -126,7 +127,7 @@ class NaivePlan(StreamingPlan):
                 begin = min(st.entries[n]["data_offsets"][0] for n in layer)
                 end = max(st.entries[n]["data_offsets"][1] for n in layer)
                 self.spans.append((st.data_start + begin, end - begin, layer))
-            self.attn_reader = FlashReader(st.path, threads=opts.threads, aio_depth=opts.aio_depth)
+            self.attn_reader = FlashReader(st.path, threads=opts.threads, aio_depth=opts.aio_depth or 0)
         self.st = st
         attn_bytes = max(n for _, n, _ in self.spans)
         one_layer = attn_bytes + self.lay.d_ffn * self.lay.stride
@@ -261,6 +262,7 @@ class SparsePlan(StreamingPlan):
     gap_filling = True
 
     RANDOM_READ_PENALTY = 1.5  # a bundle read costs about this much more per byte than a sequential one
+    AHEAD_AIO_DEPTH = 2048  # native AIO reads in flight for the default read-ahead (a 7B layer's ~800 at once)
 
     def __init__(self, ctx: PlanContext):
         self.predictor = make_predictor(ctx.options.predictor, ctx)
@@ -268,9 +270,19 @@ class SparsePlan(StreamingPlan):
         self.resident_part = getattr(self.predictor, "resident_part", None)
         self.read_layout = ctx.layout if self.resident_part is None else \
             ctx.layout.only(tuple(p for p in ctx.layout.parts if p != self.resident_part))
+        options, in_place = ctx.options, ctx.backend.reads_in_place()
+        if options.aio_depth is None:  # native AIO where the read-ahead may go into cache rows, else threads
+            self.aio_depth = self.AHEAD_AIO_DEPTH if in_place and options.prefetch is not False else 0
         super().__init__(ctx)
+        # read-ahead (layer l+1's lookahead set read while layer l computes): straight into the rows its cache
+        # frees for them where reads land in cache rows (no budget, no copy), else into a buffer of its own; by
+        # default only into cache rows through native AIO, where it measured faster (reader threads and the
+        # buffer's copy take the cores the compute needs: bench/results/io_runtime_7b.md)
+        self.read_ahead = ctx.spec.n_layers > 1 and (options.prefetch is True or options.prefetch is None and
+                                                     in_place and self.reader.io.engine == "aio")
+        self.ahead_in_place = self.read_ahead and in_place
         self.lay = self.read_layout
-        options, budget = ctx.options, ctx.budget
+        budget = ctx.budget
         self.window, self.on_overflow = options.window, options.on_overflow
         lay, L, B = self.lay, ctx.spec.n_layers, self.backend
         need = getattr(self.predictor, "expected_fraction", lambda: None)()
@@ -280,10 +292,6 @@ class SparsePlan(StreamingPlan):
         if avail is not None and avail < L * row:
             raise ctx.too_small(base + L * row,
                                 "resident weights, KV cache, staging, predictors and one cached neuron per layer")
-        # read-ahead (layer l+1's lookahead set read while layer l computes): straight into the rows its cache
-        # frees for them where reads land in cache rows (no budget, no copy), else into a buffer of its own
-        self.read_ahead = options.prefetch is True and L > 1
-        self.ahead_in_place = self.read_ahead and B.reads_in_place()
         self.prefetch_rows = self._prefetch_rows(avail, row, need) if self.read_ahead and not self.ahead_in_place \
             else 0
         if avail is not None:
@@ -380,7 +388,7 @@ class SparsePlan(StreamingPlan):
     def _load(self, layer: int, active: np.ndarray, window: int, cost) -> int:
         """One cache step: evict outside the window, then read the missing bundles into free rows
         (those the lookahead already read into cache rows are held by then; those it read into the
-        prefetch buffer are placed from there). Returns the neurons loaded, read ahead or now."""
+        prefetch buffer are placed from there). Returns the needed neurons loaded, read ahead or now."""
         cache = self.caches[layer]
         ahead = self._finish_prefetch(layer, active, cost)
         with cost.timed("mem_ms"):
@@ -426,7 +434,8 @@ class SparsePlan(StreamingPlan):
 
     def _finish_prefetch(self, layer: int, active: np.ndarray, cost) -> int:
         """Wait for the read ahead of `layer` (once its true set `active` is known) and count the
-        lookahead's recall; read into cache rows, its neurons are held from now on. Returns how many."""
+        lookahead's recall; read into cache rows, its neurons are held from now on. Returns how many of
+        them the layer needs (those it does not are counted as wasted and leave at its eviction)."""
         if self._pending is None or self._pending[0] != layer:
             self._drop_prefetch()
             return 0
@@ -445,7 +454,7 @@ class SparsePlan(StreamingPlan):
         unused = len(ids) - int(np.isin(ids, active, assume_unique=True).sum())
         cost.prefetch_unused += unused
         cost.bytes_wasted += unused * self.lay.stride  # read ahead for nothing
-        return len(ids)
+        return len(ids) - unused
 
     def _use_prefetch(self, layer: int, missing: np.ndarray, cost) -> np.ndarray:
         """Place the bundles of `missing` neurons read ahead into the prefetch buffer (waited for by

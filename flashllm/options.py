@@ -34,10 +34,13 @@ class LoadOptions:
     gpu_budget: float | int | str | None = None
     window: int = 4  # sparse: tokens whose neurons stay cached
     threads: int = 32  # flash reads in flight
-    aio_depth: int = 0  # > 0: native AIO with this many reads in flight per thread
+    # > 0: native AIO with this many reads in flight; 0: blocking reads in `threads` threads; None: native AIO
+    # for sparse mode's read-ahead into cache rows (the overlap measured faster that way), threads otherwise
+    aio_depth: int | None = None
     gap_bytes: int | None = 0  # read through file gaps up to this size (None: the disk profile's cost model)
     # read layer l+1's weights (sparse: its lookahead-predicted neurons) while l computes; None: where it
-    # measured faster here (naive and hybrid; not sparse, see bench/results/io_pipeline.md)
+    # measured faster here: naive and hybrid; sparse where the reads land in cache rows through native AIO
+    # (bench/results/io_runtime_7b.md; not through a buffer or reader threads, bench/results/io_pipeline.md)
     prefetch: bool | None = None
     dtype: str | None = None  # compute dtype; None: the storage dtype
     context: int | None = None  # KV cache length; None: min(model, 4096)
@@ -90,7 +93,8 @@ class LoadOptions:
         check(isinstance(self.threads, int) and self.threads >= 1, f"threads {self.threads}: must be at least 1")
         check(self.compute_threads is None or isinstance(self.compute_threads, int) and self.compute_threads >= 1,
               f"compute_threads {self.compute_threads}: must be at least 1 (or None: by the machine's load)")
-        check(isinstance(self.aio_depth, int) and self.aio_depth >= 0, f"aio_depth {self.aio_depth}: must be >= 0")
+        check(self.aio_depth is None or isinstance(self.aio_depth, int) and self.aio_depth >= 0,
+              f"aio_depth {self.aio_depth}: must be >= 0 (or None: native AIO for sparse read-ahead)")
         check(self.gap_bytes is None or isinstance(self.gap_bytes, int) and self.gap_bytes >= 0,
               f"gap_bytes {self.gap_bytes}: must be >= 0 (or None: from the disk profile)")
         check(isinstance(self.batch_size, int) and self.batch_size >= 1,

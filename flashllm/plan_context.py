@@ -45,12 +45,14 @@ class PlanContext:
 
     # -- reading -------------------------------------------------------------------------------
     def ffn_reader(self, threads: int | None = None, verify: bool = True, gap_filling: bool = False,
-                   layout: fmt.FFNLayout | None = None) -> FFNReader:
+                   layout: fmt.FFNLayout | None = None, aio_depth: int | None = None) -> FFNReader:
         """A reader of `ffn.bin` reporting to the hooks (and, with `verify`, checking layer checksums);
         with `gap_filling`, gaps up to the `gap_bytes` option (None: the disk profile's) are read through;
-        `layout`: a view of the file's (`FFNLayout.only`, some parts of each bundle)."""
+        `layout`: a view of the file's (`FFNLayout.only`, some parts of each bundle); `aio_depth`: the
+        engine (None: the option's, where None means blocking reads in threads)."""
         o = self.options
-        return FFNReader(self.manifest.path("ffn"), layout or self.layout, threads or o.threads, o.aio_depth,
+        aio = aio_depth if aio_depth is not None else o.aio_depth or 0
+        return FFNReader(self.manifest.path("ffn"), layout or self.layout, threads or o.threads, aio,
                          self.checksums if verify else None, self.hooks, o.gap_bytes if gap_filling else 0)
 
     def read_layer_block(self, layer: int, n: int | None = None) -> np.ndarray:

@@ -138,7 +138,7 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--aio-depth", type=_count, default=d.aio_depth,
                    help="Linux, direct I/O: serve the reads with native AIO, this many in flight "
                         "(less CPU per read; 0: one blocking read per thread) (default: native AIO for sparse "
-                        "mode's read-ahead into cache rows, else 0)")
+                        "mode's FFN reads, else 0)")
     g.add_argument("--gap-bytes", type=_gap_bytes, default=d.gap_bytes,
                    help="sparse mode: read through gaps of up to this many bytes between needed bundles instead "
                         "of issuing another read; 'auto': from the disk's measured per-read cost and bandwidth "

@@ -262,7 +262,7 @@ class SparsePlan(StreamingPlan):
     gap_filling = True
 
     RANDOM_READ_PENALTY = 1.5  # a bundle read costs about this much more per byte than a sequential one
-    AHEAD_AIO_DEPTH = 2048  # native AIO reads in flight for the default read-ahead (a 7B layer's ~800 at once)
+    AIO_DEPTH = 2048  # native AIO reads in flight by default (a 7B layer's ~800 at once)
 
     def __init__(self, ctx: PlanContext):
         self.predictor = make_predictor(ctx.options.predictor, ctx)
@@ -271,8 +271,8 @@ class SparsePlan(StreamingPlan):
         self.read_layout = ctx.layout if self.resident_part is None else \
             ctx.layout.only(tuple(p for p in ctx.layout.parts if p != self.resident_part))
         options, in_place = ctx.options, ctx.backend.reads_in_place()
-        if options.aio_depth is None:  # native AIO where the read-ahead may go into cache rows, else threads
-            self.aio_depth = self.AHEAD_AIO_DEPTH if in_place and options.prefetch is not False else 0
+        if options.aio_depth is None:  # native AIO: faster here than reader threads for sparse reads (with or
+            self.aio_depth = self.AIO_DEPTH  # without read-ahead: bench/results/io_runtime_7b.md, io_pipeline.md)
         super().__init__(ctx)
         # read-ahead (layer l+1's lookahead set read while layer l computes): straight into the rows its cache
         # frees for them where reads land in cache rows (no budget, no copy), else into a buffer of its own; by

@@ -35,7 +35,7 @@ class LoadOptions:
     window: int = 4  # sparse: tokens whose neurons stay cached
     threads: int = 32  # flash reads in flight
     # > 0: native AIO with this many reads in flight; 0: blocking reads in `threads` threads; None: native AIO
-    # for sparse mode's read-ahead into cache rows (the overlap measured faster that way), threads otherwise
+    # for sparse mode's FFN reads (measured faster, with and without read-ahead), threads otherwise
     aio_depth: int | None = None
     gap_bytes: int | None = 0  # read through file gaps up to this size (None: the disk profile's cost model)
     # read layer l+1's weights (sparse: its lookahead-predicted neurons) while l computes; None: where it

@@ -103,6 +103,7 @@ class PendingRead:
         self._t1 = t0  # when the last read finished
         self.lock, self.event = threading.Lock(), threading.Event()
         self.bytes_read = self.reads = 0
+        self.dest = None  # the threads' view of the destination, dropped when the call is over
         self.error: BaseException | None = None
         self._stats: IOStats | None = None
         if pending == 0:
@@ -120,6 +121,7 @@ class PendingRead:
             if self.event.is_set() or (self.pending and not all_read):
                 return
             self._t1 = time.perf_counter()
+            self.dest = None
             self.event.set()
         if self._fadvise is not None:  # buffered fallback: drop what this call read from the page cache
             try:
@@ -158,7 +160,10 @@ def _serve(fd: int, bounce: memoryview, align: int, job, worker: bool = True) ->
     back to the caller through ``PendingRead``. False on the sentinel."""
     if job is None:
         return False
-    call, dest, reads, junk = job
+    call, reads, junk = job
+    dest = call.dest  # None once the call is over: a worker woken that late takes no view of the buffer
+    if dest is None:
+        reads = ()
     nbytes = nreads = off = n = 0
     error = None
     preadv = _preadv
@@ -187,6 +192,7 @@ def _serve(fd: int, bounce: memoryview, align: int, job, worker: bool = True) ->
         error.__cause__ = e
     except BaseException as e:  # FlashIOError (short read) or a bug: re-raised in the caller
         error = e
+    dest = None  # before the call can be counted over: its caller may resize or free the buffer then
     call.finish(nbytes, nreads, error, worker)
     return True
 
@@ -432,25 +438,25 @@ class FlashReader:
         if not self.direct and hasattr(os, "posix_fadvise"):
             lo = int(reads.off.min())
             fadvise = (self._fd, lo, int((reads.off + reads.len).max()) - lo)
-        mv = memoryview(flat)
         shared = zip(*cols)
         call = PendingRead(self.path, nw, requested, t0, fadvise, total=len(reads),
-                           helper=(lambda: self._help(call, mv, shared)) if _GIL else None)
+                           helper=(lambda: self._help(call, shared)) if _GIL else None)
+        call.dest = memoryview(flat)
         # Work-sharing: all workers pull from one iterator, so none idles while reads are left (no straggler
         # tail). next() on a zip of list iterators is atomic under the GIL; do not put map() or anything that
         # allocates between the items in here: a GC run mid-item can switch threads and mix up reads.
         for w in range(nw):
             share = shared if _GIL else zip(*(c[w::nw] for c in cols))  # free-threaded: fixed shares
-            self._queues[(self._next + w) % self.threads].put((call, mv, share, self._junk))
+            self._queues[(self._next + w) % self.threads].put((call, share, self._junk))
         self._next = (self._next + nw) % self.threads
         return call
 
-    def _help(self, call: PendingRead, mv: memoryview, shared) -> None:
+    def _help(self, call: PendingRead, shared) -> None:
         """The waiting thread takes reads of its call from the shared iterator too (unless another one is
         helping: the bounce buffer is one)."""
         if self._help_lock.acquire(blocking=False):
             try:
-                _serve(self._fd, self._help_bounce, self.alignment, (call, mv, shared, self._junk), worker=False)
+                _serve(self._fd, self._help_bounce, self.alignment, (call, shared, self._junk), worker=False)
             finally:
                 self._help_lock.release()
 

@@ -351,6 +351,28 @@ def test_no_reference_to_dest_is_kept_after_a_call(data_file):
         dest.resize((8, 4096))  # raises if a worker still holds a view of the buffer
 
 
+def test_a_worker_woken_after_its_call_is_over_holds_no_view_of_dest(data_file, monkeypatch):
+    """The waiting thread may do all of its call's reads while the workers are busy with an earlier call;
+    the queued share of a worker woken after that must not keep the buffer alive."""
+    path, data = data_file
+    real, gate = flashio._preadv, threading.Event()
+
+    def held_read(fd, bufs, off):  # the first call's reads (from offset 1 MiB) wait at the gate
+        if off >= 1 << 20:
+            assert gate.wait(timeout=30)
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(flashio, "_preadv", held_read)
+    with FlashReader(path, threads=2, aio_depth=0) as r:
+        busy = r.submit_rows(1 << 20, 4096, 4096, np.arange(8) * 2, aligned_empty((8, 4096), np.uint8), np.arange(8))
+        dest = np.zeros((4, 4096), np.uint8)
+        r.read_rows(0, 4096, 4096, np.arange(4), dest, np.arange(4))  # done by this thread alone
+        assert (dest == data.reshape(-1, 4096)[:4]).all()
+        dest.resize((8, 4096))  # raises if a queued share still holds a view of the buffer
+        gate.set()
+        assert busy.wait().reads == 8
+
+
 def test_submitted_calls_overlap_and_wait_returns_their_stats(data_file, monkeypatch):
     path, data = data_file
     a, b = aligned_empty((64, 8192), np.uint8), aligned_empty(1 << 20, np.uint8)

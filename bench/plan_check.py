@@ -89,9 +89,10 @@ def check(model_dir: Path, budget, machine, disk, ids, prefill: int, rounds: int
     if same:  # the plan is the hand defaults: one configuration, measured once (plan / hand is 1 by identity)
         del models["hand"]
     runs = {k: [] for k in models}
-    for _ in range(rounds):
-        for name, m in models.items():
-            runs[name] += calibration.token_costs(m, ids, prefill, planner.CALIBRATE_WARMUP, min_seconds)
+    for r in range(rounds):
+        for name, m in models.items():  # the first round warms each model up as the planner's calibration does
+            runs[name] += calibration.token_costs(m, ids, prefill, planner.CALIBRATE_WARMUP, min_seconds,
+                                                  planner.CALIBRATE_WARM_PASSES if r == 0 else 0)
     med = {name: decode_stats(models[name], rs) for name, rs in runs.items()}
     med.setdefault("hand", med["plan"])
     spread = {name: [round(r["total_ms"], 1) for r in rs] for name, rs in runs.items()}
@@ -141,6 +142,11 @@ def table(results: list[dict], header: str) -> str:
                      f"{pr.get('reads_per_token', 0):>7.0f}/{me['reads']:<5.0f}{'-'.join(map(str, r['load'])):>11}"
                      f"   {parts}")
         lines += [f"    note: {n}" for n in r["notes"] if n.startswith(("kept", "calibrated"))]
+        runs = [("profile-only", pr.get("model_parts")), ("calibration run", pr.get("calibration_run")), ("check", me)]
+        lines.append("    parts (compute, predictor, io, mem ms; KiB, reads per token): " + "; ".join(
+            f"{name} " + ", ".join(f"{x[k]:.1f}" for k in PARTS[1:]) +
+            (f" ({x['bytes_read'] / 1024:.0f} KiB, {x['reads']:.0f})" if "reads" in x else "")
+            for name, x in runs if x))
     return "\n".join(lines)
 
 

@@ -38,13 +38,19 @@ class Measured:
         return asdict(self)
 
 
-def token_costs(model, ids: list[int], prefill: int, warmup: int = 2, min_seconds: float = 0.0) -> list[dict]:
+def token_costs(model, ids: list[int], prefill: int, warmup: int = 2, min_seconds: float = 0.0,
+                warm_passes: int = 0) -> list[dict]:
     """Per decode token of ids[prefill:] (after the prompt ids[:prefill] and `warmup` uncounted decode
     tokens): the runtime's stats and the FFN kernels' time from its part timer. The sequence is decoded
     again (from its prompt) until `min_seconds` have passed: on a shared machine a window of a few
-    tokens sees one moment's load, not the typical one (the embedded model decodes 12 tokens in 0.1 s)."""
+    tokens sees one moment's load, not the typical one (the embedded model decodes 12 tokens in 0.1 s).
+    `warm_passes` whole passes are decoded first and not counted: a model just loaded pays once for
+    touching its resident weights and cache rows for the first time (page faults) and for filling its
+    caches from empty, which a running model does not."""
     from .stats import PartTimer
 
+    for _ in range(warm_passes):
+        model.logits(ids, prefill)
     timer = model.backend.parts = PartTimer(model.backend.sync)
     rows, start = [], time.perf_counter()
     while not rows or time.perf_counter() - start < min_seconds:
@@ -98,22 +104,24 @@ class Calibration:
         return Parts(compute_s=self.fixed_s, ffn_s=ffn, predictor_s=self.predictor_s, io_s=io, mem_s=mem)
 
 
-def cold_io_s(measured_s: float, model_s: float) -> float:
-    """I/O seconds of a measured configuration, never below the disk profile's cold-read cost: on this VM
-    the host caches the virtual disk, so reads of a file written or read shortly before (a model just
-    converted, a mode just measured) ran at 3 GB/s in calibration and at 0.5 GB/s a minute later; a plan
-    must not depend on what a cache happened to hold."""
-    return max(measured_s, model_s)
+def cold_io_s(measured_s: float, nbytes: float, disk) -> float:
+    """I/O seconds of a measured configuration, never below what its bytes take at the disk profile's
+    fastest measured rate: on this VM the host caches the virtual disk, so reads of a file written or read
+    shortly before (a model just converted) once ran at 3 GB/s on a disk whose best is 1.4 GiB/s. Measured
+    reads slower than that stand as measured (until session 4 they were floored at the cost model's
+    random-read time, which a contended disk profile put at 3x what the runtime then measured)."""
+    mibps = getattr(disk, "mibps", None)
+    return max(measured_s, nbytes / (max(map(max, mibps)) * (1 << 20))) if mibps else measured_s
 
 
 def calibrate(m: Measured, model_ffn_s: float, model_io_s: float, model_mem_s: float,
-              min_noise: float = 0.05) -> Calibration:
+              min_noise: float = 0.05, disk=None) -> Calibration:
     """The factors from a measurement `m` and the cost model's terms at the same configuration (a term
-    the model puts at zero keeps its measured value as a constant)."""
+    the model puts at zero keeps its measured value as a constant; measured I/O as `cold_io_s`)."""
 
-    pairs = ((m.ffn_ms / 1e3, model_ffn_s), (m.io_ms / 1e3, model_io_s), (m.mem_ms / 1e3, model_mem_s))
+    pairs = ((m.ffn_ms / 1e3, model_ffn_s), (cold_io_s(m.io_ms / 1e3, m.bytes_read, disk), model_io_s),
+             (m.mem_ms / 1e3, model_mem_s))
     scales = [measured / model if model > 0 else 1.0 for measured, model in pairs]
-    scales[1] = max(scales[1], 1.0)  # reads faster than the disk profile's cold reads came from a cache (cold_io_s)
     return Calibration(fixed_s=(m.compute_ms - m.ffn_ms) / 1e3, predictor_s=m.predictor_ms / 1e3,
                        ffn_scale=scales[0], io_scale=scales[1], mem_scale=scales[2], measured=m.to_dict(),
                        noise=max(min_noise, m.spread),

@@ -65,12 +65,21 @@ def predictor_s(machine, spec, dtype: str, rank: int, fixed: bool = False) -> fl
         (machine.layer_s.get("predictor", 0.0) if fixed else 0.0)
 
 
-def io_s(disk, reads: float, nbytes: float, threads: int) -> float:
-    """A layer's reads issued together: each costs the amortised per-read time at the depth in flight."""
+def io_s(disk, reads: float, nbytes: float, threads: int, calls: float = 1.0) -> float:
+    """A layer's reads, issued in `calls` engine calls of reads in flight together: each call costs the
+    disk profile's per-call cost (waking the threads, waiting for the slowest read), each read the
+    amortised per-read time at the depth in flight (profiles without call costs: the amortised cost of
+    one-wave calls, which carries the call's cost in every read)."""
     if reads <= 0:
         return 0.0
-    per_read, bandwidth = disk.cost_model(max(1, min(threads, int(round(reads)))))
-    return reads * per_read + nbytes / bandwidth
+    calls = max(calls, 1e-9)
+    depth = max(1, min(threads, int(round(reads / max(calls, 1.0)))))
+    model = getattr(disk, "call_cost_model", lambda q: None)(depth)
+    if model is None:
+        per_read, bandwidth = disk.cost_model(depth)
+        return reads * per_read + nbytes / bandwidth
+    call, per_read, bandwidth = model
+    return calls * call + reads * per_read + nbytes / bandwidth
 
 
 def resident_s(machine, spec, dtype: str, kind: str) -> float:

@@ -43,6 +43,8 @@ SIZES = (4096, 16384, 65536, 262144, 1048576)  # request sizes measured by defau
 INFLIGHT = (1, 8, 32)  # reads in flight measured by default
 SCRATCH_BYTES = 1 << 30  # the scratch file random reads go to (written once, deleted after)
 SECONDS = 0.25  # per cell
+WAVES = 8  # an engine call of WAVES x q reads beside one of q: what a call costs beyond its reads (call_us)
+WAVE_SIZES = 3  # ... measured at the smallest request sizes (a call's cost does not scale with them)
 MIN_CALLS = 8  # per cell, however long they take
 
 
@@ -85,6 +87,7 @@ class DiskProfile:
     scratch_bytes: int = 0
     seconds_per_cell: float = 0.0
     notes: list[str] = field(default_factory=list)
+    call_us: list[float] | None = None  # per in-flight count: an engine call's cost beyond its reads (None: not measured)
 
     # -- queries ---------------------------------------------------------------------------------
     def _row(self, inflight: int) -> int:
@@ -107,10 +110,22 @@ class DiskProfile:
         relative error, so that the large sizes do not decide the per-read cost alone)."""
         row = self._row(inflight)
         s = np.array(self.sizes, dtype=np.float64)
-        cost = s / (np.array(self.mibps[row]) * (1 << 20))
-        slope, intercept = np.polyfit(s, cost, 1, w=1 / cost)
-        bandwidth = 1.0 / slope if slope > 0 else float(np.max(s / cost))
-        return max(float(intercept), 0.0), float(bandwidth)
+        return _fit_line(s, s / (np.array(self.mibps[row]) * (1 << 20)))
+
+    def call_cost_model(self, inflight: int) -> tuple[float, float, float] | None:
+        """(seconds per engine call, per-read seconds, bytes/s) at ``inflight`` reads in flight: a call of
+        r reads costs ``call + r * per_read + bytes / bandwidth``. A cell's calls hold one read per thread,
+        so its amortised cost carries the whole call (waking the threads, waiting for the slowest read)
+        in every q reads; a call of many reads per thread (the runtime's, for a large layer) pays it once.
+        None when the profile has no call costs (measured before they were)."""
+        if not self.call_us:
+            return None
+        row = self._row(inflight)
+        call = self.call_us[row] * 1e-6
+        s = np.array(self.sizes, dtype=np.float64)
+        per_read, bandwidth = _fit_line(s, np.maximum(s / (np.array(self.mibps[row]) * (1 << 20))
+                                                      - call / self.inflight[row], 1e-9))
+        return call, per_read, bandwidth
 
     def gap_bytes(self, inflight: int) -> int:
         """The largest gap worth reading through rather than issuing a second read (0 when the profile
@@ -152,7 +167,19 @@ class DiskProfile:
             a, b = self.cost_model(q)
             lines.append(f"{q} in flight: a read costs {a * 1e6:.1f} us + size / {b / (1 << 20):.0f} MiB/s; "
                          f"gaps under {_fmt(self.gap_bytes(q))} are read through")
+            calls = self.call_cost_model(q)
+            if calls:
+                lines.append(f"    in calls of many reads: {calls[0] * 1e6:.0f} us per call + {calls[1] * 1e6:.1f} us "
+                             f"per read + size / {calls[2] / (1 << 20):.0f} MiB/s")
         return "\n".join(lines + self.notes)
+
+
+def _fit_line(s: np.ndarray, cost: np.ndarray) -> tuple[float, float]:
+    """(intercept >= 0, 1 / slope) of ``cost ~ intercept + s * slope``, least squares of the relative error
+    (so that the large sizes do not decide the intercept alone)."""
+    slope, intercept = np.polyfit(s, cost, 1, w=1 / cost)
+    bandwidth = 1.0 / slope if slope > 0 else float(np.max(s / cost))
+    return max(float(intercept), 0.0), float(bandwidth)
 
 
 def _fmt(n: int) -> str:
@@ -168,14 +195,16 @@ _clock = time.perf_counter  # what cells are timed with (a test swaps in a simul
 
 def _cell(reader, order: np.ndarray, size: int, inflight: int, seconds: float, dest) -> tuple[float, float]:
     """(bytes/s, median seconds per call) reading ``size``-byte rows ``order[0], order[1], ...`` (a random
-    permutation of the file's rows: no row is read twice), ``inflight`` per call, for ``seconds`` and at
-    least MIN_CALLS calls (or until the rows run out)."""
-    rows, clock = np.arange(inflight), _clock
+    permutation of the file's rows: no row is read twice), ``inflight`` per call (as many as ``dest`` has
+    rows: a multiple of the reader's threads for calls of several waves), for ``seconds`` and at least
+    MIN_CALLS calls (or until the rows run out)."""
+    per_call = len(dest)
+    rows, clock = np.arange(per_call), _clock
     total, times = 0, []
     start = clock()
-    for k in range(0, len(order) - inflight + 1, inflight):
+    for k in range(0, len(order) - per_call + 1, per_call):
         t = clock()
-        total += reader.read_rows(0, size, size, order[k:k + inflight], dest, rows).bytes_read
+        total += reader.read_rows(0, size, size, order[k:k + per_call], dest, rows).bytes_read
         times.append(clock() - t)
         if len(times) >= MIN_CALLS and clock() - start >= seconds:
             break
@@ -249,6 +278,7 @@ def measure(path, sizes=SIZES, inflight=INFLIGHT, seconds: float = SECONDS,
     rng = np.random.default_rng()
     mibps = [[0.0] * len(sizes) for _ in inflight]
     latency = [0.0] * len(sizes)
+    call_us = [0.0] * len(inflight)
     direct = True
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     try:
@@ -268,6 +298,14 @@ def measure(path, sizes=SIZES, inflight=INFLIGHT, seconds: float = SECONDS,
                         latency[j] = per_call * 1e6
                     if progress:
                         progress(f"{_fmt(s)} x{q}: {mibps[i][j]:.0f} MiB/s")
+                calls = []
+                for s in [s for s in sizes[:WAVE_SIZES] if fsize // s >= 2 * WAVES * q]:
+                    # one wave vs WAVES waves per call: (WAVES * t1 - tw) / (WAVES - 1) is the call's own cost
+                    one = _cell(reader, rng.permutation(fsize // s), s, q, seconds / 2, aligned_empty((q, s), np.uint8))[1]
+                    many = _cell(reader, rng.permutation(fsize // s), s, q, seconds / 2,
+                                 aligned_empty((WAVES * q, s), np.uint8))[1]
+                    calls.append((WAVES * one - many) / (WAVES - 1))
+                call_us[i] = max(float(np.median(calls)), 0.0) * 1e6 if calls else 0.0
         if 1 not in inflight:
             with open_reader(file, 1, max(sizes)) as reader:
                 for j, s in enumerate(sizes):
@@ -283,7 +321,7 @@ def measure(path, sizes=SIZES, inflight=INFLIGHT, seconds: float = SECONDS,
                        date=datetime.datetime.now().isoformat(timespec="seconds"), direct=direct, sizes=sizes,
                        inflight=inflight, mibps=[[round(v, 1) for v in r] for r in mibps],
                        latency_us=[round(v, 1) for v in latency], scratch_bytes=scratch_bytes if ours else 0,
-                       seconds_per_cell=seconds, notes=notes)
+                       seconds_per_cell=seconds, notes=notes, call_us=[round(v, 1) for v in call_us])
 
 
 def cache_path(path) -> Path:

@@ -13,7 +13,10 @@ def _disk(model_dir, refresh: bool, log):
         from . import disk_profile
     except ImportError:
         raise FlashLLMError("this flashllm has no disk profiler (flashllm.disk_profile)") from None
-    return disk_profile.profile(model_dir, refresh=refresh, progress=log)
+    p = disk_profile.profile(model_dir, refresh=refresh, progress=log)
+    if p.call_us is None:  # cached before engine calls were costed (the cost model needs them): measure again
+        p = disk_profile.profile(model_dir, refresh=True, progress=log)
+    return p
 
 
 def _log(quiet: bool):

@@ -54,7 +54,8 @@ def point_cost(machine, disk, manifest, dtype: str, facts: SparseFacts, point: d
                threads: int) -> cm.Parts:
     """One layer's decode-token cost at a replayed (window, capacity) point."""
     spec, lay = manifest.spec, facts.geometry.layout
-    placed = machine.cast_s(manifest.dtype, dtype, point["loaded"] * (lay.stride if facts.in_place else facts.row))
+    placed = machine.cast_s(manifest.dtype, dtype, point["loaded"] * (lay.stride if facts.in_place else facts.row)) + \
+        machine.layer_s.get("sparse_mem", 0.0)  # the cache's bookkeeping, timed as memory by the runtime
     if facts.ranks is None:  # the gate predictor: every gate row, its pre-activations reused by the FFN
         predictor = machine.matvec_s(dtype, spec.d_ffn, spec.d_model, cm.ITEMSIZE[dtype]) + \
             machine.layer_s.get("predictor", 0.0)
@@ -62,7 +63,8 @@ def point_cost(machine, disk, manifest, dtype: str, facts: SparseFacts, point: d
         predictor = cm.predictor_s(machine, spec, dtype, facts.ranks[layer], fixed=True)
     return cm.Parts(compute_s=machine.layer_s["sparse"],
                     ffn_s=cm.ffn_s(machine, spec, dtype, point["held"], len(lay.parts)),
-                    predictor_s=predictor, io_s=cm.io_s(disk, point["reads"], point["bytes"], threads), mem_s=placed)
+                    predictor_s=predictor, io_s=cm.io_s(disk, point["reads"], point["bytes"], threads,
+                                                                  point["calls"]), mem_s=placed)
 
 
 def parts_at(machine, disk, manifest, dtype, facts, replays, window, caps, threads) -> tuple[cm.Parts, dict]:

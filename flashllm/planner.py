@@ -42,6 +42,7 @@ SAMPLE_TOKENS = 512
 CALIBRATE_TOKENS = 12  # decode tokens the runtime measures per mode (0: the cost model alone)
 CALIBRATE_PREFILL, CALIBRATE_WARMUP = 4, 2  # prompt tokens before them; decode tokens not counted
 CALIBRATE_SECONDS = 3.0  # ... decoded again until this long: a shared machine's load varies over seconds
+CALIBRATE_WARM_PASSES = 1  # ... after this many uncounted passes (a model just loaded is cold)
 
 
 @dataclass
@@ -132,6 +133,12 @@ def hybrid_cost(machine, disk, manifest, dtype: str, mem: dict, resident_rows: i
     return p
 
 
+def _profile_only(parts: cm.Parts) -> dict:
+    """What the cost model alone (the profiles, no calibration run) predicts, kept beside a calibrated
+    prediction: `model_ms` and its parts."""
+    return {"model_ms": parts.total_s * 1e3, "model_parts": parts.to_ms()}
+
+
 def predictor_choices(manifest) -> list[str]:
     """The predictors a sparse plan may run besides what `auto` picks: the low-rank predictors where
     trained, and for a gated FFN with a sparse activation or calibrated thresholds the resident gate."""
@@ -199,7 +206,7 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
                 return model, None
             log(f"measuring {what} ({calibrate_tokens} decode tokens, again until {calibrate_seconds:g} s)")
             return model, calibration.typical(calibration.token_costs(model, ids, CALIBRATE_PREFILL, CALIBRATE_WARMUP,
-                                                                         calibrate_seconds))
+                                                                         calibrate_seconds, CALIBRATE_WARM_PASSES))
         except BudgetTooSmall as exc:
             needs.append(getattr(exc, "needed", None))
             notes.append(f"{what}: does not fit ({exc})")
@@ -210,9 +217,10 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
     def add(parts: cm.Parts, plan: Plan, what: str, m=None) -> None:
         nonlocal noise
         if m is not None:  # costed as measured
-            plan.predicted = {**plan.predicted, "model_ms": parts.total_s * 1e3, "calibrated": True}
+            plan.predicted = {**plan.predicted, **_profile_only(parts), "calibrated": True,
+                              "calibration_run": m.to_dict()}
             parts = cm.Parts(compute_s=(m.compute_ms - m.ffn_ms) / 1e3, ffn_s=m.ffn_ms / 1e3,
-                             predictor_s=m.predictor_ms / 1e3, io_s=calibration.cold_io_s(m.io_ms / 1e3, parts.io_s),
+                             predictor_s=m.predictor_ms / 1e3, io_s=calibration.cold_io_s(m.io_ms / 1e3, m.bytes_read, disk),
                              mem_s=m.mem_ms / 1e3)
             noise = max(noise, m.spread)
         options.append((parts, plan, what))
@@ -272,8 +280,8 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
                     predictor=facts.predictor, predicted=extra)
         cal = None
         if m is not None:
-            cal = calibration.calibrate(m, parts.ffn_s, parts.io_s, parts.mem_s)
-            plan.predicted.update(model_ms=parts.total_s * 1e3, calibrated=True,
+            cal = calibration.calibrate(m, parts.ffn_s, parts.io_s, parts.mem_s, disk=disk)
+            plan.predicted.update(**_profile_only(parts), calibrated=True, calibration_run=m.to_dict(),
                                   calibration={k: getattr(cal, k) for k in ("ffn_scale", "io_scale", "mem_scale")})
             parts, noise = cal.apply(parts.ffn_s, parts.io_s, parts.mem_s), max(noise, cal.noise)
         if not fits:
@@ -307,7 +315,7 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
             continue  # the MILP's choice is the runtime's default
         parts, extra = plan_sparse.parts_at(machine, disk, manifest, dtype, facts, replays, window, caps, threads)
         if cal is not None:
-            extra.update(model_ms=parts.total_s * 1e3, calibrated=True)
+            extra.update(**_profile_only(parts), calibrated=True)
             parts = cal.apply(parts.ffn_s, parts.io_s, parts.mem_s)
         options.append((parts, Plan("sparse", dtype, nbudget, window=window, cache_rows=caps, threads=threads,
                                     predictor=facts.predictor, predicted=extra),

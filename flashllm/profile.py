@@ -7,8 +7,9 @@ reads in flight, cached per disk), this measures for one backend and device:
 - matrix-vector throughput per compute dtype: the time of `backend.linear` on one token for a ladder
   of weight sizes, fitted to `per_call_s + bytes / bytes_per_s`;
 - the runtime's own fixed cost per layer and decode token (Python, small ops, attention over a short
-  context), dense and sparse: the embedded model runs a few decode tokens in each mode and what its
-  matvecs and reads explain is subtracted.
+  context), dense and sparse, and the sparse caches' bookkeeping (timed as memory management): the
+  embedded model runs a few decode tokens in each mode and what its matvecs, reads and row copies
+  explain is subtracted.
 
 The cost model (docs/cost_model.md) combines these with a model's shapes; `flashllm plan` uses it.
 Profiles are cached as JSON in $FLASHLLM_CACHE/profile/<host>-<backend>-<device>.json.
@@ -41,7 +42,7 @@ class MachineProfile:
     dram_copy_Bps: float
     cast_Bps: dict  # "float32->bfloat16" -> bytes of output per second
     matvec: dict  # dtype -> {"per_call_s", "bytes_per_s"}
-    layer_s: dict  # "dense" / "sparse" / "predictor" -> fixed seconds per layer per decode token
+    layer_s: dict  # "dense" / "sparse" / "sparse_mem" / "predictor" -> fixed seconds per layer per decode token
     measured_at: str = ""
     notes: list = field(default_factory=list)
 
@@ -73,7 +74,8 @@ class MachineProfile:
             lines.append(f"  matvec {dt:<9}: {m['bytes_per_s'] / 2**30:6.2f} GiB/s of weights + "
                          f"{m['per_call_s'] * 1e6:.1f} us per call")
         lines.append(f"  runtime fixed cost per layer and token: dense {self.layer_s['dense'] * 1e3:.3f} ms, "
-                     f"sparse {self.layer_s['sparse'] * 1e3:.3f} ms")
+                     f"sparse {self.layer_s['sparse'] * 1e3:.3f} ms + cache bookkeeping "
+                     f"{self.layer_s.get('sparse_mem', 0.0) * 1e3:.3f} ms")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
@@ -100,9 +102,11 @@ def measure_dram(nbytes: int = 64 << 20) -> float:
     return nbytes / _best(lambda: np.copyto(dst, src), 5)
 
 
-def measure_layer_overhead(profile: MachineProfile, tokens: int = 24) -> dict:
+def measure_layer_overhead(profile: MachineProfile, tokens: int = 24, seconds: float = 0.5) -> dict:
     """Fixed seconds per layer and decode token of the runtime (dense and sparse), from the embedded model:
-    its compute time minus what its matvecs explain (costmodel), divided by its layers."""
+    its compute time minus what its matvecs explain (costmodel), divided by its layers; the typical token
+    (calibration.typical) of a warmed-up model decoding for `seconds`."""
+    from . import calibration
     from . import costmodel as cm
     from . import demo, load
 
@@ -110,18 +114,17 @@ def measure_layer_overhead(profile: MachineProfile, tokens: int = 24) -> dict:
     out = {}
     for kind in ("dense", "sparse"):
         m = load(model_dir, mode=kind, dtype="float32", context=64, **({"predictor": "lowrank"} if kind == "sparse" else {}))
-        ids = list(range(5, 5 + tokens))
-        m.logits(ids, prefill=4)
-        m.logits(ids, prefill=4)  # the second run is measured
-        s, spec = m.stats, m.spec
-        rows = s.get("neurons_cached_per_layer") or [spec.d_ffn] * spec.n_layers
+        t = calibration.typical(calibration.token_costs(m, list(range(5, 5 + tokens)), 4, 2, seconds, warm_passes=1))
+        spec = m.spec
+        rows = m.stats.get("neurons_cached_per_layer") or [spec.d_ffn] * spec.n_layers
         explained = cm.head_s(profile, spec, "float32") + sum(
             cm.attention_s(profile, spec, "float32") + cm.ffn_s(profile, spec, "float32", r) for r in rows)
-        busy = (s["total_ms"] - s["io_ms"] - s["mem_ms"] - s["predictor_ms"]) / 1e3
-        out[kind] = max(busy - explained, 0.0) / spec.n_layers
-        if kind == "sparse":
+        out[kind] = max(t.compute_ms / 1e3 - explained, 0.0) / spec.n_layers
+        if kind == "sparse":  # the caches' bookkeeping (evicting, row lists), timed as memory, beyond placing rows
+            placed = profile.cast_s("float32", "float32", t.bytes_read)
+            out["sparse_mem"] = max(t.mem_ms / 1e3 - placed, 0.0) / spec.n_layers
             rank = int(m.plan.predictor.proj_in[0].shape[0])
-            out["predictor"] = max(s["predictor_ms"] / 1e3 / spec.n_layers - cm.predictor_s(profile, spec, "float32", rank), 0)
+            out["predictor"] = max(t.predictor_ms / 1e3 / spec.n_layers - cm.predictor_s(profile, spec, "float32", rank), 0)
     return out
 
 

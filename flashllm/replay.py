@@ -34,16 +34,17 @@ class ReadGeometry:
     alignment: int = 1  # direct I/O reads whole aligned blocks (FlashReader.alignment): bytes transferred
     max_chunk: int = MAX_CHUNK
 
-    def reads(self, layer: int, ids: np.ndarray) -> tuple[int, int]:
-        """(reads, bytes transferred) the engine issues for sorted neuron `ids` of `layer`."""
+    def reads(self, layer: int, ids: np.ndarray) -> tuple[int, int, int]:
+        """(reads, bytes transferred, engine calls) the engine issues for sorted neuron `ids` of `layer`."""
         from .read_plan import Reads
 
         if not len(ids):
-            return 0, 0
+            return 0, 0, 0
         step = self.chunk_rows or len(ids)
-        reads = nbytes = 0
+        reads = nbytes = calls = 0
         for k in range(0, len(ids), step):
             chunk = ids[k:k + step]
+            calls += 1  # a chunk's segments (up, down) are in flight together: one wait
             for base, stride, row, _ in self.layout.segments(layer):
                 offs = base + chunk.astype(np.int64) * stride
                 doffs = np.arange(len(chunk), dtype=np.int64) * row
@@ -56,7 +57,7 @@ class ReadGeometry:
                     off, n = r.off, r.len
                 a = self.alignment
                 reads, nbytes = reads + len(off), nbytes + int((-(-(off + n) // a) * a - off // a * a).sum())
-        return reads, nbytes
+        return reads, nbytes, calls
 
 
 def _fit_pinned(cache, active: np.ndarray) -> bool:
@@ -74,7 +75,7 @@ def _fit_pinned(cache, active: np.ndarray) -> bool:
 def replay(masks: list[np.ndarray], window: int, capacity: int, d_ffn: int, geometry: ReadGeometry | None = None,
            layer: int = 0, hot: np.ndarray | None = None) -> dict:
     """One layer's predicted sets (bool [tokens, d_ffn] per sequence) through a NeuronCache as the sparse
-    plan drives it: per token means of bundles loaded, reads and bytes the engine issues for them, rows
+    plan drives it: per token means of bundles loaded, reads, bytes and engine calls the engine issues for them, rows
     held; the share of predicted neurons dropped for lack of rows; and the rows pinned. `hot`: the layer's
     activation frequencies (pinning as the runtime's `pin_hot`; None: no pinning)."""
     from .neuron_cache import NeuronCache, pinned_rows
@@ -84,7 +85,7 @@ def replay(masks: list[np.ndarray], window: int, capacity: int, d_ffn: int, geom
     if pinned:
         cache.append(np.argsort(-hot, kind="stable")[:pinned])  # read once at load, not per token
         cache.pinned = pinned
-    loaded = nbytes = reads = held = dropped = predicted = tokens = 0
+    loaded = nbytes = reads = calls = held = dropped = predicted = tokens = 0
     for seq in masks:
         cache.reset()
         for row in seq:
@@ -95,11 +96,11 @@ def replay(masks: list[np.ndarray], window: int, capacity: int, d_ffn: int, geom
             missing, _, cut = cache.evict(active, window)
             missing, dropped = missing[:len(missing) - cut] if cut else missing, dropped + cut
             cache.append(missing)
-            r, b = geometry.reads(layer, missing) if geometry is not None else (_runs(missing), 0)
-            loaded, nbytes, reads = loaded + len(missing), nbytes + b, reads + r
+            r, b, c = geometry.reads(layer, missing) if geometry is not None else (_runs(missing), 0, int(len(missing) > 0))
+            loaded, nbytes, reads, calls = loaded + len(missing), nbytes + b, reads + r, calls + c
             held, tokens = held + cache.num_used, tokens + 1
     n = max(tokens, 1)
-    return {"loaded": loaded / n, "bytes": nbytes / n, "reads": reads / n, "held": held / n,
+    return {"loaded": loaded / n, "bytes": nbytes / n, "reads": reads / n, "calls": calls / n, "held": held / n,
             "drop_share": dropped / max(predicted, 1), "pinned": pinned}
 
 

@@ -34,8 +34,8 @@ class SimulatedDisk:
 
     direct = True
 
-    def __init__(self, per_read_s: float, bandwidth: float):
-        self.per_read_s, self.bandwidth, self.now, self.seen = per_read_s, bandwidth, 0.0, []
+    def __init__(self, per_read_s: float, bandwidth: float, call_s: float = 0.0):
+        self.per_read_s, self.bandwidth, self.call_s, self.now, self.seen = per_read_s, bandwidth, call_s, 0.0, []
 
     def __enter__(self):
         return self
@@ -44,7 +44,7 @@ class SimulatedDisk:
         pass
 
     def read_rows(self, base, stride, size, idx, dest, rows):
-        self.now += len(idx) * (self.per_read_s + size / self.bandwidth)
+        self.now += self.call_s + len(idx) * (self.per_read_s + size / self.bandwidth)
         self.seen += [(int(i) * stride, size) for i in idx]
         return IOStats(bytes_read=len(idx) * size, reads=len(idx))
 
@@ -63,6 +63,25 @@ def test_measured_gap_is_the_simulated_disks_break_even(tmp_path, monkeypatch):
     assert p.latency_us[0] == pytest.approx(60 + 4096 / (800 * 2**20) * 1e6, rel=0.01)
     first_cell = [r for r in disk.seen if r[1] == 4096][:disk_profile.MIN_CALLS]
     assert len(set(first_cell)) == len(first_cell)
+
+
+def test_call_cost_is_measured_apart_from_the_reads(tmp_path, monkeypatch):
+    """On a disk where an engine call costs 500 us besides its reads, one-wave cells carry that cost in every
+    read; the profile's call cost model recovers it, so a call of many reads is not charged it per wave."""
+    from flashllm import costmodel
+
+    disk = SimulatedDisk(per_read_s=20e-6, bandwidth=800 * 2**20, call_s=500e-6)
+    monkeypatch.setattr(disk_profile, "_clock", lambda: disk.now)
+    p = disk_profile.measure(tmp_path, sizes=(4096, 65536, 1 << 20), inflight=(1, 32), seconds=0.01,
+                             scratch_bytes=64 << 20, open_reader=lambda f, q, chunk: disk)
+    assert p.cost_model(32)[0] == pytest.approx(20e-6 + 500e-6 / 32, rel=0.01)  # one wave: the call in every read
+    call, per_read, bandwidth = p.call_cost_model(32)
+    assert call == pytest.approx(500e-6, rel=0.01) and per_read == pytest.approx(20e-6, rel=0.01)
+    assert bandwidth == pytest.approx(800 * 2**20, rel=0.01)
+    many = costmodel.io_s(p, 256, 256 * 4096, 32, calls=1)
+    assert many == pytest.approx(500e-6 + 256 * (20e-6 + 4096 / (800 * 2**20)), rel=0.01)
+    assert costmodel.io_s(p, 256, 256 * 4096, 32, calls=8) == pytest.approx(many + 7 * 500e-6, rel=0.01)
+    assert synthetic(50, 1000).call_cost_model(32) is None  # a profile from before call costs: amortised model
 
 
 def test_a_large_file_is_measured_in_place_without_a_scratch_file(tmp_path):

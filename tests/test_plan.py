@@ -123,8 +123,12 @@ def test_calibration_reproduces_its_measurement_and_scales_terms():
     there = cal.apply(0.04, 0.0125, 0.0)  # twice the FFN, half the I/O of the model's terms
     assert there.to_ms()["compute_ms"] == pytest.approx(30 + 20) and there.io_s * 1e3 == pytest.approx(25)
     assert there.mem_s * 1e3 == pytest.approx(5.0) and cal.noise == 0.08  # a term the model puts at 0 stays as measured
-    # reads measured faster than the disk profile's cold reads came from a cache: never scaled below the profile
-    assert calibrate(m, 0.02, 0.1, 0.0).apply(0.02, 0.1, 0.0).io_s == pytest.approx(0.1)
+    # reads measured slower or faster than the cost model stand as measured, unless faster than the disk's best
+    # measured rate (then a cache served them): 1e6 bytes in 50 ms is 19 MiB/s
+    assert calibrate(m, 0.02, 0.1, 0.0).apply(0.02, 0.1, 0.0).io_s == pytest.approx(0.05)
+    slow_disk = FakeDisk()
+    slow_disk.mibps = [[5.0, 10.0]]  # 1e6 bytes take 95 ms at its best
+    assert calibrate(m, 0.02, 0.1, 0.0, disk=slow_disk).apply(0.02, 0.1, 0.0).io_s == pytest.approx(1e6 / 10 / 2**20)
     assert calibrate(m, 0.02, 0.025, 0.0, min_noise=0.1).noise == 0.1
 
 

@@ -92,7 +92,31 @@ def at_budget(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, bud
     follow = np.argmax(at.logits(seq[:-1], prefill=len(prompt))[len(prompt) - 1:], axis=1) == np.array(gen)
     return {"ppl": ppl, "tokens": n, "top1_agreement": float(follow.mean()),
             "dropped_per_token": dropped_per_token, "cache_rows": int(sum(at.plan.capacities)),
-            "budget_bytes": int(at.dram_budget), "predictor": at.stats.get("predictor", predictor)}
+            "budget_bytes": int(at.dram_budget or 0), "predictor": at.stats.get("predictor", predictor)}
+
+
+def chosen(rows: str, name: str) -> bool:
+    """Whether `name` is in a comma-separated row list ("all": every row)."""
+    return rows == "all" or name in rows.split(",")
+
+
+def parse_row(name: str) -> tuple[str, dict]:
+    """A row name -> (its stored model: "float32", "float16" or "intB gG", its load options):
+    "int4 g32 + resident int8 + KV int8", "KV int8" (the float32 model with an int8 KV cache)."""
+    parts = [p.strip() for p in name.split("+")]
+    stored, opts = ("float32", {}) if parts[0] == "KV int8" else (parts[0], {})
+    for p in parts[1:] + (["KV int8"] if parts[0] == "KV int8" else []):
+        if p.startswith("resident ") and p[9:] in ("int8", "int4"):
+            opts["quantize_resident"] = p[9:]
+        elif p == "KV int8":
+            opts["kv_bits"] = 8
+        else:
+            raise SystemExit(f"row {name!r}: {p!r} is not 'resident int8|int4' or 'KV int8'")
+    q = stored.split()
+    if stored not in ("float32", "float16") and not (len(q) == 2 and q[0] in ("int8", "int4") and q[1][:1] == "g"
+                                                      and q[1][1:].isdigit()):
+        raise SystemExit(f"row {name!r}: the stored model must be float32, float16 or 'int8|int4 gN'")
+    return stored, opts
 
 
 def train_predictors(model_dir: Path, args) -> None:
@@ -131,7 +155,14 @@ def main(argv=None):
     ap.add_argument("--budget-tokens", type=int, default=256, help="held-out tokens scored at --budget "
                     "(default: %(default)s)")
     ap.add_argument("--budget-only", action="store_true", help="only the --budget table (default: off)")
-    ap.add_argument("--rows", help="comma-separated row names to measure (float32 always; default: all)")
+    ap.add_argument("--unlimited", default="", help="comma-separated rows (or 'all') also measured in sparse mode "
+                    "with no budget (every neuron pinned: dense), the quantization's cost apart from the budget's "
+                    "(default: none)")
+    ap.add_argument("--own-only", default="", help="comma-separated rows (or 'all') measured only at --budget of "
+                    "their own size, not also of float32's (default: none)")
+    ap.add_argument("--rows", help="comma-separated row names to measure (float32 always), e.g. \"int4 g32 + "
+                    "resident int8\", \"int8 g64 + KV int8\" (default: the groups' stored rows, then g{first} + "
+                    "resident and KV rows)")
     ap.add_argument("--no-bytes", action="store_true", help="skip the flash-bytes measurement (default: off)")
     ap.add_argument("--train-data", type=Path, help="calibration text: train predictors on every stored model and "
                     "use them (not the oracle) at --budget (default: off)")
@@ -145,23 +176,23 @@ def main(argv=None):
     if args.train_data and not args.budget:
         ap.error("--train-data needs --budget")
 
+    g = args.groups[0]
+    names = ["float32", "float16", *(f"{q} g{g}" for q in ("int8", "int4") for g in args.groups),
+             f"int8 g{g} + resident int8", f"int4 g{g} + resident int4", "KV int8",
+             f"int4 g{g} + resident int4 + KV int8"]
+    if args.rows:
+        names = list(dict.fromkeys(["float32", *args.rows.split(",")]))
+    rows = {name: parse_row(name) for name in names}  # row -> (stored model, load options)
     work = Path(tempfile.mkdtemp(prefix="quant-quality-"))
     try:
-        stored = [("float32", "float32", "none", 64), ("float16", "float16", "none", 64)]
-        stored += [(f"{q} g{g}", "float32", q, g) for q in ("int8", "int4") for g in args.groups]
-        dirs = {name: convert(args.model, work / name.replace(" ", "-"), dtype=dt, quantize=q, group_size=g,
-                              progress=False) for name, dt, q, g in stored}
-        g = args.groups[0]
-        # row -> (model directory, load options)
-        variants = {name: (d, {}) for name, d in dirs.items()}
-        variants.update({f"int8 g{g} + resident int8": (dirs[f"int8 g{g}"], {"quantize_resident": "int8"}),
-                         f"int4 g{g} + resident int4": (dirs[f"int4 g{g}"], {"quantize_resident": "int4"}),
-                         "KV int8": (dirs["float32"], {"kv_bits": 8}),
-                         f"int4 g{g} + resident int4 + KV int8": (dirs[f"int4 g{g}"],
-                                                                  {"quantize_resident": "int4", "kv_bits": 8})})
-        if args.rows:
-            keep = {"float32", *args.rows.split(",")}
-            variants = {name: v for name, v in variants.items() if name in keep}
+        dirs = {}
+        for stored, _ in rows.values():
+            if stored not in dirs:
+                q, g = ("none", 64) if stored.startswith("float") else (stored.split()[0], int(stored.split()[1][1:]))
+                dtype = "float16" if stored == "float16" else "float32"
+                dirs[stored] = convert(args.model, work / stored.replace(" ", "-"), dtype=dtype, quantize=q,
+                                       group_size=g, progress=False)
+        variants = {name: (dirs[stored], opts) for name, (stored, opts) in rows.items()}
         predictor = "oracle"
         if args.train_data:
             predictor = "lowrank"
@@ -176,11 +207,13 @@ def main(argv=None):
             if not args.budget_only:
                 results[name] = measure(d, chunks, prompt, gen, args.window, opts, not args.no_bytes)
             if args.budget:  # the float32 model's bytes (the demo's), and this model's own size
-                same = at_budget(d, chunks, prompt, gen, args.window, opts, int(args.budget * ref.model_bytes),
-                                 args.budget_tokens, predictor)
-                own = same if d == dirs["float32"] else at_budget(d, chunks, prompt, gen, args.window, opts,
-                                                                  args.budget, args.budget_tokens, predictor)
-                budgets[name] = {"of float32": same, "of its own size": own}
+                kinds = {"unlimited": None} if chosen(args.unlimited, name) else {}
+                if name == "float32" or not chosen(args.own_only, name):
+                    kinds["of float32"] = int(args.budget * ref.model_bytes)
+                if name != "float32":
+                    kinds["of its own size"] = args.budget
+                budgets[name] = {kind: at_budget(d, chunks, prompt, gen, args.window, opts, b, args.budget_tokens,
+                                                 predictor) for kind, b in kinds.items()}
             print(f"{name}: {json.dumps({'dense': results.get(name), 'budget': budgets.get(name)})}",
                   file=sys.stderr, flush=True)
         if args.budget:  # the reference on the budget's tokens: float32, dense, all in memory
@@ -205,7 +238,8 @@ def main(argv=None):
 
 
 def budget_table(args, budgets: dict, ref_ppl: float, n_gen: int, predictor: str) -> list[str]:
-    base = budgets["float32"]["of float32"]
+    ref_rows = budgets["float32"]
+    base = ref_rows["of float32"]
     how = (f"low-rank predictors trained on each stored model: rank {args.train_rank}, recall target "
            f"{args.train_recall}, {args.train_tokens} tokens of {args.train_data.name}") if predictor == "lowrank" \
         else "oracle predictor"
@@ -214,17 +248,18 @@ def budget_table(args, budgets: dict, ref_ppl: float, n_gen: int, predictor: str
              f"{base['tokens']} held-out tokens decoded one by one (float32 dense: {ref_ppl:.4f}); top-1 agreement "
              f"with float32 dense over its {n_gen} greedy tokens", "",
              "| storage (+ load options) | budget | budget MiB | cache rows | dropped/token | perplexity | "
-             "vs float32 dense | vs float32 at this budget | top-1 agreement |", "|---|---|---|---|---|---|---|---|---|"]
+             "vs float32 dense | vs float32 at this budget (unlimited: unlimited) | top-1 agreement |", "|---|---|---|---|---|---|---|---|---|"]
     for name, by in budgets.items():
         for kind, r in by.items():
-            if kind == "of its own size" and r is by["of float32"]:
-                continue
+            label = "unlimited" if kind == "unlimited" else f"{args.budget} {kind}"
             if "error" in r:
-                lines.append(f"| {name} | {args.budget} {kind} | | {r['error']} |" + " |" * 5)
+                lines.append(f"| {name} | {label} | | {r['error']} |" + " |" * 5)
                 continue
-            lines.append(f"| {name} | {args.budget} {kind} | {r['budget_bytes'] / 2**20:.2f} | {r['cache_rows']} | "
+            same = ref_rows.get(kind, base)  # float32 at the same kind of budget (its own size: 50% of float32)
+            mib = f"{r['budget_bytes'] / 2**20:.2f}" if r["budget_bytes"] else "none"
+            lines.append(f"| {name} | {label} | {mib} | {r['cache_rows']} | "
                          f"{r['dropped_per_token']:.0f} | {r['ppl']:.4f} | {(r['ppl'] / ref_ppl - 1) * 100:+.2f}% | "
-                         f"{(r['ppl'] / base['ppl'] - 1) * 100:+.2f}% | {r['top1_agreement']:.3f} |")
+                         f"{(r['ppl'] / same['ppl'] - 1) * 100:+.2f}% | {r['top1_agreement']:.3f} |")
     return lines
 
 

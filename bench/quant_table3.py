@@ -53,6 +53,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="comma-separated labels (default: %(default)s)")
     p.add_argument("--only", default="naive,hybrid,all", help="paper_tables.py rows (default: %(default)s)")
     p.add_argument("--keep-models", action="store_true", help="keep the model files afterwards")
+    p.add_argument("--float16-model", default=None, help="an existing float16 model of --shape (bench/make_model.py, "
+                   "seed 0) to use read-only instead of writing one; the quantized variants hard-link its resident "
+                   "file (default: write the models)")
+    p.add_argument("--lock", default=None, help="run each timed run (one mode of one variant) under flock on this "
+                   "file, modes interleaved across the variants (default: no lock, variant by variant)")
     return p
 
 
@@ -91,7 +96,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
          f"- command: `{meta['command']}`", f"- machine: {meta['machine']}", f"- code: {meta['code']}",
          f"- models: {meta['models']}", f"- DRAM budget: {meta['budget']} of each model's size on flash; "
          "cgroup v1 limit per run (see the per-variant JSON)", f"- active neurons: {meta['active']}",
-         f"- tokens: {meta['tokens']}", "- units: GB = 10^9 bytes; ms per decode token. `I/O` is io_ms (the "
+         f"- tokens: {meta['tokens']}",
+         "- load average (1 min) before / after each timed run: " + "; ".join(
+             f"{k} {v[0]} / {v[1]}" for k, v in meta.get("load_average", {}).items()), "- units: GB = 10^9 bytes; ms per decode token. `I/O` is io_ms (the "
          "flash reads only); `memory mgmt` is mem_ms (placing rows: staging copy, cast to the compute dtype, "
          "int4 dequantization on insert, cache bookkeeping); compute is the rest of the token's time "
          "(attention, FFN, lm_head) minus the predictor", "",
@@ -127,27 +134,55 @@ def main(argv=None) -> None:
     work, out = Path(args.work_dir), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     py, trace = sys.executable, trace_file(work)
-    rows, reports, machine_desc = [], {}, machine()
+    rows, reports, loads, machine_desc = [], {}, {}, machine()
     chosen = [v for v in VARIANTS if v[0] in args.variants.split(",")]
-    for q in dict.fromkeys(v[1] for v in chosen):  # one model on disk at a time
-        d = work / f"{args.shape}-{'float16' if q == 'none' else q}"
+    modes = args.only.split(",")
+
+    def run(label: str, d: Path, resident: str, only: list[str]) -> None:
+        """paper_tables.py on model `d` for the modes `only` (under --lock), into reports[label][mode]."""
+        js = work / f"{label.replace(' ', '_').replace('+', 'and')}-{'_'.join(only)}.json"
+        lock = ["flock", args.lock] if args.lock else []
+        loads[f"{label}, {','.join(only)}"] = [round(os.getloadavg()[0], 1)]
+        sh([*lock, py, "bench/paper_tables.py", d, "--dram-budget", args.dram_budget, "--tokens", args.tokens,
+            "--warmup", args.warmup, "--naive-tokens", args.naive_tokens, "--hybrid-tokens", args.hybrid_tokens,
+            "--only", ",".join(only), "--fig8-tokens", "0", "--trace", trace, "--isolate", "--cgroup",
+            "--torch-threads", args.torch_threads, "--quantize-resident", resident, "--json-out", js, "--quiet"])
+        loads[f"{label}, {','.join(only)}"].append(round(os.getloadavg()[0], 1))
+        report = json.loads(js.read_text())
+        reports.setdefault(label, {}).update({m: report for m in only})
+
+    if args.float16_model:  # every model on disk at once: one mode of every variant, then the next mode
+        made = []
         try:
-            if not (d / "flashllm.json").is_file():
-                sh([py, "bench/make_model.py", "--shape", args.shape, "--dtype", "float16", "--out", d,
-                    "--quantize", q, "--quiet"])
-            for label, _, resident in [v for v in chosen if v[1] == q]:
-                js = work / f"{label.replace(' ', '_').replace('+', 'and')}.json"
-                sh([py, "bench/paper_tables.py", d, "--dram-budget", args.dram_budget, "--tokens", args.tokens,
-                    "--warmup", args.warmup, "--naive-tokens", args.naive_tokens, "--hybrid-tokens",
-                    args.hybrid_tokens, "--only", args.only, "--fig8-tokens", "0", "--trace", trace,
-                    "--isolate", "--cgroup", "--torch-threads", args.torch_threads, "--quantize-resident", resident,
-                    "--json-out", js, "--quiet"])
-                reports[label] = json.loads(js.read_text())
-                rows += rows_of(reports[label], label, args.only.split(","))
+            dirs = {"none": Path(args.float16_model)}
+            for q in dict.fromkeys(v[1] for v in chosen if v[1] != "none"):
+                dirs[q] = work / f"{args.shape}-{q}"
+                if not (dirs[q] / "flashllm.json").is_file():
+                    made.append(dirs[q])
+                    sh([py, "bench/make_model.py", "--shape", args.shape, "--dtype", "float16", "--out", dirs[q],
+                        "--quantize", q, "--link-resident", args.float16_model, "--quiet"])
+            for mode in modes:
+                for label, q, resident in chosen:
+                    run(label, dirs[q], resident, [mode])
         finally:
-            if not args.keep_models:
-                shutil.rmtree(d, ignore_errors=True)
-    first = next(iter(reports.values()))["meta"]
+            if not args.keep_models:  # only what this run wrote
+                for d in made:
+                    shutil.rmtree(d, ignore_errors=True)
+    else:
+        for q in dict.fromkeys(v[1] for v in chosen):  # one model on disk at a time
+            d = work / f"{args.shape}-{'float16' if q == 'none' else q}"
+            try:
+                if not (d / "flashllm.json").is_file():
+                    sh([py, "bench/make_model.py", "--shape", args.shape, "--dtype", "float16", "--out", d,
+                        "--quantize", q, "--quiet"])
+                for label, _, resident in [v for v in chosen if v[1] == q]:
+                    run(label, d, resident, modes)
+            finally:
+                if not args.keep_models:
+                    shutil.rmtree(d, ignore_errors=True)
+    for label, by_mode in reports.items():
+        rows += [r for m in modes if m in by_mode for r in rows_of(by_mode[m], label, [m])]
+    first = next(iter(next(iter(reports.values())).values()))["meta"]
     model_gb = {r["variant"]: r["model_gb"] for r in rows if "model_gb" in r}
     sizes = ", ".join(f"{label}: {gb:.2f} GB" for label, gb in model_gb.items())
     meta = {"shape": args.shape, "command": " ".join(["python", "bench/quant_table3.py", *(argv or sys.argv[1:])]),
@@ -155,7 +190,8 @@ def main(argv=None) -> None:
             "models": f"bench/make_model.py --shape {args.shape} --dtype float16 --seed 0 [--quantize int4|int8] "
                       f"(resident tensors float16 on flash; sizes on flash {sizes}); compute (first variant) "
                       f"{first['compute']}",
-            "budget": args.dram_budget, "active": first["active_method"], "tokens": first["tokens_desc"]}
+            "budget": args.dram_budget, "active": first["active_method"], "tokens": first["tokens_desc"],
+            "load_average": loads}
     text = markdown(rows, meta)
     print(text)
     out.write_text(text)

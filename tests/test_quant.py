@@ -228,3 +228,16 @@ def test_quantized_hybrid_holds_no_float32_copy_of_a_layer(tmp_path):
                           quantize_resident="int8", context=64, dtype="bfloat16", compute_threads=1)
     streamed = (d_ffn - r["resident_neurons"]) * 2 * d * 2  # one layer's streamed rows in bfloat16
     assert r["run_transient"] < streamed, r
+
+
+def test_quant_quality_rows_name_their_stored_model_and_load_options():
+    from tiny import bench
+
+    parse = bench("quant_quality").parse_row
+    assert parse("float32") == ("float32", {})
+    assert parse("int4 g32 + resident int8") == ("int4 g32", {"quantize_resident": "int8"})
+    assert parse("int4 g64 + resident int4 + KV int8") == ("int4 g64", {"quantize_resident": "int4", "kv_bits": 8})
+    assert parse("KV int8") == ("float32", {"kv_bits": 8})
+    for bad in ("int4 g64 + resident int2", "int3 g64", "int4 64"):
+        with pytest.raises(SystemExit, match="row"):
+            parse(bad)

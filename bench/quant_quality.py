@@ -264,7 +264,7 @@ def budget_table(args, budgets: dict, ref_ppl: float, n_gen: int, predictor: str
 
 
 def unlimited_table(args, results: dict, gen) -> list[str]:
-    base, f16 = results["float32"], results["float16"]
+    base, f16 = results["float32"], results.get("float16", {})
     lines = [f"{args.model.name}: {base['scored_tokens']} held-out tokens ({args.data.name}), greedy agreement over "
              f"{len(gen)} tokens" + (f", sparse oracle window {args.window} over {base['decode_tokens']} decode tokens"
                                      if "decode_tokens" in base else ""),

@@ -393,6 +393,8 @@ class MoESparsePlan(MoEPlan):
             self._prefetch(layer + 1, x, cost)
         with cost.timed("mem_ms"):  # views; quantized slots are dequantized here
             hits = [(self.slot(layer, cache.slot_of[e]), *groups[e]) for e in cached]
+        if self.as_stored and len(missing) and len(groups) <= cache.capacity:
+            return self._overlapped(layer, x, cache, groups, routed, missing, hits, prefetch, cost)
         acc = self.combine(x, hits)
         # the missing experts (the union of a prompt's), each read once, in chunks of the cache size;
         # the most recently used are read last, so they are the ones left cached
@@ -409,6 +411,24 @@ class MoESparsePlan(MoEPlan):
                 read = [(self.slot(layer, s), *groups[int(e)]) for e, s in zip(chunk, where)]
             acc = self.combine(x, read, acc)
         return self.output(layer, x, acc)
+
+    def _overlapped(self, layer: int, x, cache: ExpertCache, groups: dict, routed: np.ndarray, missing: np.ndarray,
+                    hits: list, prefetch: bool, cost):
+        """`ffn` when reads land in the slots and every routed expert fits: the misses' read is in flight
+        while the cached experts compute (io_ms is then only the wait beyond that compute)."""
+        with cost.timed("mem_ms"):
+            where = cache.place(missing, keep=routed)  # never a slot a hit is computing from
+        with cost.timed("io_ms"):
+            pending = self.reader.submit(layer, missing, self.raw[layer], where)
+        acc = self.combine(x, hits)
+        with cost.timed("io_ms"):
+            cost.add_io(pending.wait())
+        cache.commit(missing, where)
+        if prefetch:
+            self._prefetch(layer + 1, x, cost)
+        with cost.timed("mem_ms"):
+            read = [(self.slot(layer, s), *groups[int(e)]) for e, s in zip(missing, where)]
+        return self.output(layer, x, self.combine(x, read, acc))
 
     def host_bytes(self) -> int:
         return sum(b.nbytes for b in self.staging)

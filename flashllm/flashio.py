@@ -367,7 +367,8 @@ class FlashReader:
         if row_bytes < 0 or stride < 0 or base_offset < 0:
             raise FlashIOError(f"{self.path}: negative base_offset/stride/row_bytes "
                                f"({base_offset}, {stride}, {row_bytes})")
-        lo, hi = int(indices.min()), int(indices.max())
+        ascending = bool((indices[1:] >= indices[:-1]).all())  # a cache's missing neurons are
+        lo, hi = (int(indices[0]), int(indices[-1])) if ascending else (int(indices.min()), int(indices.max()))
         if lo < 0 or base_offset + hi * stride + row_bytes > self.size:
             bad = lo if lo < 0 else hi
             raise FlashIOError(f"{self.path}: row index {bad} (offset {base_offset + bad * stride}, "
@@ -376,14 +377,15 @@ class FlashReader:
             raise FlashIOError(f"{self.path}: dest_rows must lie in [0, {dest.shape[0]}), got "
                                f"[{dest_rows.min()}, {dest_rows.max()}]")
 
-        if (indices[1:] >= indices[:-1]).all():  # sorted already (a cache's missing neurons are)
+        if ascending:
             offs, doffs = base_offset + indices * stride, dest_rows * pitch
         else:
             order = np.argsort(indices, kind="stable")
             offs, doffs = base_offset + indices[order] * stride, dest_rows[order] * pitch
+        addr = dest.ctypes.data
         if self._aio is not None and not self.gap_bytes and len(offs) * row_bytes <= self.max_chunk_bytes and \
-                not ((base_offset | stride | row_bytes) % self.alignment or (dest.ctypes.data | pitch) % self.mem_alignment):
-            call = self._aio_rows(offs, doffs, row_bytes, stride == row_bytes == pitch, dest, t0)
+                not ((base_offset | stride | row_bytes) % self.alignment or (addr | pitch) % self.mem_alignment):
+            call = self._aio_rows(offs, doffs, row_bytes, stride == row_bytes == pitch, addr, dest, t0)
             if call is not None:
                 return call
         span = (dest.shape[0] - 1) * pitch + dest.shape[1] * dest.itemsize
@@ -460,8 +462,8 @@ class FlashReader:
             finally:
                 self._help_lock.release()
 
-    def _aio_rows(self, offs: np.ndarray, doffs: np.ndarray, row_bytes: int, joinable: bool, dest: np.ndarray,
-                  t0: float) -> PendingRead | None:
+    def _aio_rows(self, offs: np.ndarray, doffs: np.ndarray, row_bytes: int, joinable: bool, addr: int,
+                  dest: np.ndarray, t0: float) -> PendingRead | None:
         """The sparse decode's call in few numpy operations (no read plan): aligned rows at sorted file
         offsets `offs` bound for dest offsets `doffs`, AIO, no gap-filling, at most one max chunk in all;
         with `joinable` (rows as wide as their stride and dest pitch), rows adjacent in the file and in
@@ -481,7 +483,7 @@ class FlashReader:
                 offs, doffs = offs[first], doffs[first]
         if lens is None:
             lens = np.full(len(offs), row_bytes, dtype=np.int64)
-        iocbs = make_iocbs(self._fd, doffs.astype(np.uint64) + np.uint64(dest.ctypes.data), offs, lens)
+        iocbs = make_iocbs(self._fd, doffs.astype(np.uint64) + np.uint64(addr), offs, lens)
         return self._aio_call(iocbs, offs, lens, n * row_bytes, t0, dest)
 
     def _submit_aio(self, flat: np.ndarray, reads: "Reads", requested: int, t0: float) -> PendingRead:

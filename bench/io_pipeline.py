@@ -1,14 +1,15 @@
 """The I/O pipeline step by step on one model, side by side in interleaved rounds.
 
-Configurations (each loaded fresh, decoding the same prompt greedily at the same DRAM budget): naive
-with (its default) and without read-ahead; sparse at its defaults (hot neurons pinned, no gap-filling,
-no read-ahead); without pinning; with lookahead read-ahead; with gap-filling (the disk profile's cost
-model, measured afresh at the start); and both modes on the other I/O engine (native AIO from the
-calling thread vs preadv worker threads: the engine choice), sparse there also with gap-filling and
-with read-ahead. Every round runs every configuration once, in a rotated order; the table
-shows medians and [min, max] over the rounds, and ratios are taken within each round (the machine is
-shared and noisy). Process CPU time per decode token is reported beside the wall time: on a loaded
-machine a token's wall time is mostly its wait for a core, in proportion to the CPU it needs.
+Configurations (each loaded fresh, decoding the same prompt greedily at the same DRAM budget): dense
+(everything resident, no budget: no reads at all, the floor a streaming mode could reach); naive with
+(its default) and without read-ahead, and on native AIO instead of preadv threads; sparse at its
+defaults (native AIO, hot neurons pinned, no gap-filling, no read-ahead; the embedded model in its
+shipped co-activation neuron order), in the converter's neuron order, on preadv threads, without
+pinning, with lookahead read-ahead and with gap-filling (the disk profile's cost model, measured afresh
+at the start). Every round runs every configuration once, in a rotated order; the table shows medians
+and [min, max] over the rounds, and ratios are taken within each round (the machine is shared and
+noisy). Process CPU time per decode token is reported beside the wall time: on a loaded machine a
+token's wall time is mostly its wait for a core, in proportion to the CPU it needs.
 
     python bench/io_pipeline.py [MODEL_DIR] --rounds 5 --tokens 24 --markdown bench/results/io_pipeline.md
 
@@ -32,24 +33,26 @@ KEYS = ("total_ms", "cpu_ms", "io_ms", "read_ms", "mem_ms", "compute_ms", "predi
 AIO, PREADV = dict(aio_depth=64), dict(aio_depth=0)
 
 
-def configs() -> dict:
-    """The configurations, by name; the engine that is not the default gets its own rows."""
-    from flashllm.options import LoadOptions
+def configs(embedded: bool) -> dict:
+    """The configurations, by name (the converter-order row only for the embedded model, which ships its order)."""
+    out = {DENSE: dict(mode="dense"),
+           "naive, no read-ahead": dict(mode="naive", prefetch=False),
+           NAIVE: dict(mode="naive"),
+           "naive, native AIO": dict(mode="naive", aio_depth=64),
+           DEFAULT: dict(mode="sparse"),
+           UNORDERED: dict(mode="sparse", order=False),
+           THREADS: dict(mode="sparse", aio_depth=0),
+           NOPIN: dict(mode="sparse", pin_hot=False),
+           AHEAD: dict(mode="sparse", prefetch=True),
+           GAP: dict(mode="sparse", gap_bytes=None)}
+    if not embedded:
+        del out[UNORDERED]
+    return out
 
-    other, other_name = (PREADV, "preadv threads") if LoadOptions().aio_depth else (AIO, "native AIO")
-    return {"naive, no read-ahead": dict(mode="naive", prefetch=False),
-            NAIVE: dict(mode="naive"),
-            DEFAULT: dict(mode="sparse"),
-            NOPIN: dict(mode="sparse", pin_hot=False),
-            AHEAD: dict(mode="sparse", prefetch=True),
-            GAP: dict(mode="sparse", gap_bytes=None),
-            f"naive, {other_name}": dict(mode="naive", **other),
-            f"sparse, {other_name}": dict(mode="sparse", **other),
-            f"sparse, {other_name} + gap-filling": dict(mode="sparse", gap_bytes=None, **other),
-            f"sparse, {other_name} + read-ahead": dict(mode="sparse", prefetch=True, **other)}
 
-
-NAIVE, DEFAULT = "naive (default: read-ahead)", "sparse (default: hot neurons pinned)"
+DENSE = "dense (all resident, no budget: no reads, the floor)"
+NAIVE, DEFAULT = "naive (default: read-ahead, preadv threads)", "sparse (default: native AIO, hot neurons pinned)"
+UNORDERED, THREADS = "sparse, converter's neuron order", "sparse, preadv threads"
 NOPIN, GAP, AHEAD = "sparse, no pinning", "sparse + gap-filling", "sparse + read-ahead"
 
 
@@ -68,8 +71,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def run_one(model_dir, settings: dict, budget, prompt_ids, tokens: int, config: dict) -> dict:
     import flashllm
+    from flashllm import demo
 
-    model = flashllm.load(model_dir, predictor="lowrank", dram_budget=budget, window=4, **settings, **config)
+    config = dict(config)
+    if config.pop("order", True) is False:  # the embedded model in the converter's neuron order
+        model_dir = demo.prepare(order=False, out=demo.cache_dir() / "tiny-opt-converter-order")
+    if config["mode"] == "dense":
+        model = flashllm.load(model_dir, **settings, **config)
+    else:
+        model = flashllm.load(model_dir, predictor="lowrank", dram_budget=budget, window=4, **settings, **config)
     steps = model.generate_ids(prompt_ids, tokens)
     next(steps)  # the prompt: its CPU time is not a decode token's
     cpu0 = time.process_time()
@@ -82,7 +92,7 @@ def run_one(model_dir, settings: dict, budget, prompt_ids, tokens: int, config: 
               "gap_bytes", "neurons_dropped", "pinned_neurons", "cache_capacity"):
         if k in s:
             out[k] = s[k]
-    out["engine"] = model.plan.reader.io.engine
+    out["engine"] = model.plan.reader.io.engine if hasattr(model.plan, "reader") else "-"
     return out
 
 
@@ -104,7 +114,7 @@ def main(argv=None) -> dict:
     load0 = os.getloadavg()
     # measured now (1 GiB scratch file, direct I/O): the gap-filling runs take their threshold from it
     profile = disk_profile.profile(model_dir / "ffn.bin", refresh=True)
-    CONFIGS = configs()
+    CONFIGS = configs(embedded=not args.model_dir)
     names = list(CONFIGS)
     rounds = []
     for r in range(args.rounds):
@@ -138,7 +148,6 @@ def _med(vals, nd: int = 1) -> str:
 def markdown(rep: dict) -> str:
     rounds = rep["rounds"]
     names = list(rounds[0])
-    other = [n for n in names if n.startswith("naive, ") and n != "naive, no read-ahead"][0].split(", ", 1)[1]
     L = [f"# The I/O pipeline step by step ({rep['date']})", "",
          f"- command: `{rep['command']}`",
          f"- model: `{rep['model_dir']}` {rep['settings']}, DRAM budget {rep['dram_budget']}, window 4, "
@@ -168,24 +177,23 @@ def markdown(rep: dict) -> str:
                    ratio(NAIVE, DEFAULT), "x"),
           line("the same in CPU time per token (naive / sparse)", ratio(NAIVE, DEFAULT, "cpu_ms"), "x"),
           line("sparse vs naive without read-ahead", ratio("naive, no read-ahead", DEFAULT), "x"),
+          line("the bound from dense (no reads at all): naive latency / dense", ratio(NAIVE, DENSE), "x"),
+          line("sparse latency / dense (1: every read and all bookkeeping hidden)", ratio(DEFAULT, DENSE)),
+          line("engine: sparse on preadv threads / on native AIO (> 1: AIO pays)", ratio(THREADS, DEFAULT)),
+          line("engine: naive on native AIO / on preadv threads (> 1: threads pay)", ratio("naive, native AIO", NAIVE)),
           line("hot-neuron pinning: latency without / with (> 1: it pays)", ratio(NOPIN, DEFAULT)),
           f"- pinning at the same budget: {rounds[0][NOPIN]['bytes_read'] / 1024:,.1f} KiB and "
           f"{rounds[0][NOPIN]['reads']:.1f} reads per token without, {d['bytes_read'] / 1024:,.1f} KiB and "
           f"{d['reads']:.1f} with; neurons pinned per layer at the end {d.get('pinned_neurons')} of cache rows "
           f"{d.get('cache_capacity')}",
           line("gap-filling: latency with / without (< 1: it pays)", ratio(GAP, DEFAULT)),
-          line("sparse read-ahead: latency with / without (< 1: it pays)", ratio(AHEAD, DEFAULT)),
-          line(f"engine: sparse on {other} / on the default (> 1: the default is faster)",
-               ratio(f"sparse, {other}", DEFAULT)),
-          line(f"engine: naive on {other} / on the default (> 1: the default is faster)",
-               ratio(f"naive, {other}", NAIVE)),
-          line(f"engine: sparse on {other} in CPU time / on the default", ratio(f"sparse, {other}", DEFAULT, "cpu_ms")),
-          line(f"sparse on {other} + gap-filling / default", ratio(f"sparse, {other} + gap-filling", DEFAULT)),
-          line(f"**sparse on {other} + gap-filling vs naive, same round (naive latency / sparse)**",
-               ratio(NAIVE, f"sparse, {other} + gap-filling"), "x"),
-          line("the same in CPU time per token", ratio(NAIVE, f"sparse, {other} + gap-filling", "cpu_ms"), "x"),
-          line(f"sparse on {other}: read-ahead / without (< 1: it pays)", ratio(f"sparse, {other} + read-ahead",
-                                                                              f"sparse, {other}"))]
+          line("sparse read-ahead: latency with / without (< 1: it pays)", ratio(AHEAD, DEFAULT))]
+    if UNORDERED in rounds[0]:
+        u = rounds[0][UNORDERED]
+        L += [line("co-activation order: latency in the converter's order / in the shipped one (> 1: it pays)",
+                   ratio(UNORDERED, DEFAULT)),
+              f"- co-activation order: {u['reads']:.1f} -> {d['reads']:.1f} reads and {u['bytes_read'] / 1024:,.1f} -> "
+              f"{d['bytes_read'] / 1024:,.1f} KiB per token (same neurons read; the model's function is unchanged)"]
     per_layer = [r[AHEAD].get("lookahead_recall_per_layer") for r in rounds]
     if per_layer and per_layer[0]:
         cols = list(zip(*per_layer))

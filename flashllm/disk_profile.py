@@ -41,6 +41,7 @@ FORMAT = "flashllm-disk-profile"
 VERSION = 2  # 2: measured on a large direct-written scratch file, each piece read once (1 was host-cached)
 SIZES = (4096, 16384, 65536, 262144, 1048576)  # request sizes measured by default
 INFLIGHT = (1, 8, 32)  # reads in flight measured by default
+INFLIGHT_AIO = (1, 8, 32, 256)  # ... with native AIO (one call's reads all in flight: a large layer's hundreds)
 SCRATCH_BYTES = 1 << 30  # the scratch file random reads go to (written once, deleted after)
 SECONDS = 0.25  # per cell
 WAVES = 8  # an engine call of WAVES x q reads beside one of q: what a call costs beyond its reads (call_us)
@@ -88,6 +89,7 @@ class DiskProfile:
     seconds_per_cell: float = 0.0
     notes: list[str] = field(default_factory=list)
     call_us: list[float] | None = None  # per in-flight count: an engine call's cost beyond its reads (None: not measured)
+    engine: str = "preadv"  # the engine measured: reader threads ("preadv") or native AIO ("aio"), as FlashReader
 
     # -- queries ---------------------------------------------------------------------------------
     def _row(self, inflight: int) -> int:
@@ -158,7 +160,7 @@ class DiskProfile:
     def table(self) -> str:
         """A table a person can read: MiB/s per request size and reads in flight, latency, the cost model."""
         head = f"{'request':>9} {'latency (us)':>13} " + " ".join(f"{f'{q} in flight':>13}" for q in self.inflight)
-        lines = [f"disk {self.device} ({self.key}), measured {self.date}"
+        lines = [f"disk {self.device} ({self.key}), measured {self.date} with the {self.engine} engine"
                  f"{'' if self.direct else ' WITHOUT direct I/O'}; MiB/s of random reads", head]
         for j, s in enumerate(self.sizes):
             lines.append(f"{_fmt(s):>9} {self.latency_us[j]:>13.0f} " +
@@ -247,8 +249,8 @@ def _scratch(directory: Path, nbytes: int, notes: list) -> tuple[str, bool]:
     return path, True
 
 
-def measure(path, sizes=SIZES, inflight=INFLIGHT, seconds: float = SECONDS,
-            scratch_bytes: int = SCRATCH_BYTES, progress=None, open_reader=None) -> DiskProfile:
+def measure(path, sizes=SIZES, inflight=None, seconds: float = SECONDS,
+            scratch_bytes: int = SCRATCH_BYTES, progress=None, open_reader=None, engine: str = "preadv") -> DiskProfile:
     """Measure the disk holding ``path`` (a file or directory) with the flash I/O engine.
 
     Reads go to ``path`` itself (read-only) if it is a file of at least ``scratch_bytes``; else to a
@@ -257,7 +259,10 @@ def measure(path, sizes=SIZES, inflight=INFLIGHT, seconds: float = SECONDS,
     threads, max_chunk_bytes)``: the engine to measure (default: FlashReader)."""
     from .flashio import FlashReader, aligned_empty
 
-    open_reader = open_reader or (lambda f, q, chunk: FlashReader(f, threads=q, max_chunk_bytes=chunk))
+    inflight = inflight or (INFLIGHT_AIO if engine == "aio" else INFLIGHT)
+    open_reader = open_reader or (lambda f, q, chunk: FlashReader(f, threads=1 if engine == "aio" else q,
+                                                                  max_chunk_bytes=chunk,
+                                                                  aio_depth=q if engine == "aio" else 0))
     target = Path(path)
     if not target.exists():
         raise FlashLLMError(f"{target}: no such file or directory (cannot profile its disk)")
@@ -289,6 +294,8 @@ def measure(path, sizes=SIZES, inflight=INFLIGHT, seconds: float = SECONDS,
         for i, q in enumerate(inflight):
             with open_reader(file, q, max(sizes)) as reader:
                 direct = direct and reader.direct
+                if getattr(reader, "engine", engine) != engine:
+                    notes.append(f"{engine} unavailable here: measured with {reader.engine}")
                 for j, s in enumerate(sizes):
                     dest = aligned_empty((q, s), np.uint8)
                     dest.fill(0)
@@ -321,25 +328,29 @@ def measure(path, sizes=SIZES, inflight=INFLIGHT, seconds: float = SECONDS,
                        date=datetime.datetime.now().isoformat(timespec="seconds"), direct=direct, sizes=sizes,
                        inflight=inflight, mibps=[[round(v, 1) for v in r] for r in mibps],
                        latency_us=[round(v, 1) for v in latency], scratch_bytes=scratch_bytes if ours else 0,
-                       seconds_per_cell=seconds, notes=notes, call_us=[round(v, 1) for v in call_us])
+                       seconds_per_cell=seconds, notes=notes, call_us=[round(v, 1) for v in call_us], engine=engine)
 
 
-def cache_path(path) -> Path:
-    """Where the profile of the disk holding ``path`` is cached."""
-    return cache_root() / f"{disk_key(path)}.json"
+def _name(key: str, engine: str) -> str:
+    return f"{key}.json" if engine == "preadv" else f"{key}-{engine}.json"
 
 
-def cached(path) -> DiskProfile | None:
+def cache_path(path, engine: str = "preadv") -> Path:
+    """Where the profile of the disk holding ``path``, measured with ``engine``, is cached."""
+    return cache_root() / _name(disk_key(path), engine)
+
+
+def cached(path, engine: str = "preadv") -> DiskProfile | None:
     """The cached profile of the disk holding ``path``, or None (none yet, or unreadable)."""
     try:
-        return DiskProfile.from_dict(json.loads(cache_path(path).read_text()))
+        return DiskProfile.from_dict(json.loads(cache_path(path, engine).read_text()))
     except (OSError, ValueError, TypeError, KeyError):
         return None
 
 
 def save(p: DiskProfile) -> Path:
     """Write a profile to the cache (to a temporary name, then renamed)."""
-    out = cache_root() / f"{p.key}.json"
+    out = cache_root() / _name(p.key, p.engine)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(p.to_dict(), indent=1))
@@ -350,14 +361,15 @@ def save(p: DiskProfile) -> Path:
 QUICK = dict(inflight=(1, 32), seconds=0.1, scratch_bytes=256 << 20)  # a few s: what a first load measures
 
 
-def profile(path, refresh: bool = False, progress=None, quick: bool = False, **measure_args) -> DiskProfile:
-    """The profile of the disk holding ``path``: cached, else (or with ``refresh``) measured and cached.
-    ``quick``: if it must be measured, measure only what the runtime's cost model needs (QUICK)."""
+def profile(path, refresh: bool = False, progress=None, quick: bool = False, engine: str = "preadv",
+            **measure_args) -> DiskProfile:
+    """The profile of the disk holding ``path`` measured with ``engine``: cached, else (or with ``refresh``)
+    measured and cached. ``quick``: if it must be measured, measure only what the runtime's gap needs (QUICK)."""
     if not refresh:
-        p = cached(path)
+        p = cached(path, engine)
         if p is not None:
             return p
-    p = measure(path, progress=progress, **{**(QUICK if quick else {}), **measure_args})
+    p = measure(path, progress=progress, engine=engine, **{**(QUICK if quick else {}), **measure_args})
     try:
         save(p)
     except OSError:

@@ -8,15 +8,27 @@ import sys
 from .errors import FlashLLMError
 
 
-def _disk(model_dir, refresh: bool, log):
+def _disk(model_dir, refresh: bool, log, engine: str = "preadv"):
+    """The profile of the model's disk read with `engine` (reader threads, or native AIO as sparse reads)."""
     try:
         from . import disk_profile
     except ImportError:
         raise FlashLLMError("this flashllm has no disk profiler (flashllm.disk_profile)") from None
-    p = disk_profile.profile(model_dir, refresh=refresh, progress=log)
+    p = disk_profile.profile(model_dir, refresh=refresh, progress=log, engine=engine)
     if p.call_us is None:  # cached before engine calls were costed (the cost model needs them): measure again
-        p = disk_profile.profile(model_dir, refresh=True, progress=log)
+        p = disk_profile.profile(model_dir, refresh=True, progress=log, engine=engine)
     return p
+
+
+def _disks(model_dir, refresh: bool, log):
+    """engine -> the disk profile measured with it, each measured (or read from the cache) once when asked."""
+    got = {}
+
+    def disk_for(engine: str):
+        if engine not in got:
+            got[engine] = _disk(model_dir, refresh, log, engine)
+        return got[engine]
+    return disk_for
 
 
 def _log(quiet: bool):
@@ -72,11 +84,13 @@ def cmd_profile(args) -> None:
 
     log = _log(args.json)
     disk = _disk(args.path, args.refresh, log)
+    aio = _disk(args.path, args.refresh, log, "aio")  # what sparse mode's reads go through where AIO works
     machine = profile.profile(args.backend, args.device, refresh=args.refresh, progress=log)
     if args.json:
-        print(json.dumps({"machine": machine.to_dict(), "disk": disk.to_dict()}))
+        print(json.dumps({"machine": machine.to_dict(), "disk": disk.to_dict(), "disk_aio": aio.to_dict()}))
         return
     print(disk.table())
+    print(aio.table())
     print(machine.table())
 
 
@@ -101,9 +115,10 @@ def plan_for(model_dir, budget, dtypes=None, context=None, data=None, sample_tok
     if calibrate_tokens is not None and calibrate_tokens < 0:
         raise FlashLLMError(f"--calibrate-tokens {calibrate_tokens}: must be 0 or more")
     log = log or (lambda msg: None)
-    disk = _disk(model_dir, refresh, log)
+    disks = _disks(model_dir, refresh, log)
+    disks("preadv")
     machine = profile.profile(refresh=refresh, progress=log)
-    plan = planner.make_plan(model_dir, budget, machine, disk, data=data, dtypes=dtypes, context=context,
+    plan = planner.make_plan(model_dir, budget, machine, disks, data=data, dtypes=dtypes, context=context,
                              sample_tokens=sample_tokens or planner.SAMPLE_TOKENS,
                              max_dropped=max_dropped or 0.0, log=log,
                              calibrate_tokens=planner.CALIBRATE_TOKENS if calibrate_tokens is None else calibrate_tokens)

@@ -32,6 +32,8 @@ class SparseFacts:
     hot: list | None  # activation frequencies it pins by (None: no pinning)
     ranks: list[int] | None  # low-rank predictor ranks (None: the gate predictor)
     predictor_bytes: int
+    engine: str = "preadv"  # its reader's I/O engine (FlashReader.engine): which disk profile costs its reads
+    inflight: int = 32  # the most reads that engine has in flight (AIO depth, or reader threads)
 
 
 def probe(model) -> SparseFacts:
@@ -46,8 +48,9 @@ def probe(model) -> SparseFacts:
                             plan.reader.io.alignment)
     hot = activation_frequencies(ctx) if model.options.pin_hot else None
     ranks = [int(a.shape[0]) for a in pred.proj_in] if pred.kind == "lowrank" else None
+    io = plan.reader.io
     return SparseFacts(pred.kind, fixed, None if ctx.budget is None else ctx.budget - fixed, ctx.row_bytes(lay), list(plan.capacities), geometry, B.reads_in_place(),
-                       hot, ranks, pred.nbytes())
+                       hot, ranks, pred.nbytes(), io.engine, io.aio_depth if io.engine == "aio" else io.threads)
 
 
 def point_cost(machine, disk, manifest, dtype: str, facts: SparseFacts, point: dict, layer: int,

@@ -186,6 +186,8 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
     from .budget import BudgetTooSmall, format_size
 
     log = log or (lambda msg: None)
+    disk_for = disk if callable(disk) else (lambda engine: disk)  # the profile measured with an I/O engine
+    disk = disk_for("preadv")  # dense and hybrid read with reader threads; sparse with its reader's engine
     calibrate_seconds = CALIBRATE_SECONDS if calibrate_seconds is None else calibrate_seconds
     manifest = fmt.read_manifest(model_dir, verify=False)
     spec = manifest.spec
@@ -268,19 +270,20 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
 
     for dtype, facts, m, runtime_default, fits in sparse:
         tag = f"{facts.predictor} predictor, compute {dtype}"
+        sdisk, inflight = disk_for(facts.engine), facts.inflight
         if facts.predictor not in masks:
             log(f"replaying the {facts.predictor} predictor's sets on {sample_tokens} sample tokens through the cache")
             masks[facts.predictor] = sample_masks(model_dir, data, sample_tokens, facts.predictor)
         replays = Replays(masks[facts.predictor], spec.d_ffn, facts.geometry, facts.hot)
         layer_curves = replays.curves(facts.capacities)
         # the runtime's own sizing at the default window: the hand defaults (or, for another predictor, its own)
-        parts, extra = plan_sparse.parts_at(machine, disk, manifest, dtype, facts, replays, 4, facts.capacities, threads)
+        parts, extra = plan_sparse.parts_at(machine, sdisk, manifest, dtype, facts, replays, 4, facts.capacities, inflight)
         what = f"sparse window 4, runtime default caches, {tag}"
         plan = Plan("sparse", dtype, nbudget, window=4, cache_rows=facts.capacities, threads=threads,
                     predictor=facts.predictor, predicted=extra)
         cal = None
         if m is not None:
-            cal = calibration.calibrate(m, parts.ffn_s, parts.io_s, parts.mem_s, disk=disk)
+            cal = calibration.calibrate(m, parts.ffn_s, parts.io_s, parts.mem_s, disk=sdisk)
             plan.predicted.update(**_profile_only(parts), calibrated=True, calibration_run=m.to_dict(),
                                   calibration={k: getattr(cal, k) for k in ("ffn_scale", "io_scale", "mem_scale")})
             parts, noise = cal.apply(parts.ffn_s, parts.io_s, parts.mem_s), max(noise, cal.noise)
@@ -296,7 +299,7 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
         def weigh(p: cm.Parts) -> float:  # what a layer's choice changes (calibrated: as measured)
             return p.total_s if cal is None else cal.ffn_scale * p.ffn_s + cal.io_scale * p.io_s + cal.mem_scale * p.mem_s
 
-        costs = [{k: [(weigh(plan_sparse.point_cost(machine, disk, manifest, dtype, facts, pt, l, threads))
+        costs = [{k: [(weigh(plan_sparse.point_cost(machine, sdisk, manifest, dtype, facts, pt, l, inflight))
                        if pt["drop_share"] <= max_dropped else None) for pt in pts]
                   for k, pts in cur.items()} for l, cur in enumerate(layer_curves)]
         found = plan_sparse.solve(costs, layer_curves, facts.row, facts.avail) if fits else None
@@ -313,7 +316,7 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
         window, caps, _ = found
         if (window, caps) == (4, facts.capacities):
             continue  # the MILP's choice is the runtime's default
-        parts, extra = plan_sparse.parts_at(machine, disk, manifest, dtype, facts, replays, window, caps, threads)
+        parts, extra = plan_sparse.parts_at(machine, sdisk, manifest, dtype, facts, replays, window, caps, inflight)
         if cal is not None:
             extra.update(**_profile_only(parts), calibrated=True)
             parts = cal.apply(parts.ffn_s, parts.io_s, parts.mem_s)

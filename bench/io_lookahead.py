@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("model_dir", nargs="?", help="model directory (default: the embedded model, demo settings)")
     p.add_argument("--tokens", type=int, default=48, help="decode tokens (default: %(default)s)")
     p.add_argument("--markdown", help="also write the report here")
+    p.add_argument("--json-out", help="also write recall and size per layer here (JSON), e.g. for "
+                   "bench/io_runtime.py --lookahead-model")
     return p
 
 
@@ -98,6 +101,10 @@ def main(argv=None) -> None:
                   args.tokens, model_dir)
     if args.markdown:
         Path(args.markdown).write_text(md)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"model_dir": str(model_dir), "tokens": args.tokens, "sources": {
+            f"{src}/{m:g}": {"recall": rec.tolist(), "size": size.tolist()} for (src, m), (rec, size) in res.items()}},
+            indent=1))
     print(md)
 
 

@@ -135,6 +135,8 @@ def run_config(args, name: str, budget: int, runner, gap: dict | None) -> dict:
                predictor_rank=128, torch_threads=args.torch_threads, tokens=args.tokens, warmup=args.warmup,
                model_dir=str(args.model_dir), dtype=args.dtype, read_sizes=True, per_token=True)
     run.update(cfg)
+    if args.lookahead_model:  # the lookahead as imperfect as the small model's own (else exact: the replay's)
+        run["lookahead_model"] = json.loads(Path(args.lookahead_model).read_text())["sources"]["attn/0"]
     res = runner(run)
     if "error" in res:
         return res
@@ -216,6 +218,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "(default: %(default)s, the runtime's)")
     p.add_argument("--torch-threads", type=int, default=None, help="compute threads (default: the runtime's)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the runtime's, the storage dtype)")
+    p.add_argument("--lookahead-model", help="bench/io_lookahead.py --json-out of the trace's model: the replayed "
+                   "lookahead names each active neuron with that layer's measured recall and wrong ones up to its "
+                   "measured guess size (default: the replay's exact lookahead, recall 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fio-seconds", type=float, default=10.0, help="seconds per fio run (default: %(default)s)")
     p.add_argument("--replay-tokens", type=int, default=0, help="also count replayed reads per token over this "

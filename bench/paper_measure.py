@@ -75,7 +75,8 @@ def measure(run: dict) -> dict:
     predictor = run.get("predictor") or "oracle"
     if predictor == "trace":
         predictor = bench_module("trace").trace_predictor_factory(run["trace"], run["seed"], run["predictor_rank"],
-                                                                  order=run.get("order"), window=run.get("window") or 1)
+                                                                  order=run.get("order"), window=run.get("window") or 1,
+                                                                  lookahead=run.get("lookahead_model"))
     n = 1 + run["warmup"] + run["tokens"]
     t0 = time.perf_counter()
     model = flashllm.load(run["model_dir"], backend=run["backend"], mode=run["mode"], predictor=predictor,
@@ -84,6 +85,8 @@ def measure(run: dict) -> dict:
                           context=n + 1, quantize_resident=run.get("quantize_resident", "none"),
                           kv_bits=run.get("kv_bits", 16), prefetch=run.get("prefetch"))
     load_s = time.perf_counter() - t0
+    if hasattr(model.plan.predictor, "early"):  # a replayed trace: tell it which predictions are lookaheads
+        flag_lookahead(model.plan)
     read_acc, predicted_acc = [0.0], [0]
 
     def on_read(io):  # the engine's wall time of each read
@@ -162,7 +165,7 @@ def measure(run: dict) -> dict:
         out["profile"] = profile_rows(prof, max(run["tokens"], 1))
     if sizes is not None:  # request size (bytes) -> reads of that size, per measured token
         out["read_sizes"] = {str(b): c / k for b, c in sorted(sizes.items())}
-    if run.get("prefetch"):
+    if run["mode"] == "sparse":
         s = model.stats
         out.update({key: s.get(key) for key in ("lookahead_recall", "lookahead_recall_per_layer", "neurons_prefetched",
                                                  "prefetch_unused", "prefetch_rows", "read_ahead")})
@@ -171,6 +174,21 @@ def measure(run: dict) -> dict:
     del model
     gc.collect()
     return out
+
+
+def flag_lookahead(plan) -> None:
+    """Set `plan.predictor.early` while the sparse plan's lookahead predicts (its `_lookahead`, wrapped on
+    this one instance), so that a TracePredictor can replay an imperfect lookahead (its `lookahead` model)."""
+    lookahead, pred = plan._lookahead, plan.predictor
+
+    def flagged(layer, cost):
+        pred.early = True
+        try:
+            lookahead(layer, cost)
+        finally:
+            pred.early = False
+
+    plan._lookahead = flagged
 
 
 def record_read_sizes(engine) -> dict:

@@ -252,8 +252,11 @@ class TracePredictor:
     kind = "trace"
 
     def __init__(self, trace: "Trace | str | Path", spec, backend=None, seed: int = 0, cost_rank: int = 128,
-                 order: str | None = None, window: int = 4):
+                 order: str | None = None, window: int = 4, lookahead: dict | None = None):
         self.trace = trace if isinstance(trace, Trace) else Trace.load(trace)
+        self.early = False  # set while the runtime's lookahead predicts (bench/paper_measure.py flags it)
+        self.lookahead = None if lookahead is None else _early_model(lookahead, self.trace.n_layers, spec.n_layers)
+        self._early_rng = np.random.default_rng(seed + 1)
         self.spec = spec
         rng = np.random.default_rng(seed)
         self.layers = layer_map(self.trace.n_layers, spec.n_layers)
@@ -309,7 +312,22 @@ class TracePredictor:
             B.greater(B.linear(B.linear(x, self.A[layer], None), self.B[layer], self.b[layer]), 0.0)
         rows = (self.t0 + np.arange(T)) % self.trace.tokens
         small = self.trace.predicted[self.layers[layer]][rows]
-        return small[:, self.neurons[layer]]
+        mask = small[:, self.neurons[layer]]
+        return self._early(layer, mask) if self.early and self.lookahead is not None else mask
+
+    def _early(self, layer: int, mask: np.ndarray) -> np.ndarray:
+        """A lookahead's guess of `mask`, as imperfect as a real one: each active neuron named with the
+        layer's recall, and wrong neurons added up to the layer's guess size per active neuron."""
+        recall, size = self.lookahead[layer]
+        rng, out = self._early_rng, np.zeros_like(mask)
+        for t, row in enumerate(mask):
+            on = np.flatnonzero(row)
+            kept = on[rng.random(len(on)) < recall]
+            off = np.flatnonzero(~row)
+            extra = min(len(off), max(0, int(round(size * len(on))) - len(kept)))
+            out[t, kept] = True
+            out[t, rng.choice(off, extra, replace=False)] = True
+        return out
 
     def nbytes(self) -> int:
         """The stand-in predictor's weights (what real predictors of that rank would hold); the trace
@@ -331,10 +349,22 @@ class TracePredictor:
                 f"{self.rank if self.A else 0}")
 
 
-def trace_predictor_factory(path, seed: int = 0, cost_rank: int = 128, order: str | None = None, window: int = 4):
+def _early_model(lookahead: dict, small_layers: int, large_layers: int) -> list[tuple[float, float]]:
+    """Per large layer, (recall, guess size per active neuron) of the lookahead, from bench/io_lookahead.py's
+    measurement of the small model (`{"recall": [...], "size": [...]}` per small layer, layer 0 without one):
+    a large layer takes its small layer's, or the small layers' mean where that is layer 0."""
+    rec, size = np.asarray(lookahead["recall"], float), np.asarray(lookahead["size"], float)
+    if len(rec) != small_layers:
+        raise ValueError(f"lookahead model of {len(rec)} layers for a trace of {small_layers}")
+    mean = (float(rec[1:].mean()), float(size[1:].mean()))
+    return [(float(rec[s]), float(size[s])) if s else mean for s in layer_map(small_layers, large_layers)]
+
+
+def trace_predictor_factory(path, seed: int = 0, cost_rank: int = 128, order: str | None = None, window: int = 4,
+                            lookahead: dict | None = None):
     """`predictor=` argument for flashllm.load: a TracePredictor on the loaded model's spec and backend."""
     trace = Trace.load(path)
-    return lambda ctx: TracePredictor(trace, ctx.spec, ctx.backend, seed, cost_rank, order, window)
+    return lambda ctx: TracePredictor(trace, ctx.spec, ctx.backend, seed, cost_rank, order, window, lookahead)
 
 
 # -- CLI ---------------------------------------------------------------------------------------

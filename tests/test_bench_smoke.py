@@ -64,6 +64,15 @@ def test_trace_record_and_replay_preserve_frequencies(tiny_random, tiny_models, 
     # token t of layer 5 is small layer 1's token t, through the neuron map: same frequencies and reuse
     small = trace.predicted[1, 1:40]
     np.testing.assert_array_equal(replay[:, 5], small[:, pred.neurons[5]])
+    # an imperfect lookahead: small layer 1's recall 0.5, guess size 1.0 per active neuron (layer 0: none)
+    with pytest.raises(ValueError, match="3 layers for a trace of 2"):
+        tr.TracePredictor(trace, spec, seed=3, lookahead={"recall": [0, 0.5, 0.5], "size": [0, 1, 1]})
+    pred = tr.TracePredictor(trace, spec, seed=3, lookahead={"recall": [0.0, 0.5], "size": [0.0, 1.0]})
+    exact = [pred.predict(layer, x) for layer in range(8)]
+    pred.t0, pred.early = 0, True  # the same token's lookahead guesses
+    early = [pred.predict(layer, x) for layer in range(1, 8)]
+    for e, g in zip(exact[4:], early[3:]):  # layers 4-7 follow small layer 1
+        assert g.sum() == e.sum() and 0.2 < (g & e).sum() / e.sum() < 0.8  # wrong ones make up the size
 
 
 def test_paper_tables_json(tiny_random, capsys):

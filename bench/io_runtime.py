@@ -22,6 +22,9 @@ read-ahead, 32 preadv threads), `threads-overlap` (read-ahead through the preadv
 random weights a permutation of the replay, see TracePredictor), `ordered+no-overlap`, and `ordered+gap`
 (gap-filling with the threshold fio's measurement gives: reading g more bytes costs g over the
 bandwidth, one read less saves the per-read cost, from a fit of fio at one and at eight bundles).
+The replayed trace makes the lookahead exact (each layer's set does not depend on its input); the
+`+measured-lookahead` configurations replay it as imperfect as the small model's own lookahead
+(`--lookahead-model`, from bench/io_lookahead.py: per layer, its recall and guess size).
 Beside the runs, a replay (no I/O, unlimited cache) counts reads and bundles per token for gaps of 0..8
 bundles before and after ordering, on trace tokens not used to compute the order.
 
@@ -53,7 +56,10 @@ NO_OVERLAP = {"prefetch": False, "aio_depth": 0}  # session 4's defaults: no rea
 CONFIGS = {"default": {}, "no-overlap": NO_OVERLAP, "threads-overlap": {"prefetch": True, "aio_depth": 0},
            "aio-no-overlap": {"prefetch": False, "aio_depth": 2048},
            "ordered": {"order": "coactivation"}, "ordered+no-overlap": {"order": "coactivation", **NO_OVERLAP},
-           "ordered+gap": {"order": "coactivation", "gap_bytes": "fio"}}
+           "ordered+gap": {"order": "coactivation", "gap_bytes": "fio"},
+           # the replayed lookahead as imperfect as the small model's (--lookahead-model), not exact
+           "default+measured-lookahead": {"lookahead": "measured"},
+           "ordered+measured-lookahead": {"order": "coactivation", "lookahead": "measured"}}
 
 
 def _paper_measure():
@@ -134,9 +140,11 @@ def run_config(args, name: str, budget: int, runner, gap: dict | None) -> dict:
                threads=args.threads, aio_depth=None, trace=args.trace, seed=args.seed, predictor="trace",
                predictor_rank=128, torch_threads=args.torch_threads, tokens=args.tokens, warmup=args.warmup,
                model_dir=str(args.model_dir), dtype=args.dtype, read_sizes=True, per_token=True)
-    run.update(cfg)
-    if args.lookahead_model:  # the lookahead as imperfect as the small model's own (else exact: the replay's)
+    if cfg.pop("lookahead", None) == "measured":  # else exact: the replay's
+        if not args.lookahead_model:
+            raise SystemExit(f"io_runtime: error: --configs {name} needs --lookahead-model")
         run["lookahead_model"] = json.loads(Path(args.lookahead_model).read_text())["sources"]["attn/0"]
+    run.update(cfg)
     res = runner(run)
     if "error" in res:
         return res
@@ -218,9 +226,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "(default: %(default)s, the runtime's)")
     p.add_argument("--torch-threads", type=int, default=None, help="compute threads (default: the runtime's)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the runtime's, the storage dtype)")
-    p.add_argument("--lookahead-model", help="bench/io_lookahead.py --json-out of the trace's model: the replayed "
-                   "lookahead names each active neuron with that layer's measured recall and wrong ones up to its "
-                   "measured guess size (default: the replay's exact lookahead, recall 1)")
+    p.add_argument("--lookahead-model", help="bench/io_lookahead.py --json-out of the trace's model, for the "
+                   "*+measured-lookahead configurations: the replayed lookahead names each active neuron with that "
+                   "layer's measured recall and wrong ones up to its measured guess size (the others: exact)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fio-seconds", type=float, default=10.0, help="seconds per fio run (default: %(default)s)")
     p.add_argument("--replay-tokens", type=int, default=0, help="also count replayed reads per token over this "

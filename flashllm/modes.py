@@ -263,6 +263,11 @@ class SparsePlan(StreamingPlan):
 
     RANDOM_READ_PENALTY = 1.5  # a bundle read costs about this much more per byte than a sequential one
     AIO_DEPTH = 2048  # native AIO reads in flight by default (a 7B layer's ~800 at once)
+    # a layer's lookahead set is read ahead only while its running recall and precision against the layer's
+    # own set stay at least this high: on the 7B shape an exact lookahead made tokens 0.8x as long, one of
+    # recall 0.67 / precision 0.53 1.65x (wrong guesses evict needed rows and cost reads): bench/results/io_runtime_7b.md
+    AHEAD_MIN_HIT = 0.9
+    AHEAD_EMA = 0.3  # weight of the newest token in those running shares
 
     def __init__(self, ctx: PlanContext):
         self.predictor = make_predictor(ctx.options.predictor, ctx)
@@ -299,9 +304,12 @@ class SparsePlan(StreamingPlan):
         self.capacities = budget_mod.sparse_capacities(avail, row, L, lay.d_ffn, need) if options.cache_rows is None \
             else budget_mod.given_capacities(options.cache_rows, avail, row, L, lay.d_ffn)
         self.prefetch_buf = B.host_buffer((self.prefetch_rows, lay.stride)) if self.prefetch_rows else None
+        self.read_ahead = self.read_ahead and (self.ahead_in_place or self.prefetch_buf is not None)
         self._residual = None  # the residual stream the current layer's FFN input came from (decode)
-        # (layer, neuron ids read ahead, lookahead set, read in flight, cache rows it lands in or None: prefetch_buf)
+        # (layer, neuron ids read ahead, lookahead set, read in flight or None, cache rows it lands in or None:
+        # prefetch_buf)
         self._pending = None
+        self.ahead_hit = np.ones((L, 2))  # per layer: running (recall, precision) of its lookahead
         par = ctx.spec.parallel_attn and not ctx.spec.ffn_norm
         self._norm = "attn_norm" if par else "ffn_norm"  # the norm that makes a layer's FFN input
         if not getattr(self.predictor, "selective", True) and min(self.capacities) < lay.d_ffn:
@@ -370,6 +378,7 @@ class SparsePlan(StreamingPlan):
                 "pinned_neurons": [c.pinned for c in self.caches],
                 "gap_bytes": self.reader.io.gap_bytes, "prefetch_rows": self.prefetch_rows,
                 "read_ahead": ("into cache rows" if self.ahead_in_place else "via a buffer") if self.read_ahead else "off",
+                "read_ahead_paused": [int(i) for i in np.flatnonzero(self.ahead_hit.min(axis=1) < self.AHEAD_MIN_HIT)],
                 **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
 
     @property
@@ -417,7 +426,10 @@ class SparsePlan(StreamingPlan):
                 np.arange(capacity)
             predicted = np.sort(predicted[best])
         cache = self.caches[layer]
-        if self.ahead_in_place:
+        if self.ahead_hit[layer].min() < self.AHEAD_MIN_HIT:  # not worth reading now: only measure the lookahead
+            ids, pending = predicted[:0], None
+            rows = ids if self.ahead_in_place else None
+        elif self.ahead_in_place:
             with cost.timed("mem_ms"):
                 ids = cache.reserve(predicted, self.window)
             rows = cache.free_rows(len(ids))
@@ -440,11 +452,14 @@ class SparsePlan(StreamingPlan):
             self._drop_prefetch()
             return 0
         _, ids, predicted, pending, rows = self._pending
-        with cost.timed("io_ms"):
-            cost.add_io(pending.wait())
+        if pending is not None:
+            with cost.timed("io_ms"):
+                cost.add_io(pending.wait())
+        found = int(np.isin(active, predicted, assume_unique=True).sum())
         if len(cost.lookahead_active) > layer:  # decode: the recall of the lookahead vs this prediction
-            cost.lookahead_found[layer] = int(np.isin(active, predicted, assume_unique=True).sum())
-            cost.lookahead_active[layer] = len(active)
+            cost.lookahead_found[layer], cost.lookahead_active[layer] = found, len(active)
+        hit = [found / len(active) if len(active) else 1.0, found / len(predicted) if len(predicted) else 1.0]
+        self.ahead_hit[layer] += self.AHEAD_EMA * (np.array(hit) - self.ahead_hit[layer])
         if rows is None:
             return 0  # in the prefetch buffer: `_use_prefetch` places what the layer needs
         self._pending = None
@@ -477,7 +492,8 @@ class SparsePlan(StreamingPlan):
     def _drop_prefetch(self) -> None:
         """Wait for a read ahead that will not be used (its buffer is about to be reused)."""
         if self._pending is not None:
-            self._pending[3].wait()
+            if self._pending[3] is not None:
+                self._pending[3].wait()
             self._pending = None
 
     def _fit(self, layer: int, active: np.ndarray, scores: np.ndarray | None, cost) -> np.ndarray:

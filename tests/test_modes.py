@@ -49,6 +49,24 @@ def test_sparse_oracle_with_read_ahead_and_gap_filling_matches_dense(tiny, dense
         assert stats["neurons_prefetched"] > 0
 
 
+def test_read_ahead_pauses_for_layers_whose_lookahead_misses(tiny_models, dense_logits):
+    """A layer reads ahead only while its lookahead's running recall and precision stay above
+    AHEAD_MIN_HIT; paused, the lookahead is still predicted and measured, and nothing changes the result."""
+    tiny = tiny_models("opt")
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True)
+    model.plan.AHEAD_MIN_HIT = 1.01  # no lookahead is good enough: every layer paused
+    np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
+    stats = model.stats
+    assert stats["neurons_prefetched"] == 0 and stats["lookahead_recall"] is not None
+    assert stats["read_ahead_paused"] == list(range(model.spec.n_layers))  # (layer 0 has no lookahead: never measured)
+    model.plan.AHEAD_MIN_HIT = 0.0  # any lookahead will do
+    model.plan.ahead_hit[:] = 1.0
+    np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
+    assert (model.stats["neurons_prefetched"] > 0) == model.predictor.selective and not model.stats["read_ahead_paused"]
+    hit = model.plan.ahead_hit[1:]
+    assert ((0 <= hit) & (hit <= 1)).all()
+
+
 def test_read_ahead_through_a_buffer_matches_reading_when_known(tiny_models):
     """Where reads cannot land in cache rows (compute dtype != storage), read-ahead goes through a buffer."""
     tiny = tiny_models("opt")

@@ -52,6 +52,9 @@ CONFIGS = {  # name -> (load options, extra environment)
     "after-1t": (dict(kernels="tuned", compute_threads=1), {}),
     "after-2t": (dict(kernels="tuned", compute_threads=2), {}),  # OpenMP workers sleep (flashllm's default)
     "after-2t-spin": (dict(kernels="tuned", compute_threads=2), SPIN),  # ... or spin first (session 3)
+    # session 4's kernels at 2 threads: down by mv, decode attention on both threads (bench-only switches)
+    "session4-2t": (dict(kernels="tuned", compute_threads=2, _down_kernel="mv", _serial_attention=False), {}),
+    "session4-1t": (dict(kernels="tuned", compute_threads=1, _down_kernel="mv"), {}),
     "mlx": (dict(backend="mlx"), {}),
 }
 QUANT_GROUP = 64
@@ -221,13 +224,18 @@ def child(args) -> dict:
     predictor = args.predictor
     if args.trace:
         predictor = bench_module("trace").trace_predictor_factory(args.trace, 0, args.predictor_rank)
-    load = {**dict(mode=args.mode, dtype=args.dtype, dram_budget=args.dram_budget, window=args.window), **options}
+    switches = {k[1:]: v for k, v in options.items() if k.startswith("_")}  # backend attributes, set after load
+    options = {k: v for k, v in options.items() if not k.startswith("_")}
+    load = {**dict(mode=args.mode, dtype=args.dtype, dram_budget=args.dram_budget, window=args.window,
+                   context=args.context), **options}
     if args.mode == "sparse":
         load["predictor"] = predictor
     t0 = time.perf_counter()
     model = flashllm.load(args.model_dir, **load)
     load_s = time.perf_counter() - t0
     B = model.backend
+    for name, value in switches.items():
+        setattr(B, name, value)
     timer = PartTimer(B.sync)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.spec.vocab_size, args.warmup + args.tokens + 1).tolist()
@@ -251,10 +259,20 @@ def child(args) -> dict:
     B.parts = None
     mean = lambda key: statistics.fmean(p[key] for p in per_token)  # noqa: E731
     return dict(config=args.config, backend=B.name, dtype=B.dtype_name, load_s=load_s, load=os.getloadavg()[0],
+                autogroup_nice=autogroup_nice(),
                 threads=_torch_threads(), omp_wait_policy="spin" if "GOMP_SPINCOUNT" in os.environ else os.environ.get("OMP_WAIT_POLICY"),
                 parts={k: statistics.fmean(p["parts"][k] for p in per_token) for k in per_token[0]["parts"]},
                 bytes={k: statistics.fmean(p["bytes"][k] for p in per_token) for k in per_token[0]["bytes"]},
                 **{k: mean(k) for k in ("compute_ms", "total_ms", "io_ms", "mem_ms", "predictor_ms", "cpu_ms")})
+
+
+def autogroup_nice() -> int | None:
+    """This process's scheduler autogroup nice (Linux with sched_autogroup: nice ranks processes only within
+    one session, so a timed run raises its own session's weight; recorded beside the figures), else None."""
+    try:
+        return int(Path("/proc/self/autogroup").read_text().split("nice")[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _torch_threads() -> int | None:
@@ -274,7 +292,7 @@ def run_child(args, config: str) -> dict:
 def _forward_args(args) -> list[str]:
     out = ["--mode", args.mode, "--tokens", str(args.tokens), "--warmup", str(args.warmup), "--start-pos", str(args.start_pos),
            "--window", str(args.window), "--predictor", args.predictor, "--predictor-rank", str(args.predictor_rank)]
-    for key in ("dtype", "dram_budget", "trace"):
+    for key in ("dtype", "dram_budget", "trace", "context"):
         if getattr(args, key) is not None:
             out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return out
@@ -345,6 +363,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="compute dtype (default: the runtime's choice)")
     p.add_argument("--dram-budget", default=None, help="sparse mode: e.g. 0.5 (default: unlimited)")
     p.add_argument("--window", type=int, default=4, help="(default: %(default)s)")
+    p.add_argument("--context", type=int, default=None,
+                   help="KV cache length (default: the runtime's, min(model, 4096)); the 7B at 50%% needs less")
     p.add_argument("--predictor", default="oracle", help="sparse without --trace (default: %(default)s)")
     p.add_argument("--trace", default=None, help="bench/trace.py trace: its active sets (the 'all' token)")
     p.add_argument("--predictor-rank", type=int, default=128, help="trace predictor's cost stand-in rank")

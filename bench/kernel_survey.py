@@ -37,21 +37,14 @@ def down_kernels(d: int, n: int, dt) -> dict:
     """Formulations of h [1, n] @ rows [n, d] over a strided view of the rows: name -> fn(rows, h)."""
     import torch
 
-    out, chunk, acc = torch.empty(d, dtype=dt), torch.empty(256, d), torch.empty(d)
+    from flashllm.backends.torch_backend import DOWN_CHUNK, chunked_down
 
-    def chunked(m, h):  # float32 BLAS over 256-row pieces cast into one reused buffer (cache-sized)
-        acc.zero_()
-        hf = h[0].float()
-        for i in range(0, n, len(chunk)):
-            piece = chunk[:min(len(chunk), n - i)]
-            torch.addmv(acc, piece.copy_(m[i:i + len(piece)]).t(), hf[i:i + len(piece)], out=acc)
-        return acc.to(dt)
-
+    out, chunk, acc = torch.empty(d, dtype=dt), torch.empty(DOWN_CHUNK, d), torch.empty(d)
     return {"h @ rows (matmul)": lambda m, h: h @ m,
             "mv(rows.t(), h)": lambda m, h: torch.mv(m.t(), h[0]),
             "addmv(out=)": lambda m, h: torch.addmv(out, m.t(), h[0], beta=0, out=out),
             "float32 upcast": lambda m, h: h.float() @ m.float(),
-            "float32 in 256-row pieces": chunked}
+            f"float32 in {DOWN_CHUNK}-row pieces (chunked)": lambda m, h: chunked_down(h, m, chunk, acc)}
 
 
 def down_survey(spec, dtypes, rounds: int, llc: int, parts: int = 2) -> list[dict]:

@@ -21,10 +21,14 @@ INITIAL_THREADS = torch.get_num_threads()
 
 
 # How one token's down projection h[1, n] @ rows[n, d] (rows = cache rows, any row stride) runs on
-# the CPU, per compute dtype, chosen by bench/compute_roofline.py: torch 2.13's float16/bfloat16
-# vector-matrix `h @ rows` takes a scalar path (~0.2 GB/s here), its matrix-vector `mv(rows.t(), h)`
-# streams the rows; float32 goes to BLAS either way. "matmul" is torch's default (the "plain" kernels).
-DOWN_KERNEL = {"float32": "matmul", "bfloat16": "mv", "float16": "mv"}
+# the CPU, per compute dtype, chosen by bench/compute_roofline.py (bench/kernel_survey.py): torch 2.13's
+# float16/bfloat16 vector-matrix `h @ rows` takes a scalar path (~0.2 GB/s here) and its matrix-vector
+# `mv(rows.t(), h)` converts float16 one value at a time (~3 GB/s, no gain from a second thread); "chunked"
+# casts DOWN_CHUNK rows at a time into a cache-sized float32 buffer (vectorized) and accumulates float32
+# BLAS addmv over them: the products and the float32 sum of mv, rounded once (equal to mv's float16 result
+# in the survey), 1.3-1.8x faster. float32 goes to BLAS either way. "matmul": torch's default ("plain").
+DOWN_KERNEL = {"float32": "matmul", "bfloat16": "mv", "float16": "chunked"}
+DOWN_CHUNK = 64  # rows per float32 piece: 64 x 4096 x 4 B = 1 MiB, the L2 of this CPU
 
 
 class TorchBackend(Backend):
@@ -32,6 +36,8 @@ class TorchBackend(Backend):
 
     name = "torch"
     STAGING_BYTES = 256 << 10  # per staging buffer (bench/results/io_pipeline.md: more is taken from the caches)
+    # decode attention in one thread when compute threads > 1 (bench/results/compute_roofline.md, session 5)
+    serial_attention = True
     STAGING_BUFFERS = 2  # on CUDA a ring: one is read into while the other's copy is in flight (CPU: 1)
 
     def __init__(self, spec: ArchSpec, device: str, dtype: str | None, storage_dtype: str, context: int,
@@ -50,8 +56,11 @@ class TorchBackend(Backend):
         self.tuned = kernels == "tuned"  # fused projections and per-dtype kernels (see fuse_resident, _down)
         self.down_kernel = DOWN_KERNEL[self.dtype_name] if self.device.type == "cpu" and self.tuned else "matmul"
         self.context = context
+        self.threads = 1
         if self.device.type == "cpu":
-            torch.set_num_threads(compute_threads(threads, INITIAL_THREADS))
+            self.threads = compute_threads(threads, INITIAL_THREADS)
+            torch.set_num_threads(self.threads)
+        self._down_buf = None  # "chunked": (float32 rows [DOWN_CHUNK, d], float32 accumulator [d]), made once
         self.w: dict[str, torch.Tensor] = {}
         self.kv_bits = kv_bits
         self.kvs = [self.new_kv()]  # one KV cache per sequence decoded together (set_sequences)
@@ -202,12 +211,19 @@ class TorchBackend(Backend):
             q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
         t0 = self._tic()
         qk = fused[:, :s.n_heads + s.n_kv_heads] if fused is not None and not s.qk_norm else None
-        if isinstance(pos, int):
-            out = self._attend(layer, q, k, v, pos, self.kvs[slot], qk)
-        else:  # batch decode: the projections above ran once for every sequence; keys are per sequence
-            out = torch.cat([self._attend(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], at, self.kvs[kv],
-                                          None if qk is None else qk[i:i + 1])
-                             for i, (at, kv) in enumerate(zip(pos, slot))])
+        serial = self.serial_attention and self.threads > 1 and T == 1 and self.device.type == "cpu"
+        if serial:  # a decode token's ~10 small ops: waking a second OpenMP thread costs more than it saves
+            torch.set_num_threads(1)
+        try:
+            if isinstance(pos, int):
+                out = self._attend(layer, q, k, v, pos, self.kvs[slot], qk)
+            else:  # batch decode: the projections above ran once for every sequence; keys are per sequence
+                out = torch.cat([self._attend(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], at, self.kvs[kv],
+                                              None if qk is None else qk[i:i + 1])
+                                 for i, (at, kv) in enumerate(zip(pos, slot))])
+        finally:
+            if serial:
+                torch.set_num_threads(self.threads)
         out = self._toc("attention", t0, out)
         t0 = self._tic()
         return self._toc("attn_proj", t0, self._linear(p + "o", out)), h
@@ -316,9 +332,13 @@ class TorchBackend(Backend):
         """h [T, n] @ down [n, d] with the kernel DOWN_KERNEL chose for the compute dtype."""
         if self.down_kernel == "matmul":
             return h @ down
-        if h.shape[0] == 1:
+        if h.shape[0] > 1:
+            return (h.float() @ down.float()).to(h.dtype)  # several tokens: BLAS in float32 (prefill)
+        if self.down_kernel == "mv":
             return torch.mv(down.t(), h[0])[None]
-        return (h.float() @ down.float()).to(h.dtype)  # several tokens: BLAS in float32 (prefill)
+        if self._down_buf is None or self._down_buf[1].shape[0] != down.shape[1]:
+            self._down_buf = (torch.empty(DOWN_CHUNK, down.shape[1]), torch.empty(down.shape[1]))
+        return chunked_down(h, down, *self._down_buf)
 
     def pack_ffn(self, rows: dict) -> dict:
         """A resident FFN's rows packed at load (dense and hybrid plans): up and gate as one [2n, d]
@@ -360,6 +380,17 @@ class TorchBackend(Backend):
             out = self.ffn(x, shared, None, None, None)
             acc = acc + (torch.sigmoid(F.linear(x, shared_gate)) * out if shared_gate is not None else out).float()
         return acc.to(x.dtype)
+
+
+def chunked_down(h: torch.Tensor, down: torch.Tensor, buf: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """h [1, n] @ down [n, d] (any row stride) as float32 BLAS over pieces of `buf`'s rows ([chunk, d] float32)
+    cast from `down`, summed into `acc` [d] (float32), rounded once to h's dtype: [1, d]."""
+    hf = h[0].float()
+    acc.zero_()
+    for i in range(0, down.shape[0], buf.shape[0]):
+        piece = buf[:min(buf.shape[0], down.shape[0] - i)].copy_(down[i:i + buf.shape[0]])
+        acc.addmv_(piece.t(), hf[i:i + len(piece)])
+    return acc.to(h.dtype)[None]
 
 
 def _device(device: str | None) -> str:

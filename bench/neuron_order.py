@@ -12,7 +12,8 @@ cache) and merges needed bundles at most g bundles apart into one read (the byte
 
 The co-activation order `flashllm demo` uses is the one this computes, shipped with the embedded model
 (flashllm/data/tiny-opt-predictors/neuron_order.safetensors); `--ship` computes it and writes that file
-(the report says whether the order computed here is the shipped one).
+(the report says whether the order computed here is the shipped one); `--quality` compares held-out
+perplexity in the shipped order and the converter's, dense and sparse.
 """
 
 from __future__ import annotations
@@ -159,6 +160,36 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def quality(tokens: int, seq_len: int, prefill: int, budget, window: int, workdir: Path) -> str:
+    """Held-out perplexity and top-1 agreement with dense, dense and sparse, in the shipped order and in the
+    converter's: the order is a permutation, so only the float sums' order may differ."""
+    import stdlib_corpus
+
+    heldout = workdir / "heldout.txt"
+    stdlib_corpus.write_text("heldout", heldout, max_bytes=16 * tokens)
+    dirs = {"shipped": demo.prepare(workdir / "shipped"), "converter": demo.prepare(workdir / "converter", order=False)}
+    ids = flashllm.load(dirs["shipped"], mode="dense", **demo.SETTINGS).tokenizer.encode(heldout.read_text())
+    seqs = [ids[k:k + seq_len] for k in range(0, min(len(ids), tokens), seq_len)]
+    lines, tops = [], {}
+    for name, d in dirs.items():
+        for mode in ("dense", "sparse"):
+            kw = dict(predictor="lowrank", dram_budget=budget, window=window) if mode == "sparse" else {}
+            model = flashllm.load(d, mode=mode, **kw, **demo.SETTINGS)
+            nll, n, top = 0.0, 0, []
+            for s in seqs:
+                lg = model.logits(s, prefill=prefill)[:-1].astype(np.float64)
+                lse = lg.max(1) + np.log(np.exp(lg - lg.max(1, keepdims=True)).sum(1))
+                nll += float((lse - lg[np.arange(len(s) - 1), s[1:]]).sum())
+                n += len(s) - 1
+                top.append(lg.argmax(1))
+            tops[name, mode] = np.concatenate(top)
+            agree = np.mean(tops[name, mode] == tops[name, "dense"])
+            lines.append(f"{name + ' order':<16}{mode:<8}perplexity {np.exp(nll / n):.3f}  top-1 vs its dense {agree:.4f}"
+                         f"  dropped/token {model.stats.get('neurons_dropped', 0)}")
+    lines.append(f"{n} held-out positions (stdlib corpus), budget {budget}, window {window}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=1024, help="held-out decode tokens (default 1024)")
@@ -169,6 +200,8 @@ def main(argv=None) -> dict:
     p.add_argument("--calibration-tokens", type=int, default=20000, help="tokens the order is computed on (default 20000)")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    p.add_argument("--quality", action="store_true", help="only compare held-out perplexity and top-1 agreement "
+                   "in the shipped order and the converter's (dense and sparse)")
     p.add_argument("--ship", action="store_true", help="only compute the order and write it to "
                    "flashllm/data/tiny-opt-predictors/neuron_order.safetensors (what `flashllm demo` uses)")
     args = p.parse_args(argv)
@@ -176,6 +209,11 @@ def main(argv=None) -> dict:
     import torch
 
     torch.set_num_threads(args.torch_threads)  # a tiny model: more threads only spin on a loaded machine
+    if args.quality:
+        with tempfile.TemporaryDirectory(prefix="flashllm-order-") as tmp:
+            text = quality(args.tokens, args.seq_len, args.prefill, budget, args.window, Path(tmp))
+        print(text)
+        return {"quality": text}
     if args.ship:
         with tempfile.TemporaryDirectory(prefix="flashllm-order-") as tmp:
             info = ship(args.calibration_tokens, args.window, Path(tmp))

@@ -67,6 +67,27 @@ def test_read_ahead_pauses_for_layers_whose_lookahead_misses(tiny_models, dense_
     assert ((0 <= hit) & (hit <= 1)).all()
 
 
+def test_a_missing_lookahead_costs_reads_and_the_gate_bounds_them(tiny_models):
+    """Read ahead into cache rows, a wrong guess evicts rows the layer then needs and names neurons it
+    does not: they are read again or for nothing (more loads and bytes, never a different result); the
+    gate stops reading ahead for a layer whose lookahead keeps missing."""
+    tiny = tiny_models("opt")
+    runs = {}
+    for name, kw, min_hit in (("off", dict(prefetch=False), None), ("gated", {}, None), ("always", {}, 0.0)):
+        model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=8, threads=2,
+                              cache_rows=(80, 80), **kw)
+        if min_hit is not None:
+            model.plan.AHEAD_MIN_HIT = min_hit
+        runs[name] = (model.logits(IDS, prefill=PREFILL), model.stats)
+    off, gated, always = (runs[k][1] for k in ("off", "gated", "always"))
+    for logits, _ in runs.values():
+        np.testing.assert_allclose(logits, runs["off"][0], atol=1e-4, rtol=1e-4)
+    assert always["lookahead_recall"] < 0.9 and always["prefetch_unused"] > 0  # the oracle's guess from layer 0
+    assert sum(always["neurons_loaded_per_layer"]) > sum(gated["neurons_loaded_per_layer"]) >= \
+        sum(off["neurons_loaded_per_layer"])
+    assert always["bytes_read"] > gated["bytes_read"] >= off["bytes_read"] and gated["read_ahead_paused"] == [1]
+
+
 def test_read_ahead_through_a_buffer_matches_reading_when_known(tiny_models):
     """Where reads cannot land in cache rows (compute dtype != storage), read-ahead goes through a buffer."""
     tiny = tiny_models("opt")

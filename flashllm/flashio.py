@@ -93,13 +93,14 @@ class PendingRead:
     """A submitted call: ``wait()`` blocks until all its reads are done, then returns IOStats or raises."""
 
     def __init__(self, path: str, pending: int, requested: int, t0: float, fadvise=None, driver=None,
-                 total: int | None = None, helper=None, job=None):
+                 total: int | None = None, helper=None):
         """`pending`: workers serving the call; `total`: its reads (it is over when all are counted, without
         waiting for workers woken too late to find any left); `helper`: does reads of the call in the
         waiting thread, which is running already (a woken worker may wait long for a core on a loaded
         machine); `driver`: an AioQueue whose `progress` the waiting thread calls (AIO reads)."""
         self.path, self.pending, self._requested, self._t0, self._fadvise = path, pending, requested, t0, fadvise
-        self._driver, self._total, self._helper, self._job = driver, total, helper, job
+        self._driver, self._total, self._helper = driver, total, helper
+        self._job = None  # an AIO call's AioJob: its waiter reaps all of the job's reads at once
         self._t1 = t0  # when the last read finished
         self.lock, self.event = threading.Lock(), threading.Event()
         self.bytes_read = self.reads = 0

@@ -84,7 +84,9 @@ class Plan:
                  f"predicted decode token: {p['total_ms']:.2f} ms = compute {p['compute_ms']:.2f} + predictor "
                  f"{p['predictor_ms']:.2f} + I/O {p['io_ms']:.2f} + memory {p['mem_ms']:.2f} ms"
                  + (f"; {p['bytes_per_token'] / 1024:.1f} KiB and {p['reads_per_token']:.1f} reads per token"
-                    if "bytes_per_token" in p else "")]
+                    if "bytes_per_token" in p else "")
+                 + (f" (measured on this model now; the profiles alone predict {p['model_ms']:.2f} ms)"
+                    if p.get("calibrated") and "model_ms" in p else "")]
         for a in self.alternatives[:6]:
             lines.append(f"  alternative: {a['what']}: {a['total_ms']:.2f} ms")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])

@@ -167,8 +167,8 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                    help="sequences decoded together, each with its own KV cache (--batch-file) (default: every "
                    "prompt of --batch-file at once, else 1)")
     g.add_argument("--compute-threads", type=_positive, default=d.compute_threads, metavar="N",
-                   help="intra-op threads of the math (torch CPU) (default: every core the 1-minute load average "
-                   "leaves idle, at least 1; on busy cores one thread measured faster)")
+                   help="intra-op threads of the math (torch CPU) (default: every core the process may run on; OpenMP "
+                   "workers sleep at barriers and decode attention runs in one thread)")
     g.add_argument("--plan", default="none", choices=["none", "auto"],
                    help="auto: mode, dtype, window and per-layer caches from `flashllm plan` for this --dram-budget "
                    "(the saved plan.json when it matches, else planned now and saved) (default: %(default)s)")

@@ -59,8 +59,7 @@ class LoadOptions:
     # tuned: projections fused at load and the kernel per dtype that bench/compute_roofline.py measured
     # fastest (same math); plain: the file's tensors as they are with torch's default kernels (reference)
     kernels: str = "tuned"
-    # intra-op threads of the math (torch CPU); None: every core the 1-minute load average leaves idle, at
-    # least 1 (backends.base.compute_threads: 2 threads on 2 busy cores measured up to 1.6x slower than 1)
+    # intra-op threads of the math (torch CPU); None: every core the process may run on (backends.base.compute_threads)
     compute_threads: int | None = None
     quantize_resident: str = "none"  # hold attention, embedding and lm_head matrices as int8/int4 (at load)
     kv_bits: int = 16  # 8: KV cache in int8 groups along the head dim; 16: the compute dtype

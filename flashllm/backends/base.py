@@ -43,14 +43,15 @@ def default_compute_dtype(requested: str | None, storage: str, on_cpu: bool, flo
 
 
 def compute_threads(requested: int | None, most: int) -> int:
-    """Intra-op threads of the math: the requested count, else every core the 1-minute load average
-    leaves idle (at least 1, at most `most`: the process's own setting before any load changed it). Measured on 2 busy cores
-    (bench/results/compute_roofline.md): a second thread made decode tokens up to 1.6x slower, its
-    attention 20x (OpenMP workers wait on a thread the scheduler has not run)."""
+    """Intra-op threads of the math: the requested count, else every core this process may run on (at most
+    `most`: the process's own setting before any load changed it). With OpenMP workers sleeping at barriers
+    and decode attention in one thread, 2 threads on this 2-core machine were 1.39-1.42x faster than 1 when
+    the run had priority and equal at load 9 at normal priority (bench/results/compute_roofline.md, session 5;
+    sessions 3-4's 1.2-1.9x losses were spinning workers)."""
     if requested:
         return requested
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(most, cores - int(os.getloadavg()[0])))
+    return max(1, min(most, cores))
 
 
 class Backend:

@@ -324,8 +324,10 @@ def test_a_client_that_leaves_frees_the_slot_at_once(model_dir):
             running.wait_idle(2)  # 60 tokens would take 3 s; freed within a token or two
             made = len(calls)
             time.sleep(0.3)
-            assert len(calls) == made < 40, calls  # no further tokens for the client that left
-            resp = running.client().completions.create(model="tiny", prompt="the", max_tokens=2)
+            # no further tokens for the client that left: at most the one whose forward the worker had begun
+            # when the cancel came (it checks between tokens; under load that window is wide)
+            assert len(calls) <= made + 1 and made < 40, calls
+            resp = running.client().completions.create(model="tiny", prompt="the", max_tokens=2, temperature=0)
             assert resp.choices[0].finish_reason == "length"  # the only slot is free again
     finally:
         running.stop()

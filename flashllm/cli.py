@@ -271,6 +271,8 @@ def format_stats(stats: dict) -> str:
     predictor = f"  predictor {stats['predictor']}" if stats.get("predictor") else ""
     lines = [f"mode {stats['mode']}{predictor}  backend {stats['backend']}  decode tokens {stats['decode_tokens']}  "
              f"DRAM {stats['dram_bytes'] / 2**20:.1f} MiB"]
+    if stats.get("kernels"):
+        lines.append(f"kernels: {stats['kernels']}")
     lines.append("per decode token: " + "  ".join(
         f"{k.removesuffix('_ms')} {stats[k]:.2f} ms" for k in ("total_ms", "io_ms", "mem_ms", "compute_ms", "predictor_ms")))
     lines.append(f"flash read per token: {stats['bytes_read'] / 2**20:.3f} MiB in {stats['reads']:.0f} reads")

@@ -168,7 +168,8 @@ class Model:
 
     @property
     def stats(self) -> dict:
-        extra = {"mode": self.mode, "backend": self.backend.name, "device": str(self.backend.device),
+        extra = {"mode": self.mode, "backend": self.backend.name, "kernels": self.backend.kernels(),
+                 "device": str(self.backend.device),
                  "dram_budget": self.dram_budget, "gpu_budget": self.gpu_budget, "model_bytes": self.model_bytes,
                  "gpu_bytes": self.memory()[1] if self.backend.on_gpu else 0, "quantization": self.quantization()}
         extra.update(self.plan.describe())

@@ -175,11 +175,27 @@ class Backend:
         slot[i] at position pos[i]."""
         raise NotImplementedError
 
-    def ffn(self, x, rows: dict, up_bias, gate_bias, down_bias, threshold: float | None = None, gate_pre=None):
+    def ffn(self, x, rows: dict, up_bias, gate_bias, down_bias, threshold: float | None = None, gate_pre=None,
+            index=None, acc=None):
         """FFN over the neurons whose bundle parts are rows[part] ([n, d] each; down rows = columns);
         with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity);
-        `gate_pre` [T, n]: the gate pre-activations, from resident gate rows (then `rows` has no gate)."""
+        `gate_pre` [T, n]: the gate pre-activations, from resident gate rows (then `rows` has no gate).
+        `index` (int array): only these row positions (biases and gate_pre stay aligned with `rows`);
+        `acc` (from `ffn_acc`): the rows' contributions are added to this float32 sum, which is returned
+        (use the result; pass down_bias None) and finished by `ffn_result`."""
         raise NotImplementedError
+
+    def ffn_acc(self, x):
+        """A float32 zero sum [T, d_model] for `ffn(..., acc=)` calls over parts of one layer's rows."""
+        raise NotImplementedError
+
+    def ffn_result(self, acc, x, down_bias):
+        """The FFN output from its float32 sum `acc`: rounded once to x's dtype, plus the down bias."""
+        raise NotImplementedError
+
+    def kernels(self) -> str:
+        """Which kernels compute (stats and --stats): e.g. "native (AVX2+F16C+FMA) ..." or "torch"."""
+        return self.name
 
     def fuse_resident(self) -> None:
         """At load, once the resident tensors are in: fuse what one call can compute (optional)."""

@@ -270,11 +270,21 @@ class MLXBackend(Backend):
         return self._linear(p + "o", out[0].transpose(1, 0, 2).reshape(T, s.n_heads * s.head_dim)), h
 
     def ffn(self, x: mx.array, rows: dict[str, mx.array], up_bias, gate_bias, down_bias,
-            threshold: float | None = None, gate_pre: mx.array | None = None) -> mx.array:
+            threshold: float | None = None, gate_pre: mx.array | None = None, index: np.ndarray | None = None,
+            acc: mx.array | None = None) -> mx.array:
         """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns, or
         `down_t` [d, n]: W_down as quantized expert slots hold it);
         with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity);
-        `gate_pre` [T, n]: the gate pre-activations, from resident gate rows (then `rows` has no gate)."""
+        `gate_pre` [T, n]: the gate pre-activations, from resident gate rows (then `rows` has no gate).
+        `index`, `acc`: as TorchBackend.ffn (only rows `index`; added to the float32 `acc`, which MLX
+        returns as a new array: use the result); each call's part is rounded to the compute dtype first."""
+        if index is not None:
+            idx = mx.array(np.asarray(index, dtype=np.int32))
+            rows = {k: v[idx] for k, v in rows.items()}
+            up_bias, gate_bias = (None if b is None else b[idx] for b in (up_bias, gate_bias))
+            gate_pre = None if gate_pre is None else gate_pre[:, idx]
+        if acc is not None:
+            return acc + self.ffn(x, rows, up_bias, gate_bias, None, threshold, gate_pre).astype(mx.float32)
         up = self.linear(x, rows["up"], up_bias)
         if gate_pre is None and self.spec.gated_ffn:
             gate_pre = self.linear(x, rows["gate"], gate_bias)
@@ -285,6 +295,14 @@ class MLXBackend(Backend):
         if "down_t" in rows:  # W_down [d_model, n] (quantized expert slots)
             return self.linear(h, rows["down_t"], down_bias)
         y = self.matmul(h, rows["down"])
+        return y + down_bias if down_bias is not None else y
+
+    def ffn_acc(self, x: mx.array) -> mx.array:
+        return mx.zeros((x.shape[0], self.spec.d_model), dtype=mx.float32)
+
+    @staticmethod
+    def ffn_result(acc: mx.array, x: mx.array, down_bias) -> mx.array:
+        y = acc.astype(x.dtype)
         return y + down_bias if down_bias is not None else y
 
     def moe_experts(self, x: mx.array, groups: list, acc: mx.array | None = None) -> mx.array:

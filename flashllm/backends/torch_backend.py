@@ -11,7 +11,9 @@ from ..rope import Rope, layer_ropes
 from ..stats import untimed
 from ..spec import ArchSpec
 from .base import Backend, compute_threads, default_compute_dtype
+from . import native
 from .staging import StagingRing, bundle_values, host_array
+from .torch_native import NATIVE_DTYPES, NativeKernels
 from .torch_quant import Int4ExpertSlots, KVCache, QuantMatrix, dequantize_rows
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -61,6 +63,9 @@ class TorchBackend(Backend):
             self.threads = compute_threads(threads, INITIAL_THREADS)
             torch.set_num_threads(self.threads)
         self._down_buf = None  # "chunked": (float32 rows [DOWN_CHUNK, d], float32 accumulator [d]), made once
+        # one decode token's mat-vecs and sparse FFN in C (backends/native) where it builds; torch otherwise
+        lib = native.library() if self.device.type == "cpu" and self.tuned else None
+        self.native = NativeKernels(lib, self.threads) if lib is not None else None
         self.w: dict[str, torch.Tensor] = {}
         self.kv_bits = kv_bits
         self.kvs = [self.new_kv()]  # one KV cache per sequence decoded together (set_sequences)
@@ -124,7 +129,17 @@ class TorchBackend(Backend):
     def on_gpu(self) -> bool:
         return self.device.type == "cuda"
 
+    def kernels(self) -> str:
+        if self.native is None:
+            return "torch" if self.device.type != "cpu" or not self.tuned else native.describe()
+        served = "/".join(NATIVE_DTYPES.values())
+        return f"{native.describe()}: {served} decode mat-vecs and cache-row FFN; torch otherwise"
+
     def linear(self, x: torch.Tensor, w: torch.Tensor | QuantMatrix, b: torch.Tensor | None) -> torch.Tensor:
+        if self.native is not None and x.shape[0] == 1:
+            y = self.native.linear(x, w, b)
+            if y is not None:
+                return y
         return w.linear(x, b) if isinstance(w, QuantMatrix) else F.linear(x, w, b)
 
     def columns(self, x: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
@@ -281,7 +296,7 @@ class TorchBackend(Backend):
         if w is None:
             return (*(self._linear(p + n, h).view(T, heads, s.head_dim)
                       for n, heads in zip("qkv", (s.n_heads, s.n_kv_heads, s.n_kv_heads))), None)
-        fused = F.linear(h, w, self.w.get(p + "qkv.bias")).view(T, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
+        fused = self.linear(h, w, self.w.get(p + "qkv.bias")).view(T, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
         return (*fused.split((s.n_heads, s.n_kv_heads, s.n_kv_heads), dim=1), fused)
 
     def fuse_resident(self) -> None:
@@ -303,12 +318,58 @@ class TorchBackend(Backend):
                         del self.w[f"{p}{n}.{kind}"]
 
     def ffn(self, x: torch.Tensor, rows: dict[str, torch.Tensor], up_bias, gate_bias, down_bias,
-            threshold: float | None = None, gate_pre: torch.Tensor | None = None) -> torch.Tensor:
+            threshold: float | None = None, gate_pre: torch.Tensor | None = None, index: np.ndarray | None = None,
+            acc: torch.Tensor | None = None) -> torch.Tensor:
         """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns),
         or packed by `pack_ffn`; with `threshold`, neurons with |act(pre)| <= threshold contribute
         zero (calibrated sparsity); `gate_pre` [T, n]: the gate pre-activations, already computed
-        from resident gate rows (then `rows` has no gate)."""
+        from resident gate rows (then `rows` has no gate). `index`: compute only these row positions
+        (biases and gate_pre stay aligned with `rows`); `acc` (from `ffn_acc`): add the rows' float32
+        contributions into it and return it (finish with `ffn_result`)."""
         t0, gated, packed = self._tic(), self.spec.gated_ffn, "down_t" in rows
+        if self.native is not None and not packed and x.shape[0] == 1:
+            out = acc if acc is not None else self._ffn_buffer(x)
+            if self.native.ffn(x, rows, up_bias, gate_bias, gate_pre, self.spec.activation,
+                               self.spec.activation_threshold, threshold, index, out, gated) is not None:
+                return self._toc("ffn", t0, out if acc is not None else self.ffn_result(out, x, down_bias))
+        if index is not None:  # the selected rows (copies), their biases and pre-activations
+            idx = torch.from_numpy(np.asarray(index, dtype=np.int64)).to(self.device)
+            parts = ("up", "gate", "down") if gated and gate_pre is None else ("up", "down")
+            rows = {p: self.ffn_part(rows, p).index_select(0, idx) for p in parts}
+            up_bias, gate_bias = (None if b is None else b.index_select(0, idx) for b in (up_bias, gate_bias))
+            gate_pre, packed = None if gate_pre is None else gate_pre.index_select(1, idx), False
+        if acc is not None:  # float32 contributions of the rows, without the down bias
+            h = self._hidden(x, rows, up_bias, gate_bias, threshold, gate_pre, packed)
+            down = self.ffn_part(rows, "down")
+            if self.down_kernel == "chunked" and h.shape[0] == 1:
+                self._chunked_buffers(down.shape[1])
+                return self._toc("ffn", t0, acc.add_(chunked_down(h, down, self._down_buf[0], self._down_buf[1], True)))
+            return self._toc("ffn", t0, acc.add_(h.float() @ down.float()))
+        h = self._hidden(x, rows, up_bias, gate_bias, threshold, gate_pre, packed)
+        if packed:
+            return self._toc("ffn", t0, self.linear(h, rows["down_t"], down_bias))
+        y = self._down(h, rows["down"])
+        return self._toc("ffn", t0, y + down_bias if down_bias is not None else y)
+
+    def ffn_acc(self, x: torch.Tensor) -> torch.Tensor:
+        """A float32 accumulator [T, d_model] for `ffn(..., acc=)` calls over parts of a layer's rows."""
+        return torch.zeros(x.shape[0], self.spec.d_model, dtype=torch.float32, device=x.device)
+
+    @staticmethod
+    def ffn_result(acc: torch.Tensor, x: torch.Tensor, down_bias) -> torch.Tensor:
+        """The FFN output from its float32 sum: rounded once to x's dtype, then the down bias added."""
+        y = acc.to(x.dtype)
+        return y + down_bias if down_bias is not None else y
+
+    def _ffn_buffer(self, x: torch.Tensor) -> torch.Tensor:
+        """The one-call native FFN's float32 accumulator [1, d_model], made once and zeroed per call."""
+        if getattr(self, "_ffn_buf", None) is None:
+            self._ffn_buf = torch.empty(1, self.spec.d_model, dtype=torch.float32)
+        return self._ffn_buf.zero_()
+
+    def _hidden(self, x, rows, up_bias, gate_bias, threshold, gate_pre, packed) -> torch.Tensor:
+        """h [T, n]: act(gate) * up (gated) or act(up), each rounded to the compute dtype as torch does."""
+        gated = self.spec.gated_ffn
         if gate_pre is not None:
             up, pre = F.linear(x, rows["up"], up_bias), gate_pre
         elif packed:  # one up(+gate) product; down as a contiguous [d, n] matrix (or int4 expert slots)
@@ -322,11 +383,7 @@ class TorchBackend(Backend):
         a = self.act(pre)
         if threshold is not None:
             a = a * (a.abs() > threshold)
-        h = a * up if gated else a
-        if packed:
-            return self._toc("ffn", t0, self.linear(h, rows["down_t"], down_bias))
-        y = self._down(h, rows["down"])
-        return self._toc("ffn", t0, y + down_bias if down_bias is not None else y)
+        return a * up if gated else a
 
     def _down(self, h: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """h [T, n] @ down [n, d] with the kernel DOWN_KERNEL chose for the compute dtype."""
@@ -336,9 +393,12 @@ class TorchBackend(Backend):
             return (h.float() @ down.float()).to(h.dtype)  # several tokens: BLAS in float32 (prefill)
         if self.down_kernel == "mv":
             return torch.mv(down.t(), h[0])[None]
-        if self._down_buf is None or self._down_buf[1].shape[0] != down.shape[1]:
-            self._down_buf = (torch.empty(DOWN_CHUNK, down.shape[1]), torch.empty(down.shape[1]))
+        self._chunked_buffers(down.shape[1])
         return chunked_down(h, down, *self._down_buf)
+
+    def _chunked_buffers(self, d: int) -> None:
+        if self._down_buf is None or self._down_buf[1].shape[0] != d:
+            self._down_buf = (torch.empty(DOWN_CHUNK, d), torch.empty(d))
 
     def pack_ffn(self, rows: dict) -> dict:
         """A resident FFN's rows packed at load (dense and hybrid plans): up and gate as one [2n, d]
@@ -382,15 +442,17 @@ class TorchBackend(Backend):
         return acc.to(x.dtype)
 
 
-def chunked_down(h: torch.Tensor, down: torch.Tensor, buf: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+def chunked_down(h: torch.Tensor, down: torch.Tensor, buf: torch.Tensor, acc: torch.Tensor,
+                 float32: bool = False) -> torch.Tensor:
     """h [1, n] @ down [n, d] (any row stride) as float32 BLAS over pieces of `buf`'s rows ([chunk, d] float32)
-    cast from `down`, summed into `acc` [d] (float32), rounded once to h's dtype: [1, d]."""
+    cast from `down`, summed into `acc` [d] (float32), rounded once to h's dtype: [1, d] (`float32`: the
+    sum itself, a view of `acc`)."""
     hf = h[0].float()
     acc.zero_()
     for i in range(0, down.shape[0], buf.shape[0]):
         piece = buf[:min(buf.shape[0], down.shape[0] - i)].copy_(down[i:i + buf.shape[0]])
         acc.addmv_(piece.t(), hf[i:i + len(piece)])
-    return acc.to(h.dtype)[None]
+    return acc[None] if float32 else acc.to(h.dtype)[None]
 
 
 def _device(device: str | None) -> str:

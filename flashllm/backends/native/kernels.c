@@ -1,0 +1,430 @@
+/* flashllm's native CPU kernels for one decode token: a dense mat-vec and the sparse FFN over a neuron
+ * cache's bundle rows in one pass. Weights are float16, bfloat16 or float32; every product is summed in
+ * float32. Threads are this file's own small pthread pool (no second OpenMP runtime beside torch's), each
+ * taking a contiguous range of output rows (mat-vec) or of cache rows (FFN, with its own accumulator).
+ * Built on first use by flashllm/backends/native/__init__.py with the machine's C compiler; the x86 path
+ * uses AVX2 + F16C + FMA when the compiler targets them (-march=native), every other machine the portable
+ * C loops below (which the compiler may vectorize). */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define FL_AVX2 1
+#else
+#define FL_AVX2 0
+#endif
+
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+enum { ACT_RELU = 0, ACT_RELU2 = 1, ACT_FATRELU = 2, ACT_SILU = 3, ACT_GELU = 4, ACT_GELU_TANH = 5 };
+
+/* ---- scalar conversions (IEEE half and bfloat16, round to nearest even) ---- */
+static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+static inline float h2f(uint16_t h) {
+#if FL_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0x1f) return bits_f32(sign | 0x7f800000 | (man << 13));
+    if (exp == 0) {  /* zero or subnormal: man * 2^-24 */
+        float f = (float)man * 5.9604644775390625e-08f;
+        return sign ? -f : f;
+    }
+    return bits_f32(sign | ((exp + 112) << 23) | (man << 13));
+#endif
+}
+
+static inline uint16_t f2h(float f) {
+#if FL_AVX2
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t u = f32_bits(f), sign = (u >> 16) & 0x8000;
+    uint32_t au = u & 0x7fffffff;
+    if (au >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (au > 0x7f800000 ? 0x200 : 0));
+    if (au >= 0x477ff000) return (uint16_t)(sign | 0x7c00);  /* rounds to >= 65520: infinity */
+    if (au < 0x38800000) {  /* below the smallest normal half: a subnormal, exact rounding via float add */
+        float r = bits_f32(au) + 0.5f;  /* 0.5 = 2^-1: the ulp of [0.5, 1) is 2^-24, the half subnormal step */
+        return (uint16_t)(sign | (f32_bits(r) - 0x3f000000));
+    }
+    uint32_t odd = (au >> 13) & 1;
+    au += 0xc8000fff + odd;  /* rebias the exponent (-112 << 23) and round to nearest even */
+    return (uint16_t)(sign | (au >> 13));
+#endif
+}
+
+static inline float b2f(uint16_t b) { return bits_f32((uint32_t)b << 16); }
+
+static inline uint16_t f2b(float f) {
+    uint32_t u = f32_bits(f);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load1(int dt, const void *p, int64_t i) {
+    if (dt == DT_F16) return h2f(((const uint16_t *)p)[i]);
+    if (dt == DT_BF16) return b2f(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+static inline void store1(int dt, void *p, int64_t i, float v) {
+    if (dt == DT_F16) ((uint16_t *)p)[i] = f2h(v);
+    else if (dt == DT_BF16) ((uint16_t *)p)[i] = f2b(v);
+    else ((float *)p)[i] = v;
+}
+
+/* v rounded to the compute dtype (what torch's float16/bfloat16 ops return), as a float */
+static inline float round_to(int dt, float v) {
+    if (dt == DT_F16) return h2f(f2h(v));
+    if (dt == DT_BF16) return b2f(f2b(v));
+    return v;
+}
+
+/* ---- vector loops: dot(w, x) and acc += h * w, w in dt, x and acc float32 ---- */
+#if FL_AVX2
+static inline __m256 load8(int dt, const void *p, int64_t i) {
+    if (dt == DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    if (dt == DT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+static float dot(int dt, const void *w, const float *x, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#if FL_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_fmadd_ps(load8(dt, w, i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(load8(dt, w, i + 8), _mm256_loadu_ps(x + i + 8), a1);
+        a2 = _mm256_fmadd_ps(load8(dt, w, i + 16), _mm256_loadu_ps(x + i + 16), a2);
+        a3 = _mm256_fmadd_ps(load8(dt, w, i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load8(dt, w, i), _mm256_loadu_ps(x + i), a0);
+    s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+    float part[8] = {0};
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) part[k] += load1(dt, w, i + k) * x[i + k];
+    for (int k = 0; k < 8; k++) s += part[k];
+#endif
+    for (; i < n; i++) s += load1(dt, w, i) * x[i];
+    return s;
+}
+
+/* four rows' dot products with x, sharing each load of x (the mat-vec's inner loop) */
+static void dot4(int dt, const void *w, int64_t ld, const float *x, int64_t n, float *out) {
+#if FL_AVX2
+    size_t es = dt == DT_F32 ? 4 : 2;
+    const char *r0 = w, *r1 = r0 + ld * es, *r2 = r1 + ld * es, *r3 = r2 + ld * es;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        a0 = _mm256_fmadd_ps(load8(dt, r0, i), x0, a0);
+        a1 = _mm256_fmadd_ps(load8(dt, r1, i), x0, a1);
+        a2 = _mm256_fmadd_ps(load8(dt, r2, i), x0, a2);
+        a3 = _mm256_fmadd_ps(load8(dt, r3, i), x0, a3);
+        b0 = _mm256_fmadd_ps(load8(dt, r0, i + 8), x1, b0);
+        b1 = _mm256_fmadd_ps(load8(dt, r1, i + 8), x1, b1);
+        b2 = _mm256_fmadd_ps(load8(dt, r2, i + 8), x1, b2);
+        b3 = _mm256_fmadd_ps(load8(dt, r3, i + 8), x1, b3);
+    }
+    out[0] = hsum(_mm256_add_ps(a0, b0));
+    out[1] = hsum(_mm256_add_ps(a1, b1));
+    out[2] = hsum(_mm256_add_ps(a2, b2));
+    out[3] = hsum(_mm256_add_ps(a3, b3));
+    for (; i < n; i++) {
+        out[0] += load1(dt, r0, i) * x[i];
+        out[1] += load1(dt, r1, i) * x[i];
+        out[2] += load1(dt, r2, i) * x[i];
+        out[3] += load1(dt, r3, i) * x[i];
+    }
+#else
+    size_t es = dt == DT_F32 ? 4 : 2;
+    for (int k = 0; k < 4; k++) out[k] = dot(dt, (const char *)w + k * ld * es, x, n);
+#endif
+}
+
+/* (a . x, b . x): two rows' dot products sharing each load of x (a row's up and gate parts) */
+static void dot2(int dt, const void *a, const void *b, const float *x, int64_t n, float *out) {
+    int64_t i = 0;
+    float sa = 0.0f, sb = 0.0f;
+#if FL_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        a0 = _mm256_fmadd_ps(load8(dt, a, i), x0, a0);
+        b0 = _mm256_fmadd_ps(load8(dt, b, i), x0, b0);
+        a1 = _mm256_fmadd_ps(load8(dt, a, i + 8), x1, a1);
+        b1 = _mm256_fmadd_ps(load8(dt, b, i + 8), x1, b1);
+    }
+    sa = hsum(_mm256_add_ps(a0, a1));
+    sb = hsum(_mm256_add_ps(b0, b1));
+#endif
+    for (; i < n; i++) {
+        sa += load1(dt, a, i) * x[i];
+        sb += load1(dt, b, i) * x[i];
+    }
+    out[0] = sa;
+    out[1] = sb;
+}
+
+/* acc += ha * a + hb * b: two rows' down parts in one pass over acc */
+static void axpy2(int dt, float ha, const void *a, float hb, const void *b, float *acc, int64_t n) {
+    int64_t i = 0;
+#if FL_AVX2
+    __m256 hav = _mm256_set1_ps(ha), hbv = _mm256_set1_ps(hb);
+    for (; i + 16 <= n; i += 16) {
+        __m256 s0 = _mm256_fmadd_ps(load8(dt, a, i), hav, _mm256_loadu_ps(acc + i));
+        __m256 s1 = _mm256_fmadd_ps(load8(dt, a, i + 8), hav, _mm256_loadu_ps(acc + i + 8));
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(load8(dt, b, i), hbv, s0));
+        _mm256_storeu_ps(acc + i + 8, _mm256_fmadd_ps(load8(dt, b, i + 8), hbv, s1));
+    }
+#endif
+    for (; i < n; i++) acc[i] += ha * load1(dt, a, i) + hb * load1(dt, b, i);
+}
+
+static void axpy(int dt, float h, const void *w, float *acc, int64_t n) {
+    int64_t i = 0;
+#if FL_AVX2
+    __m256 hv = _mm256_set1_ps(h);
+    for (; i + 16 <= n; i += 16) {
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(load8(dt, w, i), hv, _mm256_loadu_ps(acc + i)));
+        _mm256_storeu_ps(acc + i + 8, _mm256_fmadd_ps(load8(dt, w, i + 8), hv, _mm256_loadu_ps(acc + i + 8)));
+    }
+#endif
+    for (; i < n; i++) acc[i] += h * load1(dt, w, i);
+}
+
+/* ---- the thread pool: run fn(arg, part, parts) for part = 0..parts-1, part 0 on the caller ---- */
+typedef void (*task_fn)(void *arg, int part, int parts);
+
+#define MAX_THREADS 64
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER;  /* one caller uses the workers at a time */
+static pthread_cond_t pool_start = PTHREAD_COND_INITIALIZER, pool_done = PTHREAD_COND_INITIALIZER;
+static int pool_workers;   /* started worker threads (worker k runs part k + 1) */
+static pid_t pool_pid;     /* the process the workers belong to (a forked child has none) */
+static long pool_gen;      /* incremented per job */
+static long start_gen[MAX_THREADS];  /* the generation a worker was started in: it waits for the next one */
+static int pool_parts, pool_pending;
+static task_fn pool_fn;
+static void *pool_arg;
+
+static void *worker(void *p) {
+    int part = (int)(intptr_t)p;
+    pthread_mutex_lock(&pool_mu);
+    long seen = start_gen[part];
+    for (;;) {
+        while (pool_gen == seen) pthread_cond_wait(&pool_start, &pool_mu);
+        seen = pool_gen;
+        if (part >= pool_parts) continue;
+        task_fn fn = pool_fn;
+        void *arg = pool_arg;
+        int parts = pool_parts;
+        pthread_mutex_unlock(&pool_mu);
+        fn(arg, part, parts);
+        pthread_mutex_lock(&pool_mu);
+        if (--pool_pending == 0) pthread_cond_signal(&pool_done);
+    }
+    return NULL;
+}
+
+static void run_parts(task_fn fn, void *arg, int parts) {
+    if (parts > MAX_THREADS) parts = MAX_THREADS;
+    if (parts <= 1 || pthread_mutex_trylock(&pool_busy) != 0) {  /* one thread, or another caller holds the pool */
+        for (int k = 0; k < parts || k == 0; k++) fn(arg, k, parts < 1 ? 1 : parts);
+        return;
+    }
+    pthread_mutex_lock(&pool_mu);
+    if (pool_pid != getpid()) { pool_workers = 0; pool_pid = getpid(); }  /* after fork: start afresh */
+    while (pool_workers < parts - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        start_gen[pool_workers + 1] = pool_gen;  /* the new worker takes part pool_workers + 1 from the next job */
+        if (pthread_create(&t, &attr, worker, (void *)(intptr_t)(pool_workers + 1)) != 0) {
+            pthread_attr_destroy(&attr);
+            break;
+        }
+        pthread_attr_destroy(&attr);
+        pool_workers++;
+    }
+    if (parts > pool_workers + 1) parts = pool_workers + 1;
+    pool_fn = fn;
+    pool_arg = arg;
+    pool_parts = parts;
+    pool_pending = parts - 1;
+    pool_gen++;
+    pthread_cond_broadcast(&pool_start);
+    pthread_mutex_unlock(&pool_mu);
+    fn(arg, 0, parts);
+    pthread_mutex_lock(&pool_mu);
+    while (pool_pending > 0) pthread_cond_wait(&pool_done, &pool_mu);
+    pthread_mutex_unlock(&pool_mu);
+    pthread_mutex_unlock(&pool_busy);
+}
+
+static inline void split(int64_t n, int part, int parts, int64_t align, int64_t *lo, int64_t *hi) {
+    int64_t per = (n + parts - 1) / parts;
+    per = (per + align - 1) / align * align;
+    *lo = per * part < n ? per * part : n;
+    *hi = per * (part + 1) < n ? per * (part + 1) : n;
+}
+
+/* ---- dense mat-vec: y[o] = round(sum_i w[o, i] x[i] + bias[o]) ---- */
+typedef struct {
+    int dt;
+    const void *w;
+    int64_t rows, cols, ld;
+    const float *x;
+    const void *bias;
+    void *y;
+} matvec_job;
+
+static void matvec_part(void *p, int part, int parts) {
+    matvec_job *j = p;
+    int64_t lo, hi;
+    size_t es = j->dt == DT_F32 ? 4 : 2;
+    split(j->rows, part, parts, 4, &lo, &hi);
+    float s[4];
+    int64_t o = lo;
+    for (; o + 4 <= hi; o += 4) {
+        dot4(j->dt, (const char *)j->w + o * j->ld * es, j->ld, j->x, j->cols, s);
+        for (int k = 0; k < 4; k++)
+            store1(j->dt, j->y, o + k, s[k] + (j->bias ? load1(j->dt, j->bias, o + k) : 0.0f));
+    }
+    for (; o < hi; o++) {
+        float v = dot(j->dt, (const char *)j->w + o * j->ld * es, j->x, j->cols);
+        store1(j->dt, j->y, o, v + (j->bias ? load1(j->dt, j->bias, o) : 0.0f));
+    }
+}
+
+static float *as_f32(int dt, const void *x, int64_t n) {
+    float *xf = malloc((size_t)n * sizeof(float) + 64);
+    if (xf)
+        for (int64_t i = 0; i < n; i++) xf[i] = load1(dt, x, i);
+    return xf;
+}
+
+/* w [rows, cols] (row stride ld elements), x [cols], bias [rows] or NULL, y [rows]: all of dtype dt */
+int fl_matvec(int dt, const void *w, int64_t rows, int64_t cols, int64_t ld, const void *x, const void *bias,
+              void *y, int threads) {
+    float *xf = as_f32(dt, x, cols);
+    if (!xf) return -1;
+    matvec_job j = {dt, w, rows, cols, ld, xf, bias, y};
+    int64_t per_thread = 1 << 16;  /* elements: small products run in one thread */
+    int parts = threads;
+    if ((rows * cols) / per_thread < parts) parts = (int)((rows * cols) / per_thread) + 1;
+    run_parts(matvec_part, &j, parts);
+    free(xf);
+    return 0;
+}
+
+/* ---- the sparse FFN over bundle rows ---- */
+typedef struct {
+    int dt;
+    const void *up, *gate, *down;  /* part r of row r at part + r * ld (elements); gate NULL: gate_pre or none */
+    int64_t ld, d;
+    const int64_t *index;          /* rows to compute (NULL: 0..n-1) */
+    int64_t n;
+    const float *x;
+    const void *up_bias, *gate_bias, *gate_pre;  /* per row (indexed by row), dtype dt, or NULL */
+    int act, gated, has_threshold;
+    float act_param, threshold;
+    float *acc;                    /* [d] accumulated into by part 0 */
+    float *scratch;                /* [parts - 1, d] zeros: the other parts' accumulators */
+} ffn_job;
+
+static inline float activate(int act, float v, float param) {
+    switch (act) {
+    case ACT_RELU: return v > 0.0f ? v : 0.0f;
+    case ACT_RELU2: return v > 0.0f ? v * v : 0.0f;
+    case ACT_FATRELU: return v > param ? v : 0.0f;
+    case ACT_SILU: return v / (1.0f + expf(-v));
+    case ACT_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    default: return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+    }
+}
+
+/* h of row r: what torch computes, the projections rounded to the compute dtype (bias added first), the
+ * activation and its product rounded again; only the down sum stays float32 */
+static float hidden(const ffn_job *j, int64_t r) {
+    int dt = j->dt;
+    int64_t off = r * j->ld * (int64_t)(dt == DT_F32 ? 4 : 2);
+    float s[2] = {0.0f, 0.0f};
+    if (j->gate && !j->gate_pre) dot2(dt, (const char *)j->up + off, (const char *)j->gate + off, j->x, j->d, s);
+    else s[0] = dot(dt, (const char *)j->up + off, j->x, j->d);
+    float u = round_to(dt, s[0] + (j->up_bias ? load1(dt, j->up_bias, r) : 0.0f)), g = u;
+    if (j->gate_pre) g = load1(dt, j->gate_pre, r);
+    else if (j->gate) g = round_to(dt, s[1] + (j->gate_bias ? load1(dt, j->gate_bias, r) : 0.0f));
+    float a = round_to(dt, activate(j->act, g, j->act_param));
+    if (j->has_threshold && !(fabsf(a) > j->threshold)) a = 0.0f;
+    return j->gated ? round_to(dt, a * u) : a;
+}
+
+static void ffn_part(void *p, int part, int parts) {
+    ffn_job *j = p;
+    int64_t es = j->dt == DT_F32 ? 4 : 2, lo, hi;
+    split(j->n, part, parts, 1, &lo, &hi);
+    float *acc = part == 0 ? j->acc : j->scratch + (int64_t)(part - 1) * j->d;
+    const char *down = j->down;
+    int64_t pending = -1;  /* a row whose h is waiting for a partner, so that acc is passed once per two rows */
+    float hp = 0.0f;
+    for (int64_t k = lo; k < hi; k++) {
+        int64_t r = j->index ? j->index[k] : k;
+        float h = hidden(j, r);
+        if (h == 0.0f) continue;
+        if (pending < 0) {
+            pending = r;
+            hp = h;
+            continue;
+        }
+        axpy2(j->dt, hp, down + pending * j->ld * es, h, down + r * j->ld * es, acc, j->d);
+        pending = -1;
+    }
+    if (pending >= 0) axpy(j->dt, hp, down + pending * j->ld * es, acc, j->d);
+}
+
+/* acc [d] (float32) += sum over rows r (index[0..n-1], or 0..n-1) of h_r * down_r, h_r = act(gate_r.x + gate_bias[r])
+ * * (up_r.x + up_bias[r]) (gated) or act(up_r.x + up_bias[r]); gate_pre[r] replaces gate_r.x + gate_bias[r].
+ * x [d] and per-row arrays are of dtype dt. Returns 0, or -1 when out of memory. */
+int fl_ffn(int dt, const void *up, const void *gate, const void *down, int64_t ld, int64_t d, const int64_t *index,
+           int64_t n, const void *x, const void *up_bias, const void *gate_bias, const void *gate_pre, int gated,
+           int act, float act_param, int has_threshold, float threshold, float *acc, int threads) {
+    float *xf = as_f32(dt, x, d);
+    if (!xf) return -1;
+    int parts = threads < 1 ? 1 : threads;
+    if (parts > MAX_THREADS) parts = MAX_THREADS;
+    if (n < 8 * parts) parts = (int)(n / 8) + 1;
+    float *scratch = parts > 1 ? calloc((size_t)(parts - 1) * (size_t)d, sizeof(float)) : NULL;
+    if (parts > 1 && !scratch) parts = 1;
+    ffn_job j = {dt, up, gate, down, ld, d, index, n, xf, up_bias, gate_bias, gate_pre, act, gated,
+                 has_threshold, act_param, threshold, acc, scratch};
+    run_parts(ffn_part, &j, parts);
+    for (int p = 1; p < parts; p++)
+        for (int64_t i = 0; i < d; i++) acc[i] += scratch[(int64_t)(p - 1) * d + i];
+    free(scratch);
+    free(xf);
+    return 0;
+}
+
+/* which vector path this build took (1: AVX2 + F16C + FMA, 0: portable C) */
+int fl_simd(void) { return FL_AVX2; }

@@ -1,0 +1,77 @@
+"""Torch tensors to flashllm's native CPU kernels (backends/native): one decode token's mat-vec and sparse
+FFN over cache rows. Each method returns None where a kernel does not apply (several tokens, a quantized or
+non-CPU tensor, another dtype or activation): the caller then takes its torch path."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import native
+
+# compute dtypes the native kernels serve (bench/results/compute_roofline.md: float32 stays on torch's BLAS)
+NATIVE_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class NativeKernels:
+    """The loaded kernels with the backend's thread count; `linear` and `ffn` as the torch backend calls them."""
+
+    def __init__(self, lib: native.Kernels, threads: int):
+        self.lib, self.threads = lib, threads
+        self.calls = {"linear": 0, "ffn": 0}  # kernel calls made (tests check the path taken)
+
+    @staticmethod
+    def _plain(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
+        return t is None or (type(t) is torch.Tensor and t.dtype == dtype and t.device.type == "cpu")
+
+    def linear(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor | None:
+        """x [1, in] @ w[out, in].T + b as [1, out] (rounded once), or None: not for this kernel."""
+        dt = NATIVE_DTYPES.get(x.dtype)
+        if dt is None or x.dim() != 2 or x.shape[0] != 1 or not self._plain(w, x.dtype) or not self._plain(b, x.dtype) \
+                or w.dim() != 2 or w.stride(1) != 1 or x.device.type != "cpu" or w.shape[1] != x.shape[1] \
+                or (b is not None and b.shape != (w.shape[0],)):
+            return None
+        x = x.contiguous()
+        b = None if b is None else b.contiguous()
+        y = torch.empty(1, w.shape[0], dtype=x.dtype)
+        rc = self.lib.matvec(native.DTYPES[dt], w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), x.data_ptr(),
+                        None if b is None else b.data_ptr(), y.data_ptr(), self.threads)
+        if rc:
+            raise MemoryError("native mat-vec: out of memory")
+        self.calls["linear"] += 1
+        return y
+
+    def ffn(self, x: torch.Tensor, rows: dict, up_bias, gate_bias, gate_pre, act: str, act_param: float,
+            threshold: float | None, index: np.ndarray | None, acc: torch.Tensor, gated: bool) -> torch.Tensor | None:
+        """acc [1, d] (float32) += the FFN contributions of cache rows `rows` (views [n, d] of one row store,
+        or only rows `index`): the one-pass kernel; None (acc untouched) where it does not apply."""
+        dt = NATIVE_DTYPES.get(x.dtype)
+        code = native.ACTIVATIONS.get(act)
+        parts = [rows.get("up"), rows.get("gate") if gate_pre is None and gated else None, rows.get("down")]
+        if dt is None or code is None or x.shape[0] != 1 or parts[0] is None or parts[2] is None \
+                or (gated and gate_pre is None and parts[1] is None) or acc.dtype != torch.float32 \
+                or not acc.is_contiguous() or x.device.type != "cpu":
+            return None
+        present = [t for t in parts if t is not None]
+        if not all(self._plain(t, x.dtype) and t.stride(1) == 1 and t.stride(0) == present[0].stride(0)
+                   and t.shape == present[0].shape for t in present):
+            return None
+        n, d = present[0].shape
+        extras = [t if t is None else t.contiguous() for t in (up_bias, gate_bias, gate_pre)]
+        if acc.numel() != d or x.shape[1] != d or not all(self._plain(t, x.dtype) and (t is None or t.numel() == n)
+                                                          for t in extras):
+            return None
+        if index is not None:
+            index = np.ascontiguousarray(index, dtype=np.int64)
+            if len(index) and (index.min() < 0 or index.max() >= n):
+                raise IndexError(f"FFN row index out of range 0..{n - 1}")
+        ptr = [None if t is None else t.data_ptr() for t in (*parts, *extras)]
+        x = x.contiguous()
+        rc = self.lib.ffn(native.DTYPES[dt], ptr[0], ptr[1], ptr[2], present[0].stride(0), d,
+                     None if index is None else index.ctypes.data, n if index is None else len(index), x.data_ptr(),
+                     ptr[3], ptr[4], ptr[5], int(gated), code, float(act_param), int(threshold is not None),
+                     float(threshold or 0.0), acc.data_ptr(), self.threads)
+        if rc:
+            raise MemoryError("native FFN: out of memory")
+        self.calls["ffn"] += 1
+        return acc

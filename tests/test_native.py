@@ -1,0 +1,237 @@
+"""The native CPU kernels (flashllm/backends/native): each kernel against a float32 torch reference (strided
+rows, every activation, biases, thresholds, row-index lists, accumulation, threads, the portable C path), the
+runtime against transformers with them on, and the torch fallback (FLASHLLM_NATIVE=0, no compiler)."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashllm
+from flashllm.backends import native
+from flashllm.backends.torch_native import NativeKernels
+from flashllm.converters import convert
+
+LIB = native.library()
+needs_native = pytest.mark.skipif(LIB is None, reason=f"no native kernels here: {native.describe()}")
+DTYPES = [torch.float16, torch.bfloat16]
+ACTS = {"relu": F.relu, "relu2": lambda v: torch.square(F.relu(v)), "fatrelu": lambda v: v * (v > 0.05),
+        "silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
+IDS = [1, 17, 33, 5, 60, 8, 21, 90, 44, 12]
+
+
+def portable_kernels() -> native.Kernels:
+    return native.Kernels(ctypes.CDLL(str(native.build(portable=True))))
+
+
+def kernel_sets():
+    """(name, kernels): the machine's build and, on x86, the portable C build (what other CPUs run)."""
+    return [("native", LIB), ("portable", portable_kernels())]
+
+
+def store(n: int, d: int, parts: int, dtype, pad: int = 24, seed: int = 0) -> torch.Tensor:
+    """A cache-like matrix of n bundle rows ([parts x d] values and padding: a row stride != any part)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, parts * d + pad, generator=g) * d ** -0.5).to(dtype)
+
+
+def reference_ffn(x, rows, act, up_bias=None, gate_bias=None, gate_pre=None, threshold=None, index=None):
+    """The FFN's float32 down sum, each intermediate rounded to x's dtype as the torch path does."""
+    dt, xf = x.dtype, x.float()
+    sel = (lambda t: t) if index is None else (lambda t: t[torch.as_tensor(index)])
+    r = {k: sel(v).float() for k, v in rows.items()}
+    rnd = lambda t: t.to(dt).float()  # noqa: E731
+    up = rnd(xf @ r["up"].t() + (0 if up_bias is None else sel(up_bias).float()))
+    if gate_pre is not None:
+        pre = gate_pre.float()[:, index] if index is not None else gate_pre.float()
+    elif "gate" in r:
+        pre = rnd(xf @ r["gate"].t() + (0 if gate_bias is None else sel(gate_bias).float()))
+    else:
+        pre = up
+    a = rnd(ACTS[act](pre))
+    if threshold is not None:
+        a = a * (a.abs() > threshold)
+    h = rnd(a * up) if ("gate" in r or gate_pre is not None) else a
+    return h @ r["down"]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matvec_matches_float32_over_strided_rows(dtype):
+    w_store = store(301, 200, 1, dtype)  # row stride 224 elements, 200 used
+    w, x = w_store[:, :200], torch.randn(1, 200).to(dtype)
+    bias = torch.randn(301).to(dtype)
+    ref = (x.float() @ w.float().t() + bias.float()).to(dtype)
+    for name, lib in kernel_sets():
+        for threads in (1, 2, 3):
+            y = NativeKernels(lib, threads).linear(x, w, bias)
+            # one rounding of a float32 sum: at most one unit in the last place apart from torch's
+            np.testing.assert_allclose(y.float(), ref.float(), rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10,
+                                       atol=1e-6, err_msg=f"{name} {threads} threads")
+            assert not torch.equal(y, (x.float() @ w_store[:, 1:201].float().t()).to(dtype))
+
+
+def _ffn(lib, x, rows, act, threads=2, **kw):
+    gated = "gate" in rows or kw.get("gate_pre") is not None
+    acc = kw.pop("acc", None)
+    acc = torch.zeros(1, x.shape[1]) if acc is None else acc
+    out = NativeKernels(lib, threads).ffn(x, rows, kw.get("up_bias"), kw.get("gate_bias"), kw.get("gate_pre"), act,
+                                          0.05, kw.get("threshold"), kw.get("index"), acc, gated)
+    assert out is acc
+    return acc
+
+
+def _close(got, ref, dtype):
+    """Within the dtype's rounding of an intermediate (a float32 dot in another order may round h one
+    unit differently) of the sum's scale; a dropped row or a wrong stride is far outside."""
+    tol = (2 ** -6 if dtype == torch.bfloat16 else 2 ** -9) * float(ref.abs().max())
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize("gated", [True, False])
+def test_ffn_over_bundle_rows_matches_float32(dtype, act, gated):
+    n, d = 67, 72
+    parts = ("gate", "up", "down") if gated else ("up", "down")
+    m = store(n, d, len(parts), dtype)
+    rows = {p: m[:, k * d:(k + 1) * d] for k, p in enumerate(parts)}
+    x = (torch.randn(1, d) * 2).to(dtype)
+    ub, gb = torch.randn(n).to(dtype) * 0.1, torch.randn(n).to(dtype) * 0.1
+    ref = reference_ffn(x, rows, act, ub, gb if gated else None)
+    for name, lib in kernel_sets():
+        got = _ffn(lib, x, rows, act, up_bias=ub, gate_bias=gb if gated else None)
+        _close(got, ref, dtype)
+    # the tolerance sees one dropped row (the largest contribution) and a shifted part
+    biases = (ub, gb if gated else None)
+    top = max(range(n), key=lambda r: float(reference_ffn(x, rows, act, *biases, index=[r]).abs().max()))
+    for wrong in (reference_ffn(x, rows, act, *biases, index=np.delete(np.arange(n), top)),
+                  reference_ffn(x, {p: m[:, k * d + 1:(k + 1) * d + 1] for k, p in enumerate(parts)}, act, ub,
+                                *biases[1:])):
+        with pytest.raises(AssertionError):
+            _close(got, wrong, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ffn_threshold_and_resident_gate(dtype):
+    n, d = 50, 64
+    m = store(n, d, 2, dtype, seed=1)
+    rows = {"up": m[:, :d], "down": m[:, d:2 * d]}
+    x = torch.randn(1, d).to(dtype)
+    pre = torch.randn(1, n).to(dtype)
+    for threshold in (None, 0.3):
+        ref = reference_ffn(x, rows, "silu", gate_pre=pre, threshold=threshold)
+        _close(_ffn(LIB, x, rows, "silu", gate_pre=pre, threshold=threshold), ref, dtype)
+    assert not torch.allclose(reference_ffn(x, rows, "silu", gate_pre=pre, threshold=0.3),
+                              reference_ffn(x, rows, "silu", gate_pre=pre))
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_ffn_index_list_accumulates_in_two_calls(threads):
+    """Rows computed in two calls (cached rows, then new ones) into one float32 sum equal one call over
+    all of them; only the listed rows count, in any order; an empty list adds nothing."""
+    n, d, dtype = 90, 40, torch.float16
+    m = store(n, d, 3, dtype, seed=2)
+    rows = {p: m[:, k * d:(k + 1) * d] for k, p in enumerate(("gate", "up", "down"))}
+    x = torch.randn(1, d).to(dtype)
+    first, second = np.array([70, 3, 9, 44, 12, 5, 88, 60, 61, 0]), np.array([1, 2, 89, 30])
+    start = torch.randn(1, d)
+    acc = start.clone()
+    _ffn(LIB, x, rows, "silu", threads, index=first, acc=acc)
+    _ffn(LIB, x, rows, "silu", threads, index=second, acc=acc)
+    ref = start + reference_ffn(x, rows, "silu", index=np.concatenate([first, second]))
+    _close(acc, ref, dtype)
+    before = acc.clone()
+    _ffn(LIB, x, rows, "silu", threads, index=np.array([], dtype=np.int64), acc=acc)
+    assert torch.equal(acc, before)
+    with pytest.raises(IndexError):
+        _ffn(LIB, x, rows, "silu", threads, index=np.array([n]))
+
+
+def _sparse_pair(tiny_models, tmp_path, family, dtype, **kw):
+    tiny = tiny_models(family)
+    out = convert(tiny.ckpt, tmp_path / dtype, dtype=dtype, progress=False)
+    return tiny, out
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["llama", "opt", "phi", "llama-fatrelu"])
+def test_runtime_with_native_kernels_is_as_accurate_as_transformers(tiny_models, tmp_path, family):
+    """float16 files decoded in float16 (dense and sparse with the oracle) with the native kernels: the
+    error against the float32 forward of the same rounded weights is bounded by transformers' own float16
+    forward (x 1.5), as the torch path's is (tests/test_convert.py)."""
+    tiny, out = _sparse_pair(tiny_models, tmp_path, family, "float16")
+    rounded = copy.deepcopy(tiny.hf).to(torch.float16)
+    with torch.no_grad():
+        ref = copy.deepcopy(rounded).to(torch.float32)(torch.tensor([IDS])).logits[0].numpy()
+        hf_error = np.abs(rounded(torch.tensor([IDS])).logits[0].float().numpy() - ref).max()
+    for mode, kw in (("dense", {}), ("sparse", dict(predictor="oracle", window=2))):
+        model = flashllm.load(out, mode=mode, **kw)
+        our_error = np.abs(model.logits(IDS, prefill=3) - ref).max()
+        calls = model.backend.native.calls
+        assert calls["linear"] > 0 and (mode == "dense" or calls["ffn"] > 0), (mode, calls)
+        assert our_error <= 1.5 * hf_error, (mode, our_error, hf_error)
+
+
+@needs_native
+def test_backend_ffn_index_and_acc_agree_with_the_torch_path(tiny_models, tmp_path, monkeypatch):
+    """TorchBackend.ffn's index/acc API gives the same sum natively and on torch, and the FLASHLLM_NATIVE=0
+    model takes the torch path (its stats say so) with the same logits."""
+    _, out = _sparse_pair(tiny_models, tmp_path, "llama", "float16")
+    model = flashllm.load(out, mode="sparse", predictor="oracle", window=2)
+    assert model.stats["kernels"].startswith("native")
+    native_logits = model.logits(IDS, prefill=3)
+    monkeypatch.setenv("FLASHLLM_NATIVE", "0")
+    off = flashllm.load(out, mode="sparse", predictor="oracle", window=2)
+    assert off.backend.native is None and off.stats["kernels"] == "torch (FLASHLLM_NATIVE=0)"
+    np.testing.assert_allclose(off.logits(IDS, prefill=3), native_logits, atol=0.02, rtol=0.02)
+    B, T = model.backend, off.backend
+    n, d = 40, model.spec.d_model
+    m = store(n, d, 3, torch.float16, seed=4)
+    rows = {p: m[:, k * d:(k + 1) * d] for k, p in enumerate(("gate", "up", "down"))}
+    x = torch.randn(1, d).to(torch.float16)
+    idx = np.array([7, 1, 30, 22])
+    results = []
+    for backend in (B, T):
+        acc = backend.ffn_acc(x)
+        acc = backend.ffn(x, rows, None, None, None, index=idx, acc=acc)
+        acc = backend.ffn(x, rows, None, None, None, index=np.array([0, 39]), acc=acc)
+        results.append(backend.ffn_result(acc, x, None).float())
+    ref = reference_ffn(x, rows, "silu", index=np.array([7, 1, 30, 22, 0, 39])).to(torch.float16).float()
+    for got in results:
+        np.testing.assert_allclose(got, ref, rtol=2 ** -9, atol=1e-3 * float(ref.abs().max()))
+    one_call = B.ffn(x, rows, None, None, None).float()
+    np.testing.assert_allclose(one_call, reference_ffn(x, rows, "silu").to(torch.float16).float(),
+                               rtol=2 ** -9, atol=1e-3 * float(one_call.abs().max()))
+
+
+def test_no_compiler_falls_back_to_torch(monkeypatch, tmp_path, tiny_models):
+    """Without a C compiler the loader says why and the backend computes on torch, correctly."""
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("FLASHLLM_NATIVE_CACHE", str(tmp_path / "cache"))
+    assert native.library() is None
+    assert native.describe().startswith("torch (native kernels unavailable")
+    model = flashllm.load(tiny_models("llama").model_dir, mode="sparse", predictor="oracle", dtype="float16")
+    assert model.backend.native is None
+    dense = flashllm.load(tiny_models("llama").model_dir, mode="dense", dtype="float16")
+    np.testing.assert_allclose(model.logits(IDS, prefill=3), dense.logits(IDS, prefill=3), atol=0.02, rtol=0.02)
+    assert not list((tmp_path / "cache").glob("*.so"))
+
+
+@needs_native
+def test_build_is_cached_by_source_and_flags(monkeypatch, tmp_path):
+    """A fresh cache directory gets one library per flag set, built once (the second call reuses it)."""
+    monkeypatch.setenv("FLASHLLM_NATIVE_CACHE", str(tmp_path))
+    first = native.build(portable=True)
+    assert first.parent == tmp_path and native.build(portable=True) == first
+    assert native.build() != first and len(list(tmp_path.glob("*.so"))) == 2
+    assert not list(tmp_path.glob(".build-*"))  # no temporary files left

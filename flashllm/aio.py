@@ -127,8 +127,9 @@ class AioJob:
 
     def __init__(self, iocbs: np.ndarray, want: np.ndarray, finish, describe, keep):
         self.iocbs, self.want, self.finish, self.describe, self.keep = iocbs, want, finish, describe, keep
-        self.submitted = self.done = self.nbytes = 0
+        self.submitted = self.done = self.nbytes = 0  # reads taken by the kernel, reaped, bytes they read
         self.error: BaseException | None = None
+        self.finished = False
 
     @property
     def over(self) -> bool:
@@ -137,50 +138,120 @@ class AioJob:
 
 
 class AioQueue:
-    """One AIO context shared by a reader's calls and driven by whoever waits: `add` submits a call's
-    reads (as many as fit in ``depth``), `progress` reaps completions, credits them to their calls
-    (``data`` = call id << 32 | read index), tops up the kernel queue and finishes the calls that are
-    over. A failed call stops submitting but reaps what it has in flight before it finishes, so no read
-    lands in a buffer its caller already gave up."""
+    """One AIO context shared by a reader's calls. `add` submits what the device queue takes without
+    sleeping and leaves the rest of a call to a submitter thread: io_submit sleeps in the kernel while
+    the block device's request queue is full (here 256 requests: a 7B layer's ~800 reads slept ~20 ms in
+    the generating thread, which should be computing meanwhile: bench/results/cpu_overhead.md). Whoever
+    waits for a call (`progress`) first submits what is left of it itself, then reaps completions in one
+    sleeping syscall and credits them to their calls (``data`` = call id << 32 | read index). A failed
+    call stops submitting but reaps what it has in flight before it finishes, so no read lands in a
+    buffer its caller already gave up.
 
-    def __init__(self, ctx: AioContext):
-        self.ctx = ctx
+    Locks: ``lock`` guards the bookkeeping (never held in a syscall); ``submitting`` is held by the one
+    thread in io_submit, ``reaping`` by the one in io_getevents."""
+
+    def __init__(self, ctx: AioContext, inline: int = 64):
+        """`inline`: the most reads in flight after `add` submitted from the calling thread (about half the
+        device's request queue, `device_queue`, leaves room for other I/O)."""
+        self.ctx, self.inline = ctx, max(1, int(inline))
         self.lock = threading.Lock()
+        self.submitting, self.reaping = threading.Lock(), threading.Lock()
+        self._work = threading.Condition(self.lock)  # the submitter thread waits here for reads and room
         self.jobs: dict[int, AioJob] = {}
-        self.waiting: deque = deque()  # ids of jobs with reads left to submit, oldest first
-        self.inflight, self._next = 0, 0
+        self.waiting: deque = deque()  # jobs with reads left to submit, oldest first
+        self.inflight, self._next = 0, 0  # reads counted in the kernel (submitted, not reaped)
+        self._thread: threading.Thread | None = None
+        self._closing = False
 
     def add(self, job: AioJob) -> None:
         with self.lock:
             jid, self._next = self._next, (self._next + 1) & 0xFFFFFFFF
             job.iocbs["data"] = (np.uint64(jid) << np.uint64(32)) | np.arange(len(job.iocbs), dtype=np.uint64)
             self.jobs[jid] = job
-            self.waiting.append(jid)
-            self._top_up()
+            self.waiting.append(job)
+        self._submit(self.inline, block=False)
+        with self.lock:
+            if self.waiting:  # more than the device queue takes at once: the rest goes in the background
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._submitter, name="flashio-aio-submit", daemon=True)
+                    self._thread.start()
+                self._work.notify()
 
     def progress(self, block: bool = True, job: AioJob | None = None) -> None:
         """Reap what has completed (with `block`, at least one read, if any is in flight; when waiting for
-        `job`, all of its reads in flight, so that the waiter wakes once) and top up."""
-        with self.lock:
-            if self.inflight:
+        `job`, all of its reads in flight, so that the waiter wakes once); a waiter first submits what
+        is left of its `job` (and of older calls) itself."""
+        if block and job is not None and job.submitted < len(job.iocbs) and job.error is None:
+            self._submit(None, block=True, until=job)
+        if not self.reaping.acquire(blocking=block):
+            return  # another thread is reaping: a poll finds nothing to do
+        try:
+            with self.lock:
+                self._finish_over()
+                if not self.inflight or (job is not None and job.finished):
+                    return
                 want = 1 if not block else min(self.inflight, max(1, job.submitted - job.done)) if job else 1
-                try:
-                    events = self._reap(block, want)
-                except OSError as e:  # the context itself failed: fail every call that has reads in flight
-                    for job in self.jobs.values():
-                        job.error = job.error or e
-                        job.done = job.submitted
+                count = self.inflight
+            try:
+                events, failed = self.ctx.reap(want if block else 0, count), None
+            except OSError as e:  # the context itself failed: fail every call that has reads in flight
+                events, failed = self.ctx.events[:0], e
+            with self.lock:
+                if failed is not None:
+                    for j in self.jobs.values():
+                        j.error = j.error or failed
+                        j.done = j.submitted
                     self.inflight = 0
-                    events = self.ctx.events[:0]
                 self.inflight -= len(events)
                 self._credit(events)
-            self._top_up()
+                self._finish_over()
+                self._work.notify()  # room in the context for the submitter
+        finally:
+            self.reaping.release()
 
-    def _reap(self, block: bool, want: int = 1) -> np.ndarray:
-        """Completed reads; with `block`, at least `want` are waited for in one sleeping syscall. No
-        spinning: on a busy machine a process that polls is scheduled out later, in its compute (the
-        embedded model's sparse token: compute 8.4 -> 17.7 ms with a 2 ms poll, bench/results/io_pipeline.md)."""
-        return self.ctx.reap(want if block else 0, self.inflight)
+    def _submit(self, limit: int | None, block: bool, until: AioJob | None = None) -> None:
+        """Submit waiting reads, oldest call first, while the context has room: with `limit`, until that
+        many are in flight; with `until`, until that call's reads are all submitted; with `block` False
+        only if no other thread is submitting. The syscall runs outside `lock` (it may sleep)."""
+        if not self.submitting.acquire(blocking=block):
+            return
+        try:
+            while True:
+                with self.lock:
+                    while self.waiting and (self.waiting[0].error is not None or
+                                            self.waiting[0].submitted == len(self.waiting[0].iocbs)):
+                        self.waiting.popleft()
+                    room = self.ctx.depth - self.inflight
+                    if limit is not None:
+                        room = min(room, limit - self.inflight)
+                    if not self.waiting or room <= 0 or (until is not None and (until.error is not None or
+                                                                                until.submitted == len(until.iocbs))):
+                        return
+                    job = self.waiting[0]
+                    batch = job.iocbs[job.submitted:job.submitted + room]
+                try:
+                    got, error = self.ctx.submit(batch), None
+                except OSError as e:  # refused (e.g. EAGAIN): the call fails once its reads in flight are back
+                    got, error = 0, e
+                with self.lock:
+                    if error is not None:
+                        job.error = job.describe(job.submitted, None, error)
+                    job.submitted += got
+                    self.inflight += got
+                    self._finish_over()
+        finally:
+            self.submitting.release()
+
+    def _submitter(self) -> None:
+        """The background thread: submits calls' reads beyond what `add` submitted (sleeping in io_submit
+        while the device queue is full, and waiting for room in the context)."""
+        while True:
+            with self.lock:
+                while not self._closing and not (self.waiting and self.inflight < self.ctx.depth):
+                    self._work.wait()
+                if self._closing:
+                    return
+            self._submit(None, block=True)
 
     def _credit(self, events: np.ndarray) -> None:
         if not len(events):
@@ -197,29 +268,40 @@ class AioQueue:
                 job.error = job.describe(int(k[bad[0]]), int(res[bad[0]]))
             job.nbytes += int(res[res > 0].sum())
 
-    def _top_up(self) -> None:
-        """Submit waiting reads while there is room; finish the jobs that are over."""
-        while self.waiting and self.inflight < self.ctx.depth:
-            jid = self.waiting[0]
-            job = self.jobs[jid]
-            n = min(len(job.iocbs) - job.submitted, self.ctx.depth - self.inflight)
-            if job.error is None and n > 0:
-                batch = job.iocbs[job.submitted:job.submitted + n]
-                try:
-                    got = self.ctx.submit(batch)
-                    job.submitted += got
-                    self.inflight += got
-                except OSError as e:  # refused (e.g. EAGAIN): the call fails once its reads in flight are back
-                    job.error = job.describe(job.submitted, None, e)
-            if job.error is not None or job.submitted == len(job.iocbs):
-                self.waiting.popleft()
+    def _finish_over(self) -> None:
+        """Finish the calls that are over (under `lock`)."""
         for jid in [j for j, job in self.jobs.items() if job.over]:
             job = self.jobs.pop(jid)
+            job.finished = True
             job.finish(job.nbytes, job.done, job.error)
             job.keep = None
 
     def close(self) -> None:
         with self.lock:
+            self._closing = True
+            self._work.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self.reaping, self.lock:
             while self.inflight:  # never free buffers the kernel still writes into
                 self.inflight -= len(self.ctx.reap(1, self.inflight))
+            for job in self.jobs.values():  # calls never submitted in full fail rather than hang
+                job.error = job.error or job.describe(job.submitted, None, OSError(errno.EBADF, "reader closed"))
+                job.done = job.submitted
+            self._finish_over()
             self.ctx.close()
+
+
+def device_queue(path: str, default: int = 128) -> int:
+    """Requests the block device under `path` queues before a submitter sleeps (sysfs nr_requests; `default`
+    where unknown)."""
+    try:
+        st = os.stat(path)
+        dev = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        for q in (f"{dev}/queue/nr_requests", f"{dev}/../queue/nr_requests"):  # a disk, or a partition's disk
+            if os.path.exists(q):
+                with open(q) as f:
+                    return max(1, int(f.read()))
+    except (OSError, ValueError):
+        pass
+    return default

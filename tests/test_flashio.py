@@ -228,6 +228,37 @@ def test_aio_joins_rows_adjacent_in_file_and_dest_and_waits_once(data_file, monk
         assert (dest[[0, 2, 4, 5, 6, 7, 1]] == rows[ids]).all() and stats.reads == 4
 
 
+def test_aio_call_beyond_the_inline_share_is_submitted_in_the_background(data_file, monkeypatch):
+    """`submit_rows` returns after submitting at most the inline share from the caller (io_submit sleeps
+    while the device queue is full); the submitter thread sends the rest, so the reads complete while
+    the caller does other work, and a waiter gets exactly the file's bytes, also when the context holds
+    fewer reads than the call (the waiter's reaping makes room)."""
+    path, data = data_file
+    rows = data.reshape(-1, 4096)
+    real, calls = flashio.AioContext.submit, []
+    monkeypatch.setattr(flashio.AioContext, "submit",
+                        lambda self, iocbs: calls.append((threading.current_thread().name, len(iocbs))) or
+                        real(self, iocbs))
+    ids = np.arange(23) * 7
+    for depth in (64, 3):
+        calls.clear()
+        with aio_reader(path, threads=2, aio_depth=depth) as r:
+            r._aio.inline = 2
+            dest = aligned_empty((23, 4096), np.uint8)
+            pending = r.submit_rows(0, 4096, 4096, ids, dest, np.arange(23))
+            caller = threading.current_thread().name
+            assert sum(n for who, n in calls if who == caller) <= 2
+            if depth == 64:
+                for _ in range(2000):  # no one waits: the background thread submits the rest
+                    if pending.done():
+                        break
+                    threading.Event().wait(0.005)
+                assert pending.done() and {who for who, _ in calls} == {caller, "flashio-aio-submit"}
+            stats = pending.wait()
+            assert stats.reads == 23 and (dest == rows[ids]).all()
+            assert sum(n for _, n in calls) == 23
+
+
 def test_aio_errors_name_the_read_and_leave_workers_alive(data_file, monkeypatch):
     path, _ = data_file
     real = flashio.AioContext.reap

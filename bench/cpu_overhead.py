@@ -35,8 +35,12 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 
+INLINE = {"flashllm.aio.AioQueue.INLINE_SHARE": 1e9}  # every read submitted by the caller (no submitter thread)
 CONFIGS = {"default": {}, "no-overlap": {"prefetch": False}, "threads": {"aio_depth": 0},
-           "1t": {"compute_threads": 1}, "no-overlap-1t": {"prefetch": False, "compute_threads": 1}}
+           "1t": {"compute_threads": 1}, "no-overlap-1t": {"prefetch": False, "compute_threads": 1},
+           "inline": INLINE, "inline-1t": {**INLINE, "compute_threads": 1},
+           "nice5": {"flashllm.aio.AioQueue.SUBMITTER_NICE": 5}, "nice19": {"flashllm.aio.AioQueue.SUBMITTER_NICE": 19}}
+# keys "module.Class.ATTR" are class attributes set in the child (those a checkout lacks are skipped)
 
 # module, qualified name: the functions timed (those a checkout lacks are skipped)
 PROBES = [
@@ -105,8 +109,15 @@ def child(args) -> dict:
     spec = importlib.util.spec_from_file_location("flashllm_bench_trace", BENCH / "trace.py")
     trace_mod = importlib.util.module_from_spec(spec)  # bench/trace.py by path (the stdlib has a `trace`)
     spec.loader.exec_module(trace_mod)
+    options = {k: v for k, v in CONFIGS[args.config].items() if not k.startswith("flashllm.")}
+    for key, value in CONFIGS[args.config].items():
+        if key.startswith("flashllm."):
+            module, cls, attr = key.rsplit(".", 2)
+            owner = getattr(importlib.import_module(module), cls, None)
+            if owner is not None and hasattr(owner, attr):
+                setattr(owner, attr, value)
     load = dict(mode="sparse", dram_budget=args.dram_budget, window=args.window, context=args.context,
-                predictor=trace_mod.trace_predictor_factory(args.trace, 0, args.predictor_rank), **CONFIGS[args.config])
+                predictor=trace_mod.trace_predictor_factory(args.trace, 0, args.predictor_rank), **options)
     t0 = time.perf_counter()
     model = flashllm.load(args.model_dir, **load)
     load_s = time.perf_counter() - t0

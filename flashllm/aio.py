@@ -150,6 +150,9 @@ class AioQueue:
     Locks: ``lock`` guards the bookkeeping (never held in a syscall); ``submitting`` is held by the one
     thread in io_submit, ``reaping`` by the one in io_getevents."""
 
+    INLINE_SHARE = 0.5  # of the device queue: the reads `add` submits itself (bench/results/cpu_overhead.md)
+    SUBMITTER_NICE = 0  # the submitter thread's nice relative to the process (Linux)
+
     def __init__(self, ctx: AioContext, inline: int = 64):
         """`inline`: the most reads in flight after `add` submitted from the calling thread (about half the
         device's request queue, `device_queue`, leaves room for other I/O)."""

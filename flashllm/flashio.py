@@ -239,7 +239,7 @@ class FlashReader:
         self.size = os.fstat(self._fd).st_size
         bounce_bytes = self.max_chunk_bytes + 2 * self.alignment
         ctx = AioContext.open(int(aio_depth)) if self.direct and aio_depth > 0 else None
-        self._aio = AioQueue(ctx, device_queue(self.path) // 2) if ctx is not None else None  # None: unavailable, all reads take preadv
+        self._aio = AioQueue(ctx, int(device_queue(self.path) * AioQueue.INLINE_SHARE)) if ctx is not None else None  # None: unavailable, all reads take preadv
         self.engine = "aio" if self._aio else "preadv"
         self.aio_depth = int(aio_depth) if self._aio else 0
         self._queues = [queue.SimpleQueue() for _ in range(self.threads)]

@@ -433,14 +433,16 @@ class SparsePlan(StreamingPlan):
             with cost.timed("mem_ms"):
                 ids = cache.reserve(predicted, self.window)
             rows = cache.free_rows(len(ids))
-            pending = self.reader.submit(layer, ids, cache.store.landing(), rows)
+            with cost.timed("io_ms"):  # building and submitting the requests is I/O, not compute
+                pending = self.reader.submit(layer, ids, cache.store.landing(), rows)
         else:
             ids, rows = predicted[cache.row_of[predicted] < 0], None
             if len(ids) > self.prefetch_rows:  # the highest-scored ones fit
                 keep = np.argsort(-scores[ids], kind="stable")[:self.prefetch_rows] if scores is not None else \
                     np.arange(self.prefetch_rows)
                 ids = np.sort(ids[keep])
-            pending = self.reader.submit(layer, ids, self.prefetch_buf, np.arange(len(ids)))
+            with cost.timed("io_ms"):
+                pending = self.reader.submit(layer, ids, self.prefetch_buf, np.arange(len(ids)))
         self._pending = (layer, ids, predicted, pending, rows)
         cost.neurons_prefetched += len(ids)
 

@@ -26,7 +26,7 @@ class TokenCost:
     bytes_read: int = 0
     bytes_wasted: int = 0  # read but not used: alignment, gap filling, unused prefetch (bytes_read includes it)
     reads: int = 0
-    io_ms: float = 0.0  # waiting for reads (reads overlapped with compute cost nothing here)
+    io_ms: float = 0.0  # submitting reads and waiting for them (reads overlapped with compute cost nothing here)
     read_ms: float = 0.0  # the I/O engine's own time of this token's reads, overlapped or not
     mem_ms: float = 0.0
     compute_ms: float = 0.0

@@ -228,3 +228,23 @@ def test_make_model_layers_cuts_the_shape_to_its_first_layers(tmp_path):
     assert spec.n_layers == 1 and spec.n_experts == mm.spec_for("tiny-moe").n_experts
     with pytest.raises(SystemExit, match="make_model: error: --layers 3: expected 1 to 2"):
         mm.main(["--shape", "tiny-moe", "--layers", "3", "--out", str(tmp_path / "n"), "--quiet"])
+
+
+def test_cpu_overhead_times_the_runtime_functions_per_token(tiny_random, tiny_models, tmp_path):
+    """bench/cpu_overhead.py: a child per (checkout, config) wraps the runtime's per-token functions and
+    reports their calls, wall and CPU per token beside the token's io/mem/compute split."""
+    text = tmp_path / "heldout.txt"
+    text.write_text("def f(x):\n    return x * 2\n" * 40)
+    bench("trace").main(["record", str(tiny_models("opt").model_dir), "--data", str(text), "--out",
+                         str(tmp_path / "t.npz"), "--tokens", "20", "--seq-len", "20", "--json"])
+    out = tmp_path / "r.json"
+    bench("cpu_overhead").main([str(tiny_random[1]), "--trace", str(tmp_path / "t.npz"), "--dram-budget", "0.9", "--predictor-rank", "0",
+                                "--context", "32", "--configs", "default,inline", "--tokens", "2", "--warmup", "1",
+                                "--json-out", str(out)])
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["config"] for r in runs] == ["default", "inline"]
+    for r in runs:
+        calls = {name: p[0] for name, p in r["probes"].items()}
+        assert calls["SparsePlan.ffn"] == 8 and calls["NeuronCache.evict"] == 8  # 8 layers, once per token
+        assert r["compute_ms"] == pytest.approx(r["total_ms"] - r["io_ms"] - r["mem_ms"] - r["predictor_ms"])
+        assert r["other_ms"] == pytest.approx(r["compute_ms"] - r["math_ms"])

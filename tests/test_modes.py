@@ -88,6 +88,30 @@ def test_a_missing_lookahead_costs_reads_and_the_gate_bounds_them(tiny_models):
     assert always["bytes_read"] > gated["bytes_read"] >= off["bytes_read"] and gated["read_ahead_paused"] == [1]
 
 
+def test_submitting_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeypatch):
+    """Building and submitting reads is I/O (an io_submit sleeps while the disk's queue is full): every
+    FFN read submitted during a forward, the read-ahead's included, is inside the forward's io_ms."""
+    import time
+
+    from flashllm.ffn_reader import FFNReader
+
+    tiny = tiny_models("opt")
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True)
+    model.plan.AHEAD_MIN_HIT = 0.0  # read ahead whatever the lookahead's recall
+    calls, real = [], FFNReader.submit
+
+    def slow_submit(self, *a, **k):
+        calls.append(1)
+        time.sleep(0.01)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(FFNReader, "submit", slow_submit)
+    model.logits(IDS[:PREFILL + 6], prefill=PREFILL)
+    assert model.stats["neurons_prefetched"] > 0
+    io_ms = sum(c["io_ms"] for c in model.token_stats)
+    assert io_ms >= 10.0 * len(calls) > 0
+
+
 def test_read_ahead_through_a_buffer_matches_reading_when_known(tiny_models):
     """Where reads cannot land in cache rows (compute dtype != storage), read-ahead goes through a buffer."""
     tiny = tiny_models("opt")

@@ -12,10 +12,13 @@ calls, wall ms and thread CPU ms (inclusive: a function's time includes what it 
 above thread CPU time is waiting (for example an io_submit that sleeps until the disk queue has room).
 
 `--src DIR` (repeatable) runs every configuration from another checkout too (e.g. a `git archive` of
-main before a change), interleaved round by round: before and after in one run.
+main before a change), interleaved round by round: before and after in one run. `--submit-probe` times
+io_submit alone: calls of N random bundle reads of the model's FFN file through the AIO engine with
+every read submitted by the caller (how long the submit takes, and how much of it is CPU).
 
     python bench/cpu_overhead.py MODEL --trace T.npz --dram-budget 0.5 --context 512 --configs default
     python bench/cpu_overhead.py MODEL --trace T.npz --src /tmp/before --src . --rounds 2 --json-out r.json
+    python bench/cpu_overhead.py MODEL --submit-probe
 
 Timed runs belong under the bench lock (`flock /work/wt/bench.lock ...`).
 """
@@ -170,6 +173,33 @@ def run_child(args, src: str, config: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def submit_probe(model_dir: str, sizes=(64, 128, 256, 512, 800, 1024), repeats: int = 3) -> None:
+    """io_submit alone: per call of n random bundles of ffn.bin, the submit's wall and CPU ms and the wait."""
+    import numpy as np
+
+    from flashllm import format as fmt
+    from flashllm.aio import AioQueue
+    from flashllm.flashio import FlashReader, aligned_empty
+
+    AioQueue.INLINE_SHARE = 1e9  # every read submitted by the caller, as before the submitter thread
+    m = fmt.read_manifest(model_dir, verify=False)
+    stride = m.layout.stride
+    rng = np.random.default_rng(0)
+    with FlashReader(m.path("ffn"), threads=4, aio_depth=2048) as r:
+        dest = aligned_empty((max(sizes), stride), np.uint8)
+        print(f"engine {r.engine}, {r.size // stride} bundles of {stride} bytes, load {os.getloadavg()[0]:.1f}")
+        for n in sizes:
+            for _ in range(repeats):
+                ids = np.sort(rng.choice(r.size // stride, n, replace=False))
+                w0, c0 = time.perf_counter(), time.thread_time()
+                pending = r.submit_rows(0, stride, stride, ids, dest, np.arange(n))
+                w1, c1 = time.perf_counter(), time.thread_time()
+                io = pending.wait()
+                w2 = time.perf_counter()
+                print(f"{n:5d} reads: submit {(w1 - w0) * 1e3:6.2f} ms (CPU {(c1 - c0) * 1e3:5.2f}), wait "
+                      f"{(w2 - w1) * 1e3:6.2f} ms, {io.bytes_read / (w2 - w0) / 1e9:.2f} GB/s")
+
+
 def spread(values, fmt="{:.1f}") -> str:
     lo, hi = min(values), max(values)
     return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}–{fmt.format(hi)}"
@@ -202,7 +232,8 @@ def report(runs: list[dict], meta: dict) -> str:
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir")
-    p.add_argument("--trace", required=True, help="activation trace (bench/trace.py record)")
+    p.add_argument("--trace", help="activation trace (bench/trace.py record); required but with --submit-probe")
+    p.add_argument("--submit-probe", action="store_true", help="only time io_submit of N random bundle reads")
     p.add_argument("--dram-budget", default="0.5", help="(default: %(default)s)")
     p.add_argument("--window", type=int, default=4, help="(default: %(default)s)")
     p.add_argument("--context", type=int, default=512, help="KV cache length (default: %(default)s)")
@@ -224,6 +255,11 @@ def main(argv=None) -> int:
         args.config = args.child
         print(json.dumps(child(args)))
         return 0
+    if args.submit_probe:
+        submit_probe(args.model_dir)
+        return 0
+    if not args.trace:
+        raise SystemExit("cpu_overhead: --trace is required (bench/trace.py record)")
     configs = args.configs.split(",")
     for c in configs:
         if c not in CONFIGS:

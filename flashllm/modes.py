@@ -263,10 +263,16 @@ class SparsePlan(StreamingPlan):
 
     RANDOM_READ_PENALTY = 1.5  # a bundle read costs about this much more per byte than a sequential one
     AIO_DEPTH = 2048  # native AIO reads in flight by default (a 7B layer's ~800 at once)
-    # a layer's lookahead set is read ahead only while its running recall and precision against the layer's
-    # own set stay at least this high: on the 7B shape an exact lookahead made tokens 0.8x as long, one of
-    # recall 0.67 / precision 0.53 1.65x (wrong guesses evict needed rows and cost reads): bench/results/io_runtime_7b.md
-    AHEAD_MIN_HIT = 0.9
+    # a layer reads ahead only the part of its lookahead set that is likely right: the neurons scored above
+    # the lowest of AHEAD_CUTS (score above the predictor's threshold, logits for the low-rank predictors)
+    # whose running precision against the layer's own set is at least AHEAD_PRECISION; the rest is read when
+    # the layer knows its set. Reading the whole set of a lookahead of recall 0.67 / precision 0.53 made 7B
+    # tokens 1.65x as long (wrong guesses cost reads and evicted needed rows): bench/results/io_runtime_7b.md
+    AHEAD_PRECISION = 0.9
+    AHEAD_CUTS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+    # the read-ahead's eviction keeps cached neurons the lookahead scores above this (likely needed: margin 1
+    # names 0.89 of the layer's set on the embedded model, bench/results/io_lookahead.md)
+    AHEAD_KEEP = -1.0
     AHEAD_EMA = 0.3  # weight of the newest token in those running shares
 
     def __init__(self, ctx: PlanContext):
@@ -306,10 +312,17 @@ class SparsePlan(StreamingPlan):
         self.prefetch_buf = B.host_buffer((self.prefetch_rows, lay.stride)) if self.prefetch_rows else None
         self.read_ahead = self.read_ahead and (self.ahead_in_place or self.prefetch_buf is not None)
         self._residual = None  # the residual stream the current layer's FFN input came from (decode)
+        # overlap inside a layer: a decode layer's FFN over its held rows while its missing rows are read into
+        # the others (where reads land in cache rows and the backend sums FFN parts over row subsets)
+        self.split = options.prefetch is not False and in_place and hasattr(B, "ffn_acc")
+        self._landing = None  # (neuron ids, cache rows, read in flight) of the layer being computed
         # (layer, neuron ids read ahead, lookahead set, read in flight or None, cache rows it lands in or None:
-        # prefetch_buf)
+        # prefetch_buf, the lookahead's sets above each cut)
         self._pending = None
-        self.ahead_hit = np.ones((L, 2))  # per layer: running (recall, precision) of its lookahead
+        # per layer and cut: running neurons the lookahead named above the cut, and of those the layer needed
+        # (a prior of precision 1: a layer reads ahead until measured otherwise)
+        self.ahead_named = np.ones((L, len(self.AHEAD_CUTS)))
+        self.ahead_right = np.ones((L, len(self.AHEAD_CUTS)))
         par = ctx.spec.parallel_attn and not ctx.spec.ffn_norm
         self._norm = "attn_norm" if par else "ffn_norm"  # the norm that makes a layer's FFN input
         if not getattr(self.predictor, "selective", True) and min(self.capacities) < lay.d_ffn:
@@ -378,7 +391,8 @@ class SparsePlan(StreamingPlan):
                 "pinned_neurons": [c.pinned for c in self.caches],
                 "gap_bytes": self.reader.io.gap_bytes, "prefetch_rows": self.prefetch_rows,
                 "read_ahead": ("into cache rows" if self.ahead_in_place else "via a buffer") if self.read_ahead else "off",
-                "read_ahead_paused": [int(i) for i in np.flatnonzero(self.ahead_hit.min(axis=1) < self.AHEAD_MIN_HIT)],
+                "read_ahead_cut": [self._cut(i) for i in range(len(self.caches))],
+                "read_ahead_paused": [i for i in range(len(self.caches)) if self._cut(i) is None],
                 **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
 
     @property
@@ -388,87 +402,110 @@ class SparsePlan(StreamingPlan):
 
     def reset(self) -> None:
         self._drop_prefetch()
+        if self._landing is not None:  # a layer left before its read was waited for (an error)
+            self._landing[2].wait()
+            self._landing = None
         for c in self.caches:
             c.reset()
 
     def before_ffn(self, layer: int, residual, cost) -> None:
         self._residual = residual if residual.shape[0] == cost.batch else None  # decode (one sequence or a batch)
 
-    def _load(self, layer: int, active: np.ndarray, window: int, cost) -> int:
+    def _load(self, layer: int, active: np.ndarray, window: int, cost, split: bool = False) -> int:
         """One cache step: evict outside the window, then read the missing bundles into free rows
         (those the lookahead already read into cache rows are held by then; those it read into the
-        prefetch buffer are placed from there). Returns the needed neurons loaded, read ahead or now."""
+        prefetch buffer are placed from there). `split`: only start that read, into the rows
+        themselves (`_compute_split` waits for it). Returns the needed neurons loaded, read ahead or now."""
         cache = self.caches[layer]
         ahead = self._finish_prefetch(layer, active, cost)
         with cost.timed("mem_ms"):
             missing, _, _ = cache.evict(active, window)
         rest = self._use_prefetch(layer, missing, cost)
+        if split and len(rest):
+            rows = cache.free_rows(len(rest))
+            self._landing = (rest, rows, self.reader.submit(layer, rest, cache.store.landing(), rows))
+            return len(missing) + ahead
         io = cache.insert(rest, self.reader.reader_for(layer), cost)
         if io is not None:
             cost.add_io(io)
         return len(missing) + ahead
 
+    def _cut(self, layer: int) -> int | None:
+        """The lowest of AHEAD_CUTS whose running precision clears AHEAD_PRECISION (an index), None: none."""
+        ok = np.flatnonzero(self.ahead_right[layer] >= self.AHEAD_PRECISION * self.ahead_named[layer])
+        return int(ok[0]) if len(ok) else None
+
+    def _levels(self, mask: np.ndarray, scores: np.ndarray | None) -> np.ndarray:
+        """The lookahead's sets above each cut [cuts, n]; a predictor without scores names one set (all cuts)."""
+        if scores is None:
+            return np.broadcast_to(mask, (len(self.AHEAD_CUTS), len(mask)))
+        return scores[None, :] > np.asarray(self.AHEAD_CUTS)[:, None]
+
     def _lookahead(self, layer: int, cost) -> None:
         """Predict `layer`'s neurons from the previous layer's residual stream (normed as `layer` norms
-        its FFN input) and start reading those not cached: into the rows the cache frees for them by
-        its window rule (`NeuronCache.reserve`), or into the prefetch buffer; `_load` of `layer` waits
-        and corrects."""
+        its FFN input) and start reading those above the layer's cut (`_cut`) that are not cached: into
+        the rows the cache frees for them by its window rule, keeping the neurons it scores above
+        AHEAD_KEEP (`NeuronCache.reserve`), or into the prefetch buffer; `_load` of `layer` waits and
+        corrects."""
         if not self.read_ahead or self._residual is None or layer >= len(self.caches):
             return
         self._drop_prefetch()
         with cost.timed("predictor_ms"):
             x = self.backend.norm(f"layers.{layer}.{self._norm}", self._residual)
             mask, scores = union(*predict_scored(self.predictor, layer, x))
-        predicted = np.flatnonzero(mask)
-        capacity = self.caches[layer].capacity
-        if len(predicted) > capacity:  # `_fit` keeps the `capacity` best (as ranked there): read no others
-            best = np.argsort(-scores[predicted], kind="stable")[:capacity] if scores is not None else \
-                np.arange(capacity)
-            predicted = np.sort(predicted[best])
-        cache = self.caches[layer]
-        if self.ahead_hit[layer].min() < self.AHEAD_MIN_HIT:  # not worth reading now: only measure the lookahead
-            ids, pending = predicted[:0], None
-            rows = ids if self.ahead_in_place else None
+        levels, cut, cache = self._levels(mask, scores), self._cut(layer), self.caches[layer]
+        guess = np.flatnonzero(levels[cut]) if cut is not None else np.flatnonzero(mask)[:0]
+        if len(guess) > cache.capacity:  # `_fit` keeps the `capacity` best (as ranked there): read no others
+            best = np.argsort(-scores[guess], kind="stable")[:cache.capacity] if scores is not None else \
+                np.arange(cache.capacity)
+            guess = np.sort(guess[best])
+        if not len(guess):  # nothing likely enough: only measure the lookahead
+            ids, pending, rows = guess, None, guess if self.ahead_in_place else None
         elif self.ahead_in_place:
+            keep = np.flatnonzero(scores > self.AHEAD_KEEP) if scores is not None else guess
             with cost.timed("mem_ms"):
-                ids = cache.reserve(predicted, self.window)
+                ids = cache.reserve(guess, self.window, keep)
             rows = cache.free_rows(len(ids))
             with cost.timed("io_ms"):  # building and submitting the requests is I/O, not compute
                 pending = self.reader.submit(layer, ids, cache.store.landing(), rows)
         else:
-            ids, rows = predicted[cache.row_of[predicted] < 0], None
+            ids, rows = guess[cache.row_of[guess] < 0], None
             if len(ids) > self.prefetch_rows:  # the highest-scored ones fit
                 keep = np.argsort(-scores[ids], kind="stable")[:self.prefetch_rows] if scores is not None else \
                     np.arange(self.prefetch_rows)
                 ids = np.sort(ids[keep])
             with cost.timed("io_ms"):
                 pending = self.reader.submit(layer, ids, self.prefetch_buf, np.arange(len(ids)))
-        self._pending = (layer, ids, predicted, pending, rows)
+        self._pending = (layer, ids, np.flatnonzero(mask), pending, rows, levels)
         cost.neurons_prefetched += len(ids)
 
     def _finish_prefetch(self, layer: int, active: np.ndarray, cost) -> int:
         """Wait for the read ahead of `layer` (once its true set `active` is known) and count the
-        lookahead's recall; read into cache rows, its neurons are held from now on. Returns how many of
-        them the layer needs (those it does not are counted as wasted and leave at its eviction)."""
+        lookahead's recall and each cut's precision; read into cache rows, its neurons are held from now
+        on. Returns how many of them the layer needs (those it does not are counted as wasted and leave
+        at its eviction)."""
         if self._pending is None or self._pending[0] != layer:
             self._drop_prefetch()
             return 0
-        _, ids, predicted, pending, rows = self._pending
+        _, ids, predicted, pending, rows, levels = self._pending
         if pending is not None:
             with cost.timed("io_ms"):
                 cost.add_io(pending.wait())
-        found = int(np.isin(active, predicted, assume_unique=True).sum())
         if len(cost.lookahead_active) > layer:  # decode: the recall of the lookahead vs this prediction
+            found = int(np.isin(active, predicted, assume_unique=True).sum())
             cost.lookahead_found[layer], cost.lookahead_active[layer] = found, len(active)
-        hit = [found / len(active) if len(active) else 1.0, found / len(predicted) if len(predicted) else 1.0]
-        self.ahead_hit[layer] += self.AHEAD_EMA * (np.array(hit) - self.ahead_hit[layer])
+        needed = np.zeros(levels.shape[1], dtype=bool)
+        needed[active] = True
+        named, right = levels.sum(axis=1), (levels & needed).sum(axis=1)
+        self.ahead_named[layer] += self.AHEAD_EMA * (named - self.ahead_named[layer])
+        self.ahead_right[layer] += self.AHEAD_EMA * (right - self.ahead_right[layer])
         if rows is None:
             return 0  # in the prefetch buffer: `_use_prefetch` places what the layer needs
         self._pending = None
         cache = self.caches[layer]
         cache.store.placed(ids, rows, cost)
         cache.append(ids)
-        unused = len(ids) - int(np.isin(ids, active, assume_unique=True).sum())
+        unused = len(ids) - int(needed[ids].sum())
         cost.prefetch_unused += unused
         cost.bytes_wasted += unused * self.lay.stride  # read ahead for nothing
         return len(ids) - unused
@@ -478,7 +515,7 @@ class SparsePlan(StreamingPlan):
         `_finish_prefetch`); the rest of `missing` is still to read."""
         if self._pending is None or self._pending[0] != layer:
             return missing
-        _, ids, _, _, _ = self._pending
+        ids = self._pending[1]
         self._pending = None
         pos = np.searchsorted(ids, missing)
         hit = (pos < len(ids)) & (ids[np.minimum(pos, len(ids) - 1)] == missing) if len(ids) else \
@@ -534,6 +571,28 @@ class SparsePlan(StreamingPlan):
         return self.backend.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b, self.ffn_thresholds[layer],
                                 gate_pre=gate_pre)
 
+    def _compute_split(self, layer: int, x, pre, cost):
+        """The FFN over the cache rows while the layer's missing rows are read into the others (`_load`
+        with split): the rows held already, then, once the read has arrived, the new ones, summed in
+        float32 and rounded once (the result of `_compute` up to float32 summation order). A row in flight
+        is never read."""
+        (ids, rows, pending), self._landing = self._landing, None
+        cache, B = self.caches[layer], self.backend
+        n = max(cache.num_used, int(rows.max()) + 1)
+        held = np.flatnonzero(cache.pointer[:n] >= 0)
+        neurons = cache.pointer[:n].copy()
+        neurons[rows] = ids
+        views, bias = cache.store.views(n)
+        gate_pre = None if pre is None else B.columns(pre, neurons)
+        acc, part = B.ffn_acc(x), (bias.get("up"), bias.get("gate"), None, self.ffn_thresholds[layer], gate_pre)
+        B.ffn(x, views, *part, index=held, acc=acc)
+        with cost.timed("io_ms"):
+            cost.add_io(pending.wait())
+        cache.store.placed(ids, rows, cost)  # (sets the new rows' biases, seen through the views)
+        cache.append(ids)
+        B.ffn(x, views, *part, index=rows, acc=acc)
+        return B.ffn_result(acc, x, self.ctx.biases(layer)["down"])
+
     def ffn(self, layer: int, x, cost):
         with cost.timed("predictor_ms"):
             pre = self.predictor.pre(layer, x) if self.resident_part else None
@@ -546,10 +605,12 @@ class SparsePlan(StreamingPlan):
             active = self._fit(layer, np.flatnonzero(mask), scores, cost)
             cost.lookahead_found.append(0)
             cost.lookahead_active.append(0)
-            cost.neurons_loaded.append(self._load(layer, active, self.window, cost))
-            cost.neurons_cached.append(self.caches[layer].num_used)
+            cost.neurons_loaded.append(self._load(layer, active, self.window, cost, self.split and x.shape[0] == 1))
             self._lookahead(layer + 1, cost)  # in flight while this layer and the next attention compute
-            return self._compute(layer, x, self.caches[layer].num_used, True, pre)
+            y = self._compute_split(layer, x, pre, cost) if self._landing else \
+                self._compute(layer, x, self.caches[layer].num_used, True, pre)
+            cost.neurons_cached.append(self.caches[layer].num_used)
+            return y
         return self._prefill(layer, x, mask, scores, cost, pre)
 
     def _prefill(self, layer: int, x, mask: np.ndarray, scores: np.ndarray | None, cost, pre=None):

@@ -95,16 +95,18 @@ class NeuronCache:
         self.last_active[active] = self.token
         return self._make_room(active, window, self.token)
 
-    def reserve(self, guess: np.ndarray, window: int) -> np.ndarray:
+    def reserve(self, guess: np.ndarray, window: int, keep: np.ndarray | None = None) -> np.ndarray:
         """Before the next token's set is known: delete the rows that `evict` will delete if that set
-        is `guess` (a lookahead prediction), without starting the token. Returns the neurons of `guess`
-        not cached that fit the free rows, sorted: a read may land them in `free_rows(len(ids))`, and
-        `append` marks them held once it has. `evict` then applies the window to the true set (a
-        neuron guessed wrongly leaves at once; one evicted here that the true set needs is read again)."""
-        before = self.last_active[guess]
-        self.last_active[guess] = self.token + 1
+        is `guess` (a lookahead prediction) plus `keep` (neurons likely needed too, which stay cached but
+        are not read), without starting the token. Returns the neurons of `guess` not cached that fit the
+        free rows, sorted: a read may land them in `free_rows(len(ids))`, and `append` marks them held
+        once it has. `evict` then applies the window to the true set (a neuron guessed wrongly leaves at
+        once; one evicted here that the true set needs is read again)."""
+        marked = guess if keep is None else np.union1d(guess, keep)
+        before = self.last_active[marked]
+        self.last_active[marked] = self.token + 1
         missing, _, _ = self._make_room(guess, window, self.token + 1)
-        self.last_active[guess] = before
+        self.last_active[marked] = before
         return missing
 
     def _make_room(self, active: np.ndarray, window: int, t: int) -> tuple[np.ndarray, int, int]:

@@ -50,42 +50,42 @@ def test_sparse_oracle_with_read_ahead_and_gap_filling_matches_dense(tiny, dense
 
 
 def test_read_ahead_pauses_for_layers_whose_lookahead_misses(tiny_models, dense_logits):
-    """A layer reads ahead only while its lookahead's running recall and precision stay above
-    AHEAD_MIN_HIT; paused, the lookahead is still predicted and measured, and nothing changes the result."""
+    """A layer reads ahead only the neurons above the lowest cut whose running precision clears
+    AHEAD_PRECISION; with none, the lookahead is still predicted and measured, and nothing changes the result."""
     tiny = tiny_models("opt")
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True)
-    model.plan.AHEAD_MIN_HIT = 1.01  # no lookahead is good enough: every layer paused
+    model.plan.AHEAD_PRECISION = 1.01  # no cut is precise enough: every layer paused
     np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
     stats = model.stats
     assert stats["neurons_prefetched"] == 0 and stats["lookahead_recall"] is not None
     assert stats["read_ahead_paused"] == list(range(model.spec.n_layers))  # (layer 0 has no lookahead: never measured)
-    model.plan.AHEAD_MIN_HIT = 0.0  # any lookahead will do
-    model.plan.ahead_hit[:] = 1.0
+    model.plan.AHEAD_PRECISION = 0.0  # any lookahead will do: the lowest cut
     np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
     assert (model.stats["neurons_prefetched"] > 0) == model.predictor.selective and not model.stats["read_ahead_paused"]
-    hit = model.plan.ahead_hit[1:]
-    assert ((0 <= hit) & (hit <= 1)).all()
+    assert model.stats["read_ahead_cut"] == [0] * model.spec.n_layers
+    named, right = model.plan.ahead_named[1:], model.plan.ahead_right[1:]
+    assert ((0 <= right) & (right <= named)).all()
 
 
-def test_a_missing_lookahead_costs_reads_and_the_gate_bounds_them(tiny_models):
+def test_a_missing_lookahead_costs_reads_and_the_cut_bounds_them(tiny_models):
     """Read ahead into cache rows, a wrong guess evicts rows the layer then needs and names neurons it
     does not: they are read again or for nothing (more loads and bytes, never a different result); the
-    gate stops reading ahead for a layer whose lookahead keeps missing."""
+    precision cut reads ahead only the part of a layer's lookahead that keeps being right."""
     tiny = tiny_models("opt")
     runs = {}
-    for name, kw, min_hit in (("off", dict(prefetch=False), None), ("gated", {}, None), ("always", {}, 0.0)):
+    for name, kw, precision in (("off", dict(prefetch=False), None), ("cut", {}, None), ("always", {}, 0.0)):
         model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=8, threads=2,
                               cache_rows=(80, 80), **kw)
-        if min_hit is not None:
-            model.plan.AHEAD_MIN_HIT = min_hit
+        if precision is not None:
+            model.plan.AHEAD_PRECISION = precision
         runs[name] = (model.logits(IDS, prefill=PREFILL), model.stats)
-    off, gated, always = (runs[k][1] for k in ("off", "gated", "always"))
+    off, cut, always = (runs[k][1] for k in ("off", "cut", "always"))
     for logits, _ in runs.values():
         np.testing.assert_allclose(logits, runs["off"][0], atol=1e-4, rtol=1e-4)
     assert always["lookahead_recall"] < 0.9 and always["prefetch_unused"] > 0  # the oracle's guess from layer 0
-    assert sum(always["neurons_loaded_per_layer"]) > sum(gated["neurons_loaded_per_layer"]) >= \
-        sum(off["neurons_loaded_per_layer"])
-    assert always["bytes_read"] > gated["bytes_read"] >= off["bytes_read"] and gated["read_ahead_paused"] == [1]
+    assert always["prefetch_unused"] / always["neurons_prefetched"] > cut["prefetch_unused"] / max(cut["neurons_prefetched"], 1)
+    assert sum(always["neurons_loaded_per_layer"]) > sum(cut["neurons_loaded_per_layer"])
+    assert always["bytes_read"] > cut["bytes_read"] and always["bytes_read"] > off["bytes_read"]
 
 
 def test_submitting_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeypatch):
@@ -97,7 +97,7 @@ def test_submitting_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeyp
 
     tiny = tiny_models("opt")
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True)
-    model.plan.AHEAD_MIN_HIT = 0.0  # read ahead whatever the lookahead's recall
+    model.plan.AHEAD_PRECISION = 0.0  # read ahead whatever the lookahead's precision
     calls, real = [], FFNReader.submit
 
     def slow_submit(self, *a, **k):

@@ -230,3 +230,25 @@ def test_pinned_rows_leave_the_window_its_expected_need():
     assert pinned_rows(freq, 100, 4) == 99  # a cache of the whole layer: all but the window's one row
     assert pinned_rows(np.zeros(100), 50, 4) == 0  # nothing is ever active: nothing worth a row
     assert [pinned_rows(freq, c, 4) for c in (20, 40, 60, 80)] == sorted(pinned_rows(freq, c, 4) for c in (20, 40, 60, 80))
+
+
+def test_reserve_keeps_the_neurons_it_is_told_to_keep(ffn_file):
+    """`reserve(guess, window, keep)` frees rows as if the next set were guess + keep, so a cached neuron in
+    `keep` (likely needed, not read ahead) is not evicted for the guess; without `keep` it would be."""
+    _, data, path = ffn_file
+    with FlashReader(path, threads=2) as reader:
+        kept, plain = make_cache(ffn_file, 7), make_cache(ffn_file, 7)
+        for cache in (kept, plain):
+            step(cache, reader, {0, 1, 2}, 2)
+            step(cache, reader, {3, 4, 5}, 2)  # window 2: 0, 1, 2 leave at the next step unless needed
+        guess = np.array([6, 7, 8])
+        assert list(plain.reserve(guess, 2)) == [6, 7, 8] and plain.row_of[2] < 0
+        assert list(kept.reserve(guess, 2, keep=np.array([2, 30]))) == [6, 7, 8] and kept.row_of[2] >= 0
+        assert kept.row_of[30] < 0 and (kept.row_of[[0, 1]] < 0).all()  # kept, not read; the others leave
+        for cache in (kept, plain):  # the reads land; the cache stays whole
+            read_ahead_rows = cache.free_rows(3)
+            layout = cache.store.layout
+            reader.read_rows(0, layout.stride, layout.stride, guess, cache.store.landing(), read_ahead_rows)
+            cache.store.placed(guess, read_ahead_rows)
+            cache.append(guess)
+            check_rows(cache, data)

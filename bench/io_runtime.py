@@ -22,9 +22,12 @@ read-ahead, 32 preadv threads), `threads-overlap` (read-ahead through the preadv
 random weights a permutation of the replay, see TracePredictor), `ordered+no-overlap`, and `ordered+gap`
 (gap-filling with the threshold fio's measurement gives: reading g more bytes costs g over the
 bandwidth, one read less saves the per-read cost, from a fit of fio at one and at eight bundles).
-The replayed trace makes the lookahead exact (each layer's set does not depend on its input); the
-`+measured-lookahead` configurations replay it as imperfect as the small model's own lookahead
-(`--lookahead-model`, from bench/io_lookahead.py: per layer, its recall and guess size).
+`no-split`: without the overlap inside a layer (a layer's held rows computed while its missing rows are
+read into the others). The replayed trace makes the lookahead exact (each layer's set does not depend on
+its input); the `+measured-lookahead` configurations replay it as imperfect as the small model's own
+lookahead (`--lookahead-model`, bench/io_lookahead.py --json-out: per layer, the score distribution of
+the needed neurons and the count of others above each score cut, drawn independently per neuron and
+token: bench/trace.py TracePredictor._early), so that the runtime's precision cut works on scores.
 Beside the runs, a replay (no I/O, unlimited cache) counts reads and bundles per token for gaps of 0..8
 bundles before and after ordering, on trace tokens not used to compute the order.
 
@@ -59,7 +62,9 @@ CONFIGS = {"default": {}, "no-overlap": NO_OVERLAP, "threads-overlap": {"prefetc
            "ordered+gap": {"order": "coactivation", "gap_bytes": "fio"},
            # the replayed lookahead as imperfect as the small model's (--lookahead-model), not exact
            "default+measured-lookahead": {"lookahead": "measured"},
-           "ordered+measured-lookahead": {"order": "coactivation", "lookahead": "measured"}}
+           "ordered+measured-lookahead": {"order": "coactivation", "lookahead": "measured"},
+           # without the overlap inside a layer (held rows computed while the layer's missing rows are read)
+           "no-split": {"split": False}, "no-split+measured-lookahead": {"split": False, "lookahead": "measured"}}
 
 
 def _paper_measure():
@@ -143,7 +148,7 @@ def run_config(args, name: str, budget: int, runner, gap: dict | None) -> dict:
     if cfg.pop("lookahead", None) == "measured":  # else exact: the replay's
         if not args.lookahead_model:
             raise SystemExit(f"io_runtime: error: --configs {name} needs --lookahead-model")
-        run["lookahead_model"] = json.loads(Path(args.lookahead_model).read_text())["sources"]["attn/0"]
+        run["lookahead_model"] = json.loads(Path(args.lookahead_model).read_text())["ladder"]["attn"]
     run.update(cfg)
     res = runner(run)
     if "error" in res:
@@ -227,8 +232,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=None, help="compute threads (default: the runtime's)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the runtime's, the storage dtype)")
     p.add_argument("--lookahead-model", help="bench/io_lookahead.py --json-out of the trace's model, for the "
-                   "*+measured-lookahead configurations: the replayed lookahead names each active neuron with that "
-                   "layer's measured recall and wrong ones up to its measured guess size (the others: exact)")
+                   "*+measured-lookahead configurations: the replayed lookahead scores neurons as that layer's "
+                   "real lookahead did (the others: exact)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fio-seconds", type=float, default=10.0, help="seconds per fio run (default: %(default)s)")
     p.add_argument("--replay-tokens", type=int, default=0, help="also count replayed reads per token over this "

@@ -303,7 +303,8 @@ class TracePredictor:
         self.order = {"method": "coactivation", "window": window, "calibration_tokens": self.trace.tokens - half,
                       "small_layers": info}
 
-    def predict(self, layer: int, x) -> np.ndarray:
+    def _mask(self, layer: int, x) -> np.ndarray:
+        """The trace's sets of the forward's tokens for `layer` (and the stand-in predictor's cost)."""
         T = x.shape[0]
         if layer == 0:  # a new forward: the next T trace tokens
             self.t0, self.next = self.next, self.next + T
@@ -312,21 +313,36 @@ class TracePredictor:
             B.greater(B.linear(B.linear(x, self.A[layer], None), self.B[layer], self.b[layer]), 0.0)
         rows = (self.t0 + np.arange(T)) % self.trace.tokens
         small = self.trace.predicted[self.layers[layer]][rows]
-        mask = small[:, self.neurons[layer]]
-        return self._early(layer, mask) if self.early and self.lookahead is not None else mask
+        return small[:, self.neurons[layer]]
+
+    def predict(self, layer: int, x) -> np.ndarray:
+        scores = self.scores(layer, x)
+        return self._mask(layer, x) if scores is None else scores > 0
+
+    def scores(self, layer: int, x) -> np.ndarray | None:
+        """None (a replayed set has no scores) except while the runtime's lookahead predicts with a
+        `lookahead` model: then scores as imperfect as the small model's real lookahead (`_early`)."""
+        return self._early(layer, self._mask(layer, x)) if self.early and self.lookahead is not None else None
 
     def _early(self, layer: int, mask: np.ndarray) -> np.ndarray:
-        """A lookahead's guess of `mask`, as imperfect as a real one: each active neuron named with the
-        layer's recall, and wrong neurons added up to the layer's guess size per active neuron."""
-        recall, size = self.lookahead[layer]
-        rng, out = self._early_rng, np.zeros_like(mask)
+        """A lookahead's scores for the sets `mask` [T, n], drawn from the small model's measured lookahead
+        of the layer (bench/io_lookahead.py): each needed neuron's score from the distribution of the
+        needed neurons' scores there (its quantiles), and as many other neurons above each cut of the
+        measured ladder per needed neuron as there, with scores spread evenly between the cuts; all the
+        rest below the ladder. Each neuron and token is drawn independently: the real lookahead's misses
+        are correlated across tokens (the same neurons missed again), which this does not model."""
+        quantiles, grid, others = self.lookahead[layer]
+        rng = self._early_rng
+        out = np.full(mask.shape, grid[0] - 1.0, dtype=np.float32)
+        per_cut = np.diff(-others, append=0.0)  # others per needed neuron between cut k and k+1 (last: above it)
+        top = np.append(grid[1:], grid[-1] + 2.0)
         for t, row in enumerate(mask):
-            on = np.flatnonzero(row)
-            kept = on[rng.random(len(on)) < recall]
-            off = np.flatnonzero(~row)
-            extra = min(len(off), max(0, int(round(size * len(on))) - len(kept)))
-            out[t, kept] = True
-            out[t, rng.choice(off, extra, replace=False)] = True
+            on, off = np.flatnonzero(row), np.flatnonzero(~row)
+            out[t, on] = np.interp(rng.random(len(on)), np.linspace(0, 1, len(quantiles)), quantiles)
+            counts = rng.poisson(np.maximum(per_cut, 0) * len(on))
+            chosen = rng.choice(off, min(len(off), int(counts.sum())), replace=False)
+            cut = rng.permutation(np.repeat(np.arange(len(grid)), counts))[:len(chosen)]
+            out[t, chosen] = grid[cut] + rng.random(len(chosen)) * (top[cut] - grid[cut])
         return out
 
     def nbytes(self) -> int:
@@ -349,15 +365,21 @@ class TracePredictor:
                 f"{self.rank if self.A else 0}")
 
 
-def _early_model(lookahead: dict, small_layers: int, large_layers: int) -> list[tuple[float, float]]:
-    """Per large layer, (recall, guess size per active neuron) of the lookahead, from bench/io_lookahead.py's
-    measurement of the small model (`{"recall": [...], "size": [...]}` per small layer, layer 0 without one):
-    a large layer takes its small layer's, or the small layers' mean where that is layer 0."""
-    rec, size = np.asarray(lookahead["recall"], float), np.asarray(lookahead["size"], float)
-    if len(rec) != small_layers:
-        raise ValueError(f"lookahead model of {len(rec)} layers for a trace of {small_layers}")
-    mean = (float(rec[1:].mean()), float(size[1:].mean()))
-    return [(float(rec[s]), float(size[s])) if s else mean for s in layer_map(small_layers, large_layers)]
+def _early_model(lookahead: dict, small_layers: int, large_layers: int) -> list[tuple]:
+    """Per large layer, (needed neurons' score quantiles, cuts, other neurons above each cut per needed
+    neuron) of the lookahead, from bench/io_lookahead.py's measurement of the small model (its "ladder" of
+    one source: per small layer, layer 0 without one): a large layer takes its small layer's, or the small
+    layers' mean where that is layer 0."""
+    grid, layers = np.asarray(lookahead["grid"], float), lookahead["layers"]
+    if len(layers) != small_layers:
+        raise ValueError(f"lookahead model of {len(layers)} layers for a trace of {small_layers}")
+    per = [None if d is None else (np.asarray(d["needed_quantiles"], float),
+                                   np.asarray(d["named_per_needed"], float) - np.asarray(d["recall"], float))
+           for d in layers]
+    known = [p for p in per if p is not None]
+    mean = (np.mean([q for q, _ in known], axis=0), np.mean([o for _, o in known], axis=0))
+    chosen = [mean if per[s] is None else per[s] for s in layer_map(small_layers, large_layers)]
+    return [(quantiles, grid, others) for quantiles, others in chosen]
 
 
 def trace_predictor_factory(path, seed: int = 0, cost_rank: int = 128, order: str | None = None, window: int = 4,

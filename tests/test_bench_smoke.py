@@ -64,15 +64,23 @@ def test_trace_record_and_replay_preserve_frequencies(tiny_random, tiny_models, 
     # token t of layer 5 is small layer 1's token t, through the neuron map: same frequencies and reuse
     small = trace.predicted[1, 1:40]
     np.testing.assert_array_equal(replay[:, 5], small[:, pred.neurons[5]])
-    # an imperfect lookahead: small layer 1's recall 0.5, guess size 1.0 per active neuron (layer 0: none)
+    # an imperfect lookahead (small layer 1 measured as: needed neurons scored 1..3, 0.6 others per needed
+    # neuron above cut -1 and 0.3 above 0, none above 2; layer 0: none)
+    grid = [-1.0, 0.0, 2.0]
+    layer1 = {"needed_quantiles": [1.0, 3.0], "recall": [1.0, 1.0, 0.5], "named_per_needed": [1.6, 1.3, 0.5]}
     with pytest.raises(ValueError, match="3 layers for a trace of 2"):
-        tr.TracePredictor(trace, spec, seed=3, lookahead={"recall": [0, 0.5, 0.5], "size": [0, 1, 1]})
-    pred = tr.TracePredictor(trace, spec, seed=3, lookahead={"recall": [0.0, 0.5], "size": [0.0, 1.0]})
+        tr.TracePredictor(trace, spec, seed=3, lookahead={"grid": grid, "layers": [None, layer1, layer1]})
+    pred = tr.TracePredictor(trace, spec, seed=3, lookahead={"grid": grid, "layers": [None, layer1]})
     exact = [pred.predict(layer, x) for layer in range(8)]
+    assert pred.scores(5, x) is None  # a replayed set has no scores
     pred.t0, pred.early = 0, True  # the same token's lookahead guesses
-    early = [pred.predict(layer, x) for layer in range(1, 8)]
-    for e, g in zip(exact[4:], early[3:]):  # layers 4-7 follow small layer 1
-        assert g.sum() == e.sum() and 0.2 < (g & e).sum() / e.sum() < 0.8  # wrong ones make up the size
+    scores = [pred.scores(layer, x)[0] for layer in range(1, 8)]
+    for e, sc in zip(exact[4:], scores[3:]):  # layers 4-7 follow small layer 1
+        e = e[0]
+        assert ((sc[e] >= 1) & (sc[e] <= 3)).all()  # needed neurons: from their quantiles
+        wrong_0, wrong_m1 = ((sc > 0) & ~e).sum() / e.sum(), ((sc > -1) & ~e).sum() / e.sum()
+        assert 0.2 < wrong_0 < 0.4 and 0.5 < wrong_m1 < 0.7 and not ((sc > 2) & ~e).any()
+        assert (pred.predict(5, x)[0] == (pred.scores(5, x)[0] > 0)).sum() > 0
 
 
 def test_paper_tables_json(tiny_random, capsys):

@@ -313,8 +313,8 @@ class SparsePlan(StreamingPlan):
         self.read_ahead = self.read_ahead and (self.ahead_in_place or self.prefetch_buf is not None)
         self._residual = None  # the residual stream the current layer's FFN input came from (decode)
         # overlap inside a layer: a decode layer's FFN over its held rows while its missing rows are read into
-        # the others (where reads land in cache rows and the backend sums FFN parts over row subsets)
-        self.split = options.prefetch is not False and in_place and hasattr(B, "ffn_acc")
+        # the others (where reads land in cache rows and the backend computes row subsets without copying them)
+        self.split = options.prefetch is not False and in_place and B.ffn_index_in_place()
         self._landing = None  # (neuron ids, cache rows, read in flight) of the layer being computed
         # (layer, neuron ids read ahead, lookahead set, read in flight or None, cache rows it lands in or None:
         # prefetch_buf, the lookahead's sets above each cut)

@@ -281,3 +281,31 @@ def test_pinned_hot_neurons_keep_the_result_and_save_reads(tiny_models, dense_lo
         pinned = model.stats["pinned_neurons"]
         assert (min(pinned) > 0) if pin else not any(pinned)
     assert runs[True].stats["bytes_read"] < runs[False].stats["bytes_read"]
+
+
+@pytest.mark.parametrize("family, predictor", [("opt", "oracle"), ("llama-fatrelu", "oracle"), ("llama-fatrelu", "gate")])
+def test_overlap_inside_a_layer_changes_only_the_summation_order(tiny_models, tmp_path, family, predictor):
+    """float16 files in float16 with the native kernels: a decode layer's held rows are computed while its
+    missing rows are read into the others, then the new rows, summed in float32 (`_compute_split`). The
+    logits equal the unsplit run's up to float32 summation order, and the oracle's equal dense's."""
+    from flashllm.backends import native
+    from flashllm.converters import convert
+
+    if native.library() is None:
+        pytest.skip("no native kernels (no C compiler)")
+    tiny = tiny_models(family)
+    out = convert(tiny.ckpt, tmp_path / "f16", dtype="float16", progress=False)
+    dense = flashllm.load(out, mode="dense").logits(IDS, prefill=PREFILL)
+    runs = {}
+    for split in (True, False):
+        model = flashllm.load(out, mode="sparse", predictor=predictor, window=2, threads=2, cache_rows=(90, 90))
+        assert model.plan.split
+        model.plan.split = split
+        runs[split] = (model.logits(IDS, prefill=PREFILL), model.backend.native.calls["ffn"], model.stats)
+    (a, calls_split, stats), (b, calls_one, _) = runs[True], runs[False]
+    assert calls_split > calls_one  # two kernel calls for a layer with reads
+    assert stats["neurons_dropped"] == 0 and sum(stats["neurons_loaded_per_layer"]) > 0
+    np.testing.assert_allclose(a, b, atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(a, dense, atol=2e-2, rtol=2e-2)
+    assert not flashllm.load(out, mode="sparse", predictor="oracle", prefetch=False).plan.split  # no overlap
+    assert not flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle").plan.split  # float32: torch copies

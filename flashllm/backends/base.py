@@ -189,6 +189,11 @@ class Backend:
         """A float32 zero sum [T, d_model] for `ffn(..., acc=)` calls over parts of one layer's rows."""
         raise NotImplementedError
 
+    def ffn_index_in_place(self) -> bool:
+        """True when one decode token's `ffn(..., index=)` reads the chosen rows where they are (a kernel
+        over row indices); False when it copies them first (then splitting a layer's FFN costs a copy)."""
+        return False
+
     def ffn_result(self, acc, x, down_bias):
         """The FFN output from its float32 sum `acc`: rounded once to x's dtype, plus the down bias."""
         raise NotImplementedError

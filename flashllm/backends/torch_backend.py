@@ -351,6 +351,9 @@ class TorchBackend(Backend):
         y = self._down(h, rows["down"])
         return self._toc("ffn", t0, y + down_bias if down_bias is not None else y)
 
+    def ffn_index_in_place(self) -> bool:
+        return self.native is not None and self.dtype in NATIVE_DTYPES
+
     def ffn_acc(self, x: torch.Tensor) -> torch.Tensor:
         """A float32 accumulator [T, d_model] for `ffn(..., acc=)` calls over parts of a layer's rows."""
         return torch.zeros(x.shape[0], self.spec.d_model, dtype=torch.float32, device=x.device)

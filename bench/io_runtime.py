@@ -23,7 +23,8 @@ random weights a permutation of the replay, see TracePredictor), `ordered+no-ove
 (gap-filling with the threshold fio's measurement gives: reading g more bytes costs g over the
 bandwidth, one read less saves the per-read cost, from a fit of fio at one and at eight bundles).
 `no-split`: without the overlap inside a layer (a layer's held rows computed while its missing rows are
-read into the others). The replayed trace makes the lookahead exact (each layer's set does not depend on
+read into the others); `no-keep`: the read-ahead's eviction does not keep the cached neurons the lookahead
+scores above SparsePlan.AHEAD_KEEP. The replayed trace makes the lookahead exact (each layer's set does not depend on
 its input); the `+measured-lookahead` configurations replay it as imperfect as the small model's own
 lookahead (`--lookahead-model`, bench/io_lookahead.py --json-out: per layer, the score distribution of
 the needed neurons and the count of others above each score cut, drawn independently per neuron and
@@ -64,7 +65,10 @@ CONFIGS = {"default": {}, "no-overlap": NO_OVERLAP, "threads-overlap": {"prefetc
            "default+measured-lookahead": {"lookahead": "measured"},
            "ordered+measured-lookahead": {"order": "coactivation", "lookahead": "measured"},
            # without the overlap inside a layer (held rows computed while the layer's missing rows are read)
-           "no-split": {"split": False}, "no-split+measured-lookahead": {"split": False, "lookahead": "measured"}}
+           "no-split": {"plan": {"split": False}},
+           "no-split+measured-lookahead": {"plan": {"split": False}, "lookahead": "measured"},
+           # reading ahead evicts only by the guess (the cached neurons it scores likely needed are not kept)
+           "no-keep+measured-lookahead": {"plan": {"AHEAD_KEEP": float("inf")}, "lookahead": "measured"}}
 
 
 def _paper_measure():

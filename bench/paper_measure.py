@@ -87,8 +87,8 @@ def measure(run: dict) -> dict:
     load_s = time.perf_counter() - t0
     if hasattr(model.plan.predictor, "early"):  # a replayed trace: tell it which predictions are lookaheads
         flag_lookahead(model.plan)
-    if run.get("split") is False:  # sparse: no overlap inside a layer (bench/io_runtime.py no-split)
-        model.plan.split = False
+    for name, value in (run.get("plan") or {}).items():  # plan attributes to vary (bench/io_runtime.py configs)
+        setattr(model.plan, name, value)
     read_acc, predicted_acc = [0.0], [0]
 
     def on_read(io):  # the engine's wall time of each read

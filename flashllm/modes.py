@@ -410,6 +410,14 @@ class SparsePlan(StreamingPlan):
 
     def before_ffn(self, layer: int, residual, cost) -> None:
         self._residual = residual if residual.shape[0] == cost.batch else None  # decode (one sequence or a batch)
+        self._poll()
+
+    def _poll(self) -> None:
+        """Reap the read-ahead's completed reads without waiting (at sublayer boundaries): its read time
+        then ends near when the disk finished, not when the layer waits for it (native AIO's reads are
+        counted until reaped)."""
+        if self._pending is not None and self._pending[3] is not None:
+            self._pending[3].done()
 
     def _load(self, layer: int, active: np.ndarray, window: int, cost, split: bool = False) -> int:
         """One cache step: evict outside the window, then read the missing bundles into free rows
@@ -610,6 +618,7 @@ class SparsePlan(StreamingPlan):
             y = self._compute_split(layer, x, pre, cost) if self._landing else \
                 self._compute(layer, x, self.caches[layer].num_used, True, pre)
             cost.neurons_cached.append(self.caches[layer].num_used)
+            self._poll()
             return y
         return self._prefill(layer, x, mask, scores, cost, pre)
 

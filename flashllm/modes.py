@@ -431,7 +431,8 @@ class SparsePlan(StreamingPlan):
         rest = self._use_prefetch(layer, missing, cost)
         if split and len(rest):
             rows = cache.free_rows(len(rest))
-            self._landing = (rest, rows, self.reader.submit(layer, rest, cache.store.landing(), rows))
+            with cost.timed("io_ms"):  # building and submitting the requests is I/O
+                self._landing = (rest, rows, self.reader.submit(layer, rest, cache.store.landing(), rows))
             return len(missing) + ahead
         io = cache.insert(rest, self.reader.reader_for(layer), cost)
         if io is not None:

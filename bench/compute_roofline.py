@@ -9,15 +9,18 @@
    up+gate, down, head), each rotated through copies larger than the last-level cache so that
    weights come from DRAM as in a forward pass. int8/int4: torch's weight-only kernels
    (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu) and MLX's quantized_matmul
-   (groups of 64), counting the codes and scales streamed. Torch at 1 and 2 intra-op threads.
+   (groups of 64), counting the codes and scales streamed. Torch at 1 and 2 intra-op threads;
+   "native": flashllm's own C mat-vec (flashllm/backends/native) at 1 and 2 threads. The roofline
+   of a dtype is the best rate any backend reached: the runtime's shares and bound use it.
    The surveys of bench/kernel_survey.py: the down projection over bundle rows (behind
-   torch_backend.DOWN_KERNEL) and a decode token's attention over the KV cache.
+   torch_backend.DOWN_KERNEL), the whole FFN over cached rows (torch's path vs the native one-pass
+   kernel) and a decode token's attention over the KV cache.
 2. Runtime: the model's own decode tokens, each configuration (--configs, below) in a child
    process, rounds interleaved; per part (backend.parts, a PartTimer) ms per token, bytes it
    touches (resident q/k/v/o, KV read, the FFN rows it multiplies, the head) and GB/s as a share
    of the roofline of its backend and dtype. "python/other" is compute_ms minus the timed parts.
 
-Configurations: before (kernels="plain": the file's tensors with torch's default kernels, 2 threads),
+Configurations: torch-1t / torch-2t (session 5's kernels: FLASHLLM_NATIVE=0), before (kernels="plain": the file's tensors with torch's default kernels, 2 threads),
 session2 (tuned kernels, 2 threads), after (the defaults: kernels="tuned", compute threads by the machine's load), after-1t / after-2t
 (compute_threads 1 / 2; OpenMP workers sleep at barriers, flashllm's default), after-2t-spin (2 threads, workers
 spin first: libgomp's default, as in sessions 1-3; before and session2 too), mlx. Each run also
@@ -56,6 +59,9 @@ CONFIGS = {  # name -> (load options, extra environment)
     "session4-2t": (dict(kernels="tuned", compute_threads=2, _down_kernel="mv", _serial_attention=False), {}),
     "session4-1t": (dict(kernels="tuned", compute_threads=1, _down_kernel="mv"), {}),
     "mlx": (dict(backend="mlx"), {}),
+    # session 5's kernels (torch only): the native kernels off (FLASHLLM_NATIVE=0)
+    "torch-1t": (dict(kernels="tuned", compute_threads=1), {"FLASHLLM_NATIVE": "0"}),
+    "torch-2t": (dict(kernels="tuned", compute_threads=2), {"FLASHLLM_NATIVE": "0"}),
 }
 QUANT_GROUP = 64
 
@@ -120,6 +126,25 @@ def torch_case(dtype: str, shape, copies: int):
     return out * k * dt.itemsize, [lambda w=w: F.linear(x, w) for w in ws]
 
 
+def native_case(dtype: str, shape, copies: int, threads) -> dict:
+    """flashllm's C mat-vec (TorchBackend.linear's decode path) per thread count, on the same weights:
+    {threads: (bytes per product, [one product per weight copy])}; ValueError where it is unavailable."""
+    import torch
+
+    from flashllm.backends import native
+    from flashllm.backends.torch_native import NATIVE_DTYPES, NativeKernels
+
+    lib, dt = native.library(), getattr(torch, dtype, None)
+    if lib is None or dt not in NATIVE_DTYPES:
+        raise ValueError(f"no native {dtype} kernel ({native.describe()})")
+    out, k = shape
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, k, generator=g).to(dt)
+    ws = [torch.randn(out, k, generator=g).to(dt) for _ in range(copies)]
+    return {n: (out * k * dt.itemsize, [lambda w=w, kn=NativeKernels(lib, n): kn.linear(x, w, None) for w in ws])
+            for n in threads}
+
+
 def mlx_case(dtype: str, shape, copies: int):
     import mlx.core as mx
 
@@ -160,26 +185,27 @@ def roofline(spec, backends, dtypes, rounds: int, torch_threads=(1, 2)) -> list[
         for dtype in dtypes:
             if backend == "mlx" and dtype == "float16":
                 continue  # MLX's CPU build has no float16 matmul fast path worth listing; bfloat16 covers it
+            threads = torch_threads if backend in ("torch", "native") else (None,)
             cases = {}
             for name, shape in matrix_shapes(spec).items():
                 probe = (shape[0] * shape[1] * (4 if dtype == "float32" else 1 if dtype == "int8" else 2))
                 copies = min(16, max(2, math.ceil(3 * llc_bytes() / probe)))
-                try:
-                    cases[name] = (torch_case if backend == "torch" else mlx_case)(dtype, shape, copies)
+                try:  # native kernels take their thread count; torch's is set before each product below
+                    per = native_case(dtype, shape, copies, threads) if backend == "native" else \
+                        dict.fromkeys(threads, (torch_case if backend == "torch" else mlx_case)(dtype, shape, copies))
+                    cases.update({(name, n): case for n, case in per.items()})
                 except (RuntimeError, ValueError, AttributeError) as e:  # a kernel this build lacks
                     print(f"roofline: {backend} {dtype} {name}: skipped ({str(e).splitlines()[0]})", file=sys.stderr)
-            threads = torch_threads if backend == "torch" else (None,)
             times = {}
             for _ in range(rounds + 1):  # the first round warms up and is dropped
-                for name, (nbytes, fns) in cases.items():
-                    for n in threads:
-                        set_torch_threads(n)
-                        t0 = time.perf_counter()
-                        for fn in fns:
-                            fn()
-                        times.setdefault((name, n), []).append((time.perf_counter() - t0) / len(fns))
+                for (name, n), (nbytes, fns) in cases.items():
+                    set_torch_threads(n)
+                    t0 = time.perf_counter()
+                    for fn in fns:
+                        fn()
+                    times.setdefault((name, n), []).append((time.perf_counter() - t0) / len(fns))
             for (name, n), ts in times.items():
-                nbytes = cases[name][0]
+                nbytes = cases[name, n][0]
                 ts = ts[1:]
                 rows.append(dict(backend=backend, dtype=dtype, threads=n, shape=name, bytes=nbytes,
                                  best_gbps=nbytes / min(ts) / GB, median_gbps=nbytes / statistics.median(ts) / GB))
@@ -189,11 +215,20 @@ def roofline(spec, backends, dtypes, rounds: int, torch_threads=(1, 2)) -> list[
 
 
 def rates(rows) -> dict[tuple[str, str], float]:
-    """The roofline: best rate per (backend, dtype) over shapes and thread counts."""
+    """Best rate per (backend, dtype) over shapes and thread counts."""
     out = {}
     for r in rows:
         key = (r["backend"], r["dtype"])
         out[key] = max(out.get(key, 0.0), r["best_gbps"])
+    return out
+
+
+def roofline_rates(rows) -> dict[str, tuple[float, str]]:
+    """The roofline per dtype: the best rate any backend's kernel streamed that dtype at, and which."""
+    out = {}
+    for (backend, dtype), v in rates(rows).items():
+        if v > out.get(dtype, (0.0, ""))[0]:
+            out[dtype] = (v, backend)
     return out
 
 
@@ -258,7 +293,8 @@ def child(args) -> dict:
                                   predictor_ms=cost.predictor_ms))
     B.parts = None
     mean = lambda key: statistics.fmean(p[key] for p in per_token)  # noqa: E731
-    return dict(config=args.config, backend=B.name, dtype=B.dtype_name, load_s=load_s, load=os.getloadavg()[0],
+    return dict(config=args.config, backend=B.name, dtype=B.dtype_name, kernels=B.kernels(), load_s=load_s,
+                load=os.getloadavg()[0],
                 autogroup_nice=autogroup_nice(),
                 threads=_torch_threads(), omp_wait_policy="spin" if "GOMP_SPINCOUNT" in os.environ else os.environ.get("OMP_WAIT_POLICY"),
                 parts={k: statistics.fmean(p["parts"][k] for p in per_token) for k in per_token[0]["parts"]},
@@ -305,7 +341,7 @@ def spread(values, fmt="{:.1f}") -> str:
 
 
 def report(meta, roof_rows, survey, runs) -> str:
-    roof = rates(roof_rows)
+    roof, best = rates(roof_rows), roofline_rates(roof_rows)
     lines = [f"# Compute vs the weight-streaming roofline: {meta['model']}", "",
              f"- machine: {meta['machine']}; load average at start {meta['load']:.1f}; torch {meta['torch']}",
              f"- command: `{meta['command']}`",
@@ -320,8 +356,10 @@ def report(meta, roof_rows, survey, runs) -> str:
         lines.append(f"| {key[0]} | {key[1]} | {key[2] or '-'} | " + " | ".join(
             f"{cells[s]['best_gbps']:.1f} (med {cells[s]['median_gbps']:.1f})" if s in cells else "-"
             for s in matrix_shapes(meta["spec"])) + " |")
-    lines += ["", "Roofline per backend and dtype (best of the above): " +
-              ", ".join(f"{b} {d} {v:.1f} GB/s" for (b, d), v in sorted(roof.items())), ""]
+    lines += ["", "Best per backend and dtype (of the above): " +
+              ", ".join(f"{b} {d} {v:.1f} GB/s" for (b, d), v in sorted(roof.items())) + ". **Roofline** per dtype "
+              "(the best any backend streamed; the runtime's shares and bounds below use it): " +
+              ", ".join(f"{d} {v:.1f} GB/s ({b})" for d, (v, b) in sorted(best.items())), ""]
     lines += bench_module("kernel_survey").tables(*survey)
     if runs:
         parts = list(runs[0]["parts"]) if runs else []
@@ -333,8 +371,9 @@ def report(meta, roof_rows, survey, runs) -> str:
             by.setdefault(r["config"], []).append(r)
         for config, rs in by.items():
             r0 = rs[0]
-            rate = roof.get((r0["backend"], r0["dtype"]))
+            rate = best.get(r0["dtype"], (None,))[0]
             who = f"{r0['backend']} {r0['dtype']} {r0['threads'] or '-'}" + \
+                (" native" if r0.get("kernels", "").startswith("native") else "") + \
                 (f" {r0['omp_wait_policy']}" if r0["omp_wait_policy"] not in (None, "PASSIVE") else "")
             for part in parts + ["compute (all parts)"]:
                 ms = [r["compute_ms"] if part.startswith("compute") else r["parts"][part] for r in rs]
@@ -376,7 +415,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-pos", type=int, default=0,
                    help="decode from this position on (after a 1-token prompt): the attention over a long context "
                         "without prefilling it (the keys between hold zeros; the cost is the same) (default: %(default)s)")
-    p.add_argument("--backends", nargs="+", default=["torch", "mlx"], help="roofline backends (default: %(default)s)")
+    p.add_argument("--backends", nargs="+", default=["torch", "native", "mlx"],
+                   help="roofline backends (default: %(default)s)")
     p.add_argument("--roofline-dtypes", nargs="+", default=["bfloat16", "float16", "float32", "int8", "int4"],
                    help="(default: %(default)s)")
     p.add_argument("--roofline-rounds", type=int, default=3, help="0: no roofline (default: %(default)s)")
@@ -412,12 +452,13 @@ def main(argv=None) -> int:
     print("roofline ...", file=sys.stderr)
     roof = roofline(spec, args.backends, args.roofline_dtypes, args.roofline_rounds) \
         if args.roofline_rounds and not args.survey_only else []
-    survey = ([], [])
+    survey = ([], [], [])
     if args.roofline_rounds or args.survey_only:
         rounds, llc = max(args.roofline_rounds, 1), llc_bytes()
         ks = bench_module("kernel_survey")
         survey = (ks.down_survey(spec, args.roofline_dtypes, rounds, llc),
-                  ks.attention_survey(spec, args.roofline_dtypes, rounds, llc, args.attention_keys))
+                  ks.attention_survey(spec, args.roofline_dtypes, rounds, llc, args.attention_keys),
+                  ks.ffn_survey(spec, args.roofline_dtypes, rounds, llc))
     runs = []
     for r in range(0 if args.survey_only else args.rounds):
         for config in args.configs:
@@ -426,7 +467,8 @@ def main(argv=None) -> int:
     text = report(meta, roof, survey, runs)
     if args.json:
         meta.pop("spec")
-        print(json.dumps(dict(meta=meta, roofline=roof, down_survey=survey[0], attention_survey=survey[1], runs=runs)))
+        print(json.dumps(dict(meta=meta, roofline=roof, down_survey=survey[0], attention_survey=survey[1],
+                              ffn_survey=survey[2], runs=runs)))
     else:
         print(text)
     if args.out:

@@ -2,6 +2,10 @@
 
 - down: the down projection over cached bundle rows (n = d_ffn / 2 rows, each a bundle of up|down
   or up|gate|down, so the down parts are strided), per formulation (torch_backend.DOWN_KERNEL).
+- ffn: one token's whole FFN over n = d_ffn / 2 cached bundle rows: the torch backend's path (up and gate
+  products, activation, the DOWN_KERNEL down projection) against the native one-pass kernel
+  (flashllm/backends/native: each row's gate and up dot products, activation, and its down row added
+  to a float32 sum), at 1 and 2 threads; GB/s of the rows streamed.
 - attention: one decode token's attention over S cached keys of every head: SDPA over the
   sequence-major cache of session 3 against the head-major cache's batched products
   (TorchBackend._decode_attention, what the runtime runs).
@@ -72,6 +76,49 @@ def down_survey(spec, dtypes, rounds: int, llc: int, parts: int = 2) -> list[dic
     return rows
 
 
+def ffn_survey(spec, dtypes, rounds: int, llc: int, threads=(1, 2)) -> list[dict]:
+    """One token's FFN over n = d_ffn / 2 bundle rows ([gate|]up|down, the cache's row stride) per path."""
+    import torch
+    import torch.nn.functional as F
+
+    from flashllm.backends import native
+    from flashllm.backends.torch_backend import DOWN_CHUNK, DOWN_KERNEL, chunked_down
+    from flashllm.backends.torch_native import NATIVE_DTYPES, NativeKernels
+
+    d, n, default_threads = spec.d_model, spec.d_ffn // 2, torch.get_num_threads()
+    names = ("gate", "up", "down") if spec.gated_ffn else ("up", "down")
+    lib, rows = native.library(), []
+    for dtype in [t for t in dtypes if t in ("float32", "float16", "bfloat16")]:
+        dt = getattr(torch, dtype)
+        nbytes = n * len(names) * d * dt.itemsize
+        mats = []
+        for _ in range(_copies(nbytes, llc)):
+            m = torch.randn(n, len(names) * d).to(dt) * d ** -0.5
+            mats.append({p: m[:, k * d:(k + 1) * d] for k, p in enumerate(names)})
+        x = torch.randn(1, d).to(dt)
+        chunk, acc = torch.empty(DOWN_CHUNK, d), torch.empty(d)
+
+        def torch_path(r):
+            up = F.linear(x, r["up"])
+            h = F.silu(F.linear(x, r["gate"])) * up if "gate" in r else F.silu(up)
+            if DOWN_KERNEL[dtype] == "chunked":
+                return chunked_down(h, r["down"], chunk, acc)
+            return torch.mv(r["down"].t(), h[0]) if DOWN_KERNEL[dtype] == "mv" else h @ r["down"]
+
+        for t in threads:
+            torch.set_num_threads(t)
+            cases = {"torch (session 5's path)": torch_path}
+            if lib is not None and dt in NATIVE_DTYPES:
+                kn, out = NativeKernels(lib, t), torch.zeros(1, d)
+                cases["native one pass"] = lambda r, kn=kn, out=out: kn.ffn(
+                    x, r, None, None, None, "silu", 0.0, None, None, out.zero_(), "gate" in r)
+            for name, fn in cases.items():
+                sec = _best(fn, mats, rounds)
+                rows.append(dict(dtype=dtype, threads=t, kernel=name, ms=sec * 1e3, best_gbps=nbytes / sec / GB))
+    torch.set_num_threads(default_threads)
+    return rows
+
+
 def attention_survey(spec, dtypes, rounds: int, llc: int, lengths=(256, 2048)) -> list[dict]:
     """One decode token's attention (all heads, one layer) over S keys per formulation."""
     import torch
@@ -104,11 +151,13 @@ def attention_survey(spec, dtypes, rounds: int, llc: int, lengths=(256, 2048)) -
     return rows
 
 
-def tables(down: list[dict], attention: list[dict]) -> list[str]:
-    """Markdown tables of both surveys (ms per call, GB/s of the operand streamed)."""
+def tables(down: list[dict], attention: list[dict], ffn: list[dict] = ()) -> list[str]:
+    """Markdown tables of the surveys (ms per call, GB/s of the operand streamed)."""
     lines = []
     for title, rows, key in (("Down projection over bundle rows (one token, n = d_ffn/2 rows with the bundle's "
                               "row stride)", down, lambda r: r["dtype"]),
+                             ("The FFN over cached bundle rows (one token, n = d_ffn/2 rows; GB/s of the rows)", ffn,
+                              lambda r: f"{r['dtype']}, {r['threads']} thread{'s' if r['threads'] > 1 else ''}"),
                              ("Decode attention, one layer, all heads (one token over S keys)", attention,
                               lambda r: f"{r['dtype']}, S={r['keys']}")):
         if not rows:

@@ -235,3 +235,21 @@ def test_build_is_cached_by_source_and_flags(monkeypatch, tmp_path):
     assert first.parent == tmp_path and native.build(portable=True) == first
     assert native.build() != first and len(list(tmp_path.glob("*.so"))) == 2
     assert not list(tmp_path.glob(".build-*"))  # no temporary files left
+
+
+@needs_native
+def test_compute_roofline_bench_lists_the_native_kernels(tiny_models, tmp_path):
+    """bench/compute_roofline.py: native mat-vec roofline rows, the FFN survey's one-pass kernel, and a native
+    run beside a torch one (FLASHLLM_NATIVE=0), shares against the best rate of any backend."""
+    from tiny import bench
+
+    out = tmp_path / "roof.md"
+    bench("compute_roofline").main([str(tiny_models("llama").model_dir), "--mode", "sparse", "--dtype", "float16",
+                                    "--configs", "torch-1t", "after-1t", "--rounds", "1", "--tokens", "2", "--warmup",
+                                    "1", "--backends", "torch", "native", "--roofline-dtypes", "float16",
+                                    "--roofline-rounds", "1", "--attention-keys", "16", "--out", str(out)])
+    text = out.read_text()
+    assert "| native | float16 | 1 | " in text and "| native | float16 | 2 | " in text
+    assert "native one pass" in text and "| float16, 2 threads | " in text
+    assert "| after-1t | torch float16 1 native | ffn |" in text and "| torch-1t | torch float16 1 | ffn |" in text
+    assert "**Roofline** per dtype" in text

@@ -130,9 +130,11 @@ class TorchBackend(Backend):
         return self.device.type == "cuda"
 
     def kernels(self) -> str:
+        served = "/".join(NATIVE_DTYPES.values())
         if self.native is None:
             return "torch" if self.device.type != "cpu" or not self.tuned else native.describe()
-        served = "/".join(NATIVE_DTYPES.values())
+        if self.dtype not in NATIVE_DTYPES:
+            return f"torch (the native kernels serve {served} compute)"
         return f"{native.describe()}: {served} decode mat-vecs and cache-row FFN; torch otherwise"
 
     def linear(self, x: torch.Tensor, w: torch.Tensor | QuantMatrix, b: torch.Tensor | None) -> torch.Tensor:

@@ -62,6 +62,7 @@ CONFIGS = {  # name -> (load options, extra environment)
     # session 5's kernels (torch only): the native kernels off (FLASHLLM_NATIVE=0)
     "torch-1t": (dict(kernels="tuned", compute_threads=1), {"FLASHLLM_NATIVE": "0"}),
     "torch-2t": (dict(kernels="tuned", compute_threads=2), {"FLASHLLM_NATIVE": "0"}),
+    "after-2t-noahead": (dict(kernels="tuned", compute_threads=2, prefetch=False), {}),  # sparse: no read-ahead
 }
 QUANT_GROUP = 64
 

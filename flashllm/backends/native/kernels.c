@@ -1,7 +1,8 @@
 /* flashllm's native CPU kernels for one decode token: a dense mat-vec and the sparse FFN over a neuron
  * cache's bundle rows in one pass. Weights are float16, bfloat16 or float32; every product is summed in
- * float32. Threads are this file's own small pthread pool (no second OpenMP runtime beside torch's), each
- * taking a contiguous range of output rows (mat-vec) or of cache rows (FFN, with its own accumulator).
+ * float32. Threads are this file's own small pthread pool (no second OpenMP runtime beside torch's), taking
+ * chunks of output rows (mat-vec) or of cache rows (FFN, each thread with its own float32 sum) from a shared
+ * counter, so that a thread the machine is slow to run leaves its share to the others.
  * Built on first use by flashllm/backends/native/__init__.py with the machine's C compiler; the x86 path
  * uses AVX2 + F16C + FMA when the compiler targets them (-march=native), every other machine the portable
  * C loops below (which the compiler may vectorize). */
@@ -212,81 +213,84 @@ static void axpy(int dt, float h, const void *w, float *acc, int64_t n) {
     for (; i < n; i++) acc[i] += h * load1(dt, w, i);
 }
 
-/* ---- the thread pool: run fn(arg, part, parts) for part = 0..parts-1, part 0 on the caller ---- */
-typedef void (*task_fn)(void *arg, int part, int parts);
+/* ---- the thread pool: a job is a count of chunks taken from a shared counter by the caller and by the
+ * workers that wake while it is open; the caller never waits for a worker that has not joined (on a busy
+ * machine a late worker simply finds no chunk left) ---- */
+typedef void (*chunk_fn)(void *arg, int64_t chunk, int slot);  /* slot 0: the caller; k: worker k */
 
 #define MAX_THREADS 64
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER;  /* one caller uses the workers at a time */
 static pthread_cond_t pool_start = PTHREAD_COND_INITIALIZER, pool_done = PTHREAD_COND_INITIALIZER;
-static int pool_workers;   /* started worker threads (worker k runs part k + 1) */
-static pid_t pool_pid;     /* the process the workers belong to (a forked child has none) */
-static long pool_gen;      /* incremented per job */
+static int pool_workers;       /* started worker threads, slots 1..pool_workers */
+static pid_t pool_pid;         /* the process the workers belong to (a forked child has none) */
+static long pool_gen;          /* incremented per job */
 static long start_gen[MAX_THREADS];  /* the generation a worker was started in: it waits for the next one */
-static int pool_parts, pool_pending;
-static task_fn pool_fn;
+static int pool_open, pool_active, pool_slots;
+static chunk_fn pool_fn;
 static void *pool_arg;
+static int64_t pool_chunks, pool_next;  /* pool_next: the next chunk, taken atomically */
+
+static void take_chunks(chunk_fn fn, void *arg, int64_t chunks, int slot) {
+    int64_t c;
+    while ((c = __atomic_fetch_add(&pool_next, 1, __ATOMIC_RELAXED)) < chunks) fn(arg, c, slot);
+}
 
 static void *worker(void *p) {
-    int part = (int)(intptr_t)p;
+    int slot = (int)(intptr_t)p;
     pthread_mutex_lock(&pool_mu);
-    long seen = start_gen[part];
+    long seen = start_gen[slot];
     for (;;) {
         while (pool_gen == seen) pthread_cond_wait(&pool_start, &pool_mu);
         seen = pool_gen;
-        if (part >= pool_parts) continue;
-        task_fn fn = pool_fn;
+        if (!pool_open || slot > pool_slots) continue;
+        pool_active++;
+        chunk_fn fn = pool_fn;
         void *arg = pool_arg;
-        int parts = pool_parts;
+        int64_t chunks = pool_chunks;
         pthread_mutex_unlock(&pool_mu);
-        fn(arg, part, parts);
+        take_chunks(fn, arg, chunks, slot);
         pthread_mutex_lock(&pool_mu);
-        if (--pool_pending == 0) pthread_cond_signal(&pool_done);
+        if (--pool_active == 0) pthread_cond_signal(&pool_done);
     }
     return NULL;
 }
 
-static void run_parts(task_fn fn, void *arg, int parts) {
-    if (parts > MAX_THREADS) parts = MAX_THREADS;
-    if (parts <= 1 || pthread_mutex_trylock(&pool_busy) != 0) {  /* one thread, or another caller holds the pool */
-        for (int k = 0; k < parts || k == 0; k++) fn(arg, k, parts < 1 ? 1 : parts);
+/* fn(arg, c, slot) for every chunk c < chunks, on up to `threads` threads; returns when all are done */
+static void run_chunks(chunk_fn fn, void *arg, int64_t chunks, int threads) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads <= 1 || chunks <= 1 || pthread_mutex_trylock(&pool_busy) != 0) {  /* or another caller has the pool */
+        for (int64_t c = 0; c < chunks; c++) fn(arg, c, 0);
         return;
     }
     pthread_mutex_lock(&pool_mu);
     if (pool_pid != getpid()) { pool_workers = 0; pool_pid = getpid(); }  /* after fork: start afresh */
-    while (pool_workers < parts - 1) {
+    while (pool_workers < threads - 1) {
         pthread_t t;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        start_gen[pool_workers + 1] = pool_gen;  /* the new worker takes part pool_workers + 1 from the next job */
-        if (pthread_create(&t, &attr, worker, (void *)(intptr_t)(pool_workers + 1)) != 0) {
-            pthread_attr_destroy(&attr);
-            break;
-        }
+        start_gen[pool_workers + 1] = pool_gen;  /* the new worker joins jobs from the next one on */
+        int failed = pthread_create(&t, &attr, worker, (void *)(intptr_t)(pool_workers + 1));
         pthread_attr_destroy(&attr);
+        if (failed) break;
         pool_workers++;
     }
-    if (parts > pool_workers + 1) parts = pool_workers + 1;
     pool_fn = fn;
     pool_arg = arg;
-    pool_parts = parts;
-    pool_pending = parts - 1;
+    pool_chunks = chunks;
+    __atomic_store_n(&pool_next, 0, __ATOMIC_RELAXED);
+    pool_slots = threads - 1;
+    pool_open = 1;
     pool_gen++;
     pthread_cond_broadcast(&pool_start);
     pthread_mutex_unlock(&pool_mu);
-    fn(arg, 0, parts);
+    take_chunks(fn, arg, chunks, 0);
     pthread_mutex_lock(&pool_mu);
-    while (pool_pending > 0) pthread_cond_wait(&pool_done, &pool_mu);
+    pool_open = 0;  /* no worker joins from now on; wait for those inside */
+    while (pool_active > 0) pthread_cond_wait(&pool_done, &pool_mu);
     pthread_mutex_unlock(&pool_mu);
     pthread_mutex_unlock(&pool_busy);
-}
-
-static inline void split(int64_t n, int part, int parts, int64_t align, int64_t *lo, int64_t *hi) {
-    int64_t per = (n + parts - 1) / parts;
-    per = (per + align - 1) / align * align;
-    *lo = per * part < n ? per * part : n;
-    *hi = per * (part + 1) < n ? per * (part + 1) : n;
 }
 
 /* ---- dense mat-vec: y[o] = round(sum_i w[o, i] x[i] + bias[o]) ---- */
@@ -299,13 +303,14 @@ typedef struct {
     void *y;
 } matvec_job;
 
-static void matvec_part(void *p, int part, int parts) {
+#define MATVEC_CHUNK 64  /* output rows per chunk */
+
+static void matvec_chunk(void *p, int64_t c, int slot) {
+    (void)slot;
     matvec_job *j = p;
-    int64_t lo, hi;
     size_t es = j->dt == DT_F32 ? 4 : 2;
-    split(j->rows, part, parts, 4, &lo, &hi);
+    int64_t o = c * MATVEC_CHUNK, hi = o + MATVEC_CHUNK < j->rows ? o + MATVEC_CHUNK : j->rows;
     float s[4];
-    int64_t o = lo;
     for (; o + 4 <= hi; o += 4) {
         dot4(j->dt, (const char *)j->w + o * j->ld * es, j->ld, j->x, j->cols, s);
         for (int k = 0; k < 4; k++)
@@ -330,10 +335,7 @@ int fl_matvec(int dt, const void *w, int64_t rows, int64_t cols, int64_t ld, con
     float *xf = as_f32(dt, x, cols);
     if (!xf) return -1;
     matvec_job j = {dt, w, rows, cols, ld, xf, bias, y};
-    int64_t per_thread = 1 << 16;  /* elements: small products run in one thread */
-    int parts = threads;
-    if ((rows * cols) / per_thread < parts) parts = (int)((rows * cols) / per_thread) + 1;
-    run_parts(matvec_part, &j, parts);
+    run_chunks(matvec_chunk, &j, (rows + MATVEC_CHUNK - 1) / MATVEC_CHUNK, rows * cols < (1 << 17) ? 1 : threads);
     free(xf);
     return 0;
 }
@@ -349,8 +351,9 @@ typedef struct {
     const void *up_bias, *gate_bias, *gate_pre;  /* per row (indexed by row), dtype dt, or NULL */
     int act, gated, has_threshold;
     float act_param, threshold;
-    float *acc;                    /* [d] accumulated into by part 0 */
-    float *scratch;                /* [parts - 1, d] zeros: the other parts' accumulators */
+    float *acc;                    /* [d] accumulated into by the caller's chunks */
+    float *scratch;                /* [threads - 1, d]: each worker's own sum */
+    char used[MAX_THREADS];        /* which workers' sums hold chunks */
 } ffn_job;
 
 static inline float activate(int act, float v, float param) {
@@ -380,13 +383,19 @@ static float hidden(const ffn_job *j, int64_t r) {
     return j->gated ? round_to(dt, a * u) : a;
 }
 
-static void ffn_part(void *p, int part, int parts) {
+#define FFN_CHUNK 16  /* cache rows per chunk */
+
+static void ffn_chunk(void *p, int64_t c, int slot) {
     ffn_job *j = p;
-    int64_t es = j->dt == DT_F32 ? 4 : 2, lo, hi;
-    split(j->n, part, parts, 1, &lo, &hi);
-    float *acc = part == 0 ? j->acc : j->scratch + (int64_t)(part - 1) * j->d;
+    int64_t es = j->dt == DT_F32 ? 4 : 2;
+    int64_t lo = c * FFN_CHUNK, hi = lo + FFN_CHUNK < j->n ? lo + FFN_CHUNK : j->n;
+    float *acc = slot == 0 ? j->acc : j->scratch + (int64_t)(slot - 1) * j->d;
+    if (slot && !j->used[slot]) {  /* a worker's own sum, zeroed when it takes its first chunk */
+        memset(acc, 0, (size_t)j->d * sizeof(float));
+        j->used[slot] = 1;
+    }
     const char *down = j->down;
-    int64_t pending = -1;  /* a row whose h is waiting for a partner, so that acc is passed once per two rows */
+    int64_t pending = -1;  /* a row whose h waits for a partner: acc is passed once per two rows */
     float hp = 0.0f;
     for (int64_t k = lo; k < hi; k++) {
         int64_t r = j->index ? j->index[k] : k;
@@ -411,16 +420,16 @@ int fl_ffn(int dt, const void *up, const void *gate, const void *down, int64_t l
            int act, float act_param, int has_threshold, float threshold, float *acc, int threads) {
     float *xf = as_f32(dt, x, d);
     if (!xf) return -1;
-    int parts = threads < 1 ? 1 : threads;
-    if (parts > MAX_THREADS) parts = MAX_THREADS;
-    if (n < 8 * parts) parts = (int)(n / 8) + 1;
-    float *scratch = parts > 1 ? calloc((size_t)(parts - 1) * (size_t)d, sizeof(float)) : NULL;
-    if (parts > 1 && !scratch) parts = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 1 || n < 2 * FFN_CHUNK) threads = 1;
+    float *scratch = threads > 1 ? malloc((size_t)(threads - 1) * (size_t)d * sizeof(float)) : NULL;
+    if (threads > 1 && !scratch) threads = 1;
     ffn_job j = {dt, up, gate, down, ld, d, index, n, xf, up_bias, gate_bias, gate_pre, act, gated,
-                 has_threshold, act_param, threshold, acc, scratch};
-    run_parts(ffn_part, &j, parts);
-    for (int p = 1; p < parts; p++)
-        for (int64_t i = 0; i < d; i++) acc[i] += scratch[(int64_t)(p - 1) * d + i];
+                 has_threshold, act_param, threshold, acc, scratch, {0}};
+    run_chunks(ffn_chunk, &j, (n + FFN_CHUNK - 1) / FFN_CHUNK, threads);
+    for (int t = 1; t < threads; t++)
+        if (j.used[t])
+            for (int64_t i = 0; i < d; i++) acc[i] += scratch[(int64_t)(t - 1) * d + i];
     free(scratch);
     free(xf);
     return 0;

@@ -279,9 +279,16 @@ def markdown(reps: list[dict]) -> str:
           f"{r0['model_bytes'] / GB:.2f} GB); {r0['fio_version']}"]
     for rep in reps:
         for name, r in rep["runs"].items():
-            if r.get("lookahead_recall_per_layer"):
-                L.append(f"- {rep['date']} {name}: lookahead recall per layer " + " ".join(
-                    "-" if x is None else f"{x:.2f}" for x in r["lookahead_recall_per_layer"]))
+            for key, what in (("lookahead_recall_per_layer", "lookahead recall"),
+                              ("lookahead_precision_per_layer", "lookahead precision"),
+                              ("read_ahead_share_per_layer", "share of the loaded neurons read ahead")):
+                if r.get(key):
+                    L.append(f"- {rep['date']} {name}: {what} per layer " + " ".join(
+                        "-" if x is None else f"{x:.2f}" for x in r[key]))
+            if r.get("read_ahead_cut") and r.get("lookahead_recall") not in (None, 1.0):
+                L.append(f"- {rep['date']} {name}: read-ahead cut per layer at the end (index into "
+                         "SparsePlan.AHEAD_CUTS, - paused) " + " ".join("-" if c is None else str(c)
+                                                                       for c in r["read_ahead_cut"]))
         for name, r in rep["runs"].items():
             if "error" not in r:
                 L.append(f"- {name}: fio mix `{r['fio']['bssplit']}` ({r['fio']['threads']} jobs, mean read "

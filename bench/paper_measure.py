@@ -169,7 +169,9 @@ def measure(run: dict) -> dict:
         out["read_sizes"] = {str(b): c / k for b, c in sorted(sizes.items())}
     if run["mode"] == "sparse":
         s = model.stats
-        out.update({key: s.get(key) for key in ("lookahead_recall", "lookahead_recall_per_layer", "neurons_prefetched",
+        out.update({key: s.get(key) for key in ("lookahead_recall", "lookahead_recall_per_layer",
+                                                 "lookahead_precision_per_layer", "read_ahead_share_per_layer",
+                                                 "read_ahead_cut", "neurons_prefetched",
                                                  "prefetch_unused", "prefetch_rows", "read_ahead")})
     out["rss_peak"] = _vm("VmHWM")
     out["cgroup"] = _own_memory_cgroup()

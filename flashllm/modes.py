@@ -503,6 +503,7 @@ class SparsePlan(StreamingPlan):
         if len(cost.lookahead_active) > layer:  # decode: the recall of the lookahead vs this prediction
             found = int(np.isin(active, predicted, assume_unique=True).sum())
             cost.lookahead_found[layer], cost.lookahead_active[layer] = found, len(active)
+            cost.lookahead_named[layer] = len(predicted)
         needed = np.zeros(levels.shape[1], dtype=bool)
         needed[active] = True
         named, right = levels.sum(axis=1), (levels & needed).sum(axis=1)
@@ -517,6 +518,8 @@ class SparsePlan(StreamingPlan):
         unused = len(ids) - int(needed[ids].sum())
         cost.prefetch_unused += unused
         cost.bytes_wasted += unused * self.lay.stride  # read ahead for nothing
+        if len(cost.ahead_used) > layer:
+            cost.ahead_used[layer] = len(ids) - unused
         return len(ids) - unused
 
     def _use_prefetch(self, layer: int, missing: np.ndarray, cost) -> np.ndarray:
@@ -534,6 +537,8 @@ class SparsePlan(StreamingPlan):
         cache.store.place(self.prefetch_buf, pos[hit], missing[hit], cache.free_rows(n), cost)
         cache.append(missing[hit])
         cost.prefetch_unused += len(ids) - n
+        if len(cost.ahead_used) > layer:
+            cost.ahead_used[layer] = n
         cost.bytes_wasted += (len(ids) - n) * self.lay.stride  # read ahead for nothing
         return missing[~hit]
 
@@ -612,8 +617,8 @@ class SparsePlan(StreamingPlan):
             # not fit is streamed through the cache rows like a prompt: exact, never dropped for batching)
             mask, scores = union(mask, scores)
             active = self._fit(layer, np.flatnonzero(mask), scores, cost)
-            cost.lookahead_found.append(0)
-            cost.lookahead_active.append(0)
+            for per_layer in (cost.lookahead_found, cost.lookahead_active, cost.lookahead_named, cost.ahead_used):
+                per_layer.append(0)
             cost.neurons_loaded.append(self._load(layer, active, self.window, cost, self.split and x.shape[0] == 1))
             self._lookahead(layer + 1, cost)  # in flight while this layer and the next attention compute
             y = self._compute_split(layer, x, pre, cost) if self._landing else \

@@ -96,18 +96,29 @@ class NeuronCache:
         return self._make_room(active, window, self.token)
 
     def reserve(self, guess: np.ndarray, window: int, keep: np.ndarray | None = None) -> np.ndarray:
-        """Before the next token's set is known: delete the rows that `evict` will delete if that set
-        is `guess` (a lookahead prediction) plus `keep` (neurons likely needed too, which stay cached but
-        are not read), without starting the token. Returns the neurons of `guess` not cached that fit the
-        free rows, sorted: a read may land them in `free_rows(len(ids))`, and `append` marks them held
-        once it has. `evict` then applies the window to the true set (a neuron guessed wrongly leaves at
-        once; one evicted here that the true set needs is read again)."""
-        marked = guess if keep is None else np.union1d(guess, keep)
-        before = self.last_active[marked]
-        self.last_active[marked] = self.token + 1
-        missing, _, _ = self._make_room(guess, window, self.token + 1)
-        self.last_active[marked] = before
-        return missing
+        """Before the next token's set is known: make room for the neurons of `guess` (a lookahead
+        prediction) that are not cached, in free rows and, where those are too few, in the rows of the
+        least recently active cached neurons that are in neither `guess` nor `keep` (neurons likely needed
+        too, not read) — as many as needed, no row moves. Returns those neurons that fit, sorted: a read
+        may land them in `free_rows(len(ids))`, and `append` marks them held once it has. `evict` then
+        applies the window to the true set (a wrong guess leaves at once; a neuron evicted here that the
+        true set needs is read again). An exact guess evicts only rows `evict` would, and never a row
+        of the window `evict` keeps then, so the cache keeps at least what it would without the guess."""
+        missing = np.sort(guess[self.row_of[guess] < 0])
+        h, n = self.pinned, self.num_used
+        short = len(missing) - (self.capacity - n) - len(self._free)
+        if short > 0:
+            ids = self.pointer[h:n]
+            taken = np.zeros(self.d_ffn, dtype=bool)
+            taken[guess] = True
+            if keep is not None:
+                taken[keep] = True
+            rows = h + np.flatnonzero((ids >= 0) & ~taken[np.maximum(ids, 0)])
+            oldest = rows[np.argsort(self.last_active[self.pointer[rows]], kind="stable")[:short]]
+            self.row_of[self.pointer[oldest]] = -1
+            self.pointer[oldest] = -1
+            self._free = np.sort(np.concatenate([self._free, oldest]))
+        return missing[:self.capacity - n + len(self._free)]
 
     def _make_room(self, active: np.ndarray, window: int, t: int) -> tuple[np.ndarray, int, int]:
         """`evict`'s work for token `t`, whose set `active` is marked in last_active already."""

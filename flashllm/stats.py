@@ -38,6 +38,8 @@ class TokenCost:
     neurons_dropped: int = 0  # predicted neurons left out because the cache could not hold them
     lookahead_found: list[int] = field(default_factory=list)  # per layer: predicted neurons the lookahead named
     lookahead_active: list[int] = field(default_factory=list)  # per layer: predicted neurons (layers with one)
+    lookahead_named: list[int] = field(default_factory=list)  # per layer: neurons the lookahead named
+    ahead_used: list[int] = field(default_factory=list)  # per layer: loaded neurons that were read ahead
     neurons_prefetched: int = 0  # bundles read ahead from the lookahead prediction
     prefetch_unused: int = 0  # ... of which the layer did not need
     predicted_mass: float = 0.0  # sum of the predictor's scores over the predicted neurons
@@ -107,6 +109,11 @@ def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None
         active = np.sum([c.lookahead_active for c in decode if c.lookahead_active], axis=0)
         out["lookahead_recall_per_layer"] = [float(f / a) if a else None for f, a in zip(found, active)]
         out["lookahead_recall"] = float(found.sum() / active.sum()) if active.sum() else None
+        named = np.sum([c.lookahead_named for c in decode if c.lookahead_active], axis=0)
+        out["lookahead_precision_per_layer"] = [float(f / m) if m else None for f, m in zip(found, named)]
+        used = np.sum([c.ahead_used for c in decode if c.lookahead_active], axis=0)
+        loaded = np.sum([c.neurons_loaded for c in decode if c.lookahead_active], axis=0)
+        out["read_ahead_share_per_layer"] = [float(u / m) if m else None for u, m in zip(used, loaded)]
         out["neurons_prefetched"] = sum(c.neurons_prefetched for c in decode) / n
         out["prefetch_unused"] = sum(c.prefetch_unused for c in decode) / n
     if any(c.experts_hit or c.experts_missed for c in costs):

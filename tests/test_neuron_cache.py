@@ -121,8 +121,8 @@ guessed = st.lists(st.tuples(st.sets(st.integers(0, D_FFN - 1), max_size=12),
 @given(guessed, st.integers(4, 40), st.booleans())
 def test_read_ahead_into_freed_rows_keeps_the_window(ffn_file, seq, capacity, exact):
     """Rows read ahead for a guessed set land in the rows `reserve` frees: a right guess leaves the
-    cache as if the set had been read when known; a wrong one costs reads, never a wrong row, and its
-    neurons leave the window at the next step."""
+    cache holding at least what it would had the set been read when known; a wrong one costs reads,
+    never a wrong row, and its neurons leave the window at the next step."""
     _, data, path = ffn_file
     ahead, plain = make_cache(ffn_file, capacity), make_cache(ffn_file, capacity)
     history = []
@@ -138,8 +138,8 @@ def test_read_ahead_into_freed_rows_keeps_the_window(ffn_file, seq, capacity, ex
             cached = set(ahead.pointer[:ahead.num_used].tolist())
             assert dropped == 0 and active <= cached <= set().union(*history[-window:])
             check_rows(ahead, data)
-            if exact:
-                assert cached == set(plain.pointer[:plain.num_used].tolist())
+            if exact:  # at least what it would hold had the set been read when known
+                assert cached >= set(plain.pointer[:plain.num_used].tolist())
 
 
 def test_failed_read_marks_nothing_loaded(ffn_file, tmp_path):
@@ -237,14 +237,14 @@ def test_reserve_keeps_the_neurons_it_is_told_to_keep(ffn_file):
     `keep` (likely needed, not read ahead) is not evicted for the guess; without `keep` it would be."""
     _, data, path = ffn_file
     with FlashReader(path, threads=2) as reader:
-        kept, plain = make_cache(ffn_file, 7), make_cache(ffn_file, 7)
+        kept, plain = make_cache(ffn_file, 6), make_cache(ffn_file, 6)
         for cache in (kept, plain):
             step(cache, reader, {0, 1, 2}, 2)
-            step(cache, reader, {3, 4, 5}, 2)  # window 2: 0, 1, 2 leave at the next step unless needed
+            step(cache, reader, {3, 4, 5}, 2)  # a full cache: 0, 1, 2 are the least recently active
         guess = np.array([6, 7, 8])
-        assert list(plain.reserve(guess, 2)) == [6, 7, 8] and plain.row_of[2] < 0
+        assert list(plain.reserve(guess, 2)) == [6, 7, 8] and (plain.row_of[[0, 1, 2]] < 0).all()
         assert list(kept.reserve(guess, 2, keep=np.array([2, 30]))) == [6, 7, 8] and kept.row_of[2] >= 0
-        assert kept.row_of[30] < 0 and (kept.row_of[[0, 1]] < 0).all()  # kept, not read; the others leave
+        assert kept.row_of[30] < 0 and (kept.row_of[[0, 1, 3]] < 0).all()  # kept, not read; the oldest others leave
         for cache in (kept, plain):  # the reads land; the cache stays whole
             read_ahead_rows = cache.free_rows(3)
             layout = cache.store.layout

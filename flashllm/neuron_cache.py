@@ -56,6 +56,7 @@ class NeuronCache:
         self.pinned = 0  # rows [:pinned] hold pinned neurons (never evicted)
         self.num_used = 0
         self.token = -1
+        self.tight = False  # the last token's window shrank: its sets did not fit the rows
         self._free = np.empty(0, dtype=np.int64)  # rows below num_used emptied by eviction, to be refilled
 
     def reset(self) -> None:
@@ -66,7 +67,7 @@ class NeuronCache:
         self.pointer[h:] = -1
         self._free = self._free[:0]
         self.last_active[:] = NEVER
-        self.num_used, self.token = h, -1
+        self.num_used, self.token, self.tight = h, -1, False
 
     def pin(self, ids: np.ndarray, read, cost=None):
         """Read neurons `ids` (most valuable first) into rows 0.. and hold them until `unpin` (once, before
@@ -97,27 +98,34 @@ class NeuronCache:
 
     def reserve(self, guess: np.ndarray, window: int, keep: np.ndarray | None = None) -> np.ndarray:
         """Before the next token's set is known: make room for the neurons of `guess` (a lookahead
-        prediction) that are not cached, in free rows and, where those are too few, in the rows of the
-        least recently active cached neurons that are in neither `guess` nor `keep` (neurons likely needed
-        too, not read) — as many as needed, no row moves. Returns those neurons that fit, sorted: a read
+        prediction) that are not cached, in the rows of cached neurons outside the window that are in
+        neither `guess` nor `keep` (neurons likely needed too, not read), least recently active first,
+        then in free rows, then, where those are too few, in more such rows — as many as needed, no row
+        moves; where the last token's window had to shrink (`tight`), all of them in such rows. Returns those neurons that fit, sorted: a read
         may land them in `free_rows(len(ids))`, and `append` marks them held once it has. `evict` then
         applies the window to the true set (a wrong guess leaves at once; a neuron evicted here that the
-        true set needs is read again). An exact guess evicts only rows `evict` would, and never a row
-        of the window `evict` keeps then, so the cache keeps at least what it would without the guess."""
+        true set needs is read again). Unless `tight`, an exact guess evicts only rows `evict` would, and
+        never a row of the window `evict` keeps then, so the cache keeps at least what it would without it."""
         missing = np.sort(guess[self.row_of[guess] < 0])
         h, n = self.pinned, self.num_used
-        short = len(missing) - (self.capacity - n) - len(self._free)
-        if short > 0:
-            ids = self.pointer[h:n]
-            taken = np.zeros(self.d_ffn, dtype=bool)
-            taken[guess] = True
-            if keep is not None:
-                taken[keep] = True
-            rows = h + np.flatnonzero((ids >= 0) & ~taken[np.maximum(ids, 0)])
-            oldest = rows[np.argsort(self.last_active[self.pointer[rows]], kind="stable")[:short]]
-            self.row_of[self.pointer[oldest]] = -1
-            self.pointer[oldest] = -1
-            self._free = np.sort(np.concatenate([self._free, oldest]))
+        ids = self.pointer[h:n]
+        taken = np.zeros(self.d_ffn, dtype=bool)
+        taken[guess] = True
+        if keep is not None:
+            taken[keep] = True
+        rows = h + np.flatnonzero((ids >= 0) & ~taken[np.maximum(ids, 0)])
+        rows = rows[np.argsort(self.last_active[self.pointer[rows]], kind="stable")]  # least recently active first
+        # rows outside the window (evict frees them unless the true set needs them) before the free rows at
+        # the end (new rows there leave live rows beyond the cache's next end: `evict` would move them), and
+        # more only where the cache is short of rows
+        stale = int((self.last_active[self.pointer[rows]] <= self.token + 1 - window).sum())
+        if self.tight:  # the last token's sets overflowed the window: it will shrink, so take such rows for all
+            stale = len(rows)
+        count = max(min(stale, len(missing)), len(missing) - (self.capacity - n) - len(self._free))
+        oldest = rows[:count]
+        self.row_of[self.pointer[oldest]] = -1
+        self.pointer[oldest] = -1
+        self._free = np.sort(np.concatenate([self._free, oldest]))
         return missing[:self.capacity - n + len(self._free)]
 
     def _make_room(self, active: np.ndarray, window: int, t: int) -> tuple[np.ndarray, int, int]:
@@ -152,6 +160,7 @@ class NeuronCache:
             self.row_of[self.pointer[dst]] = dst
             self.pointer[movers] = -1
         self.num_used, self._free = min(n, end), holes
+        self.tight = k < window
         return missing, k, dropped
 
     def insert(self, ids: np.ndarray, read, cost=None):

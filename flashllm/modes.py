@@ -342,7 +342,7 @@ class SparsePlan(StreamingPlan):
         for i, capacity in enumerate(self.capacities):
             b = ctx.biases(i)
             store = B.row_store(capacity, lay, {p: b[p] for p in ("up", "gate") if p in lay.parts})
-            self.caches.append(NeuronCache(capacity, lay.d_ffn, store))
+            self.caches.append(NeuronCache(capacity, lay.d_ffn, store, compact=not B.ffn_index_in_place()))
         self._pin_hot()
 
     def _pin_hot(self) -> None:
@@ -577,13 +577,15 @@ class SparsePlan(StreamingPlan):
     def _compute(self, layer: int, x, n: int, with_down_bias: bool, pre=None, first: int = 0):
         """The FFN over cache rows first..n-1 (the down bias once, in the part that has it); `pre`: the
         resident gate's pre-activations of every neuron."""
-        rows, bias = self.caches[layer].store.views(n)
+        cache = self.caches[layer]
+        rows, bias = cache.store.views(n)
         if first:
             rows, bias = {k: v[first:] for k, v in rows.items()}, {k: v[first:] for k, v in bias.items()}
         down_b = self.ctx.biases(layer)["down"] if with_down_bias else None
-        gate_pre = None if pre is None else self.backend.columns(pre, self.caches[layer].pointer[first:n])
+        index = None if first or n != cache.num_used else cache.held_rows()  # rows emptied and not refilled
+        gate_pre = None if pre is None else self.backend.columns(pre, np.maximum(cache.pointer[first:n], 0))
         return self.backend.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b, self.ffn_thresholds[layer],
-                                gate_pre=gate_pre)
+                                gate_pre=gate_pre, index=index)
 
     def _compute_split(self, layer: int, x, pre, cost):
         """The FFN over the cache rows while the layer's missing rows are read into the others (`_load`
@@ -594,7 +596,7 @@ class SparsePlan(StreamingPlan):
         cache, B = self.caches[layer], self.backend
         n = max(cache.num_used, int(rows.max()) + 1)
         held = np.flatnonzero(cache.pointer[:n] >= 0)
-        neurons = cache.pointer[:n].copy()
+        neurons = np.maximum(cache.pointer[:n], 0)  # (rows left empty are not computed)
         neurons[rows] = ids
         views, bias = cache.store.views(n)
         gate_pre = None if pre is None else B.columns(pre, neurons)
@@ -623,7 +625,7 @@ class SparsePlan(StreamingPlan):
             self._lookahead(layer + 1, cost)  # in flight while this layer and the next attention compute
             y = self._compute_split(layer, x, pre, cost) if self._landing else \
                 self._compute(layer, x, self.caches[layer].num_used, True, pre)
-            cost.neurons_cached.append(self.caches[layer].num_used)
+            cost.neurons_cached.append(self.caches[layer].held())
             self._poll()
             return y
         return self._prefill(layer, x, mask, scores, cost, pre)
@@ -661,7 +663,7 @@ class SparsePlan(StreamingPlan):
             loaded += self._load(layer, np.sort(active), self.window, cost)
         cost.neurons_streamed.append(len(ids))
         cost.neurons_loaded.append(loaded)
-        cost.neurons_cached.append(cache.num_used)
+        cost.neurons_cached.append(cache.held())
         if y is None:  # nothing predicted active: only the bias remains
             y = B.zeros_like(x)
             down_b = self.ctx.biases(layer)["down"]

@@ -48,8 +48,10 @@ def pinned_rows(freq: np.ndarray, capacity: int, window: int) -> int:
     return int(np.argmin(misses)) if np.isfinite(misses).any() else 0
 
 class NeuronCache:
-    def __init__(self, capacity: int, d_ffn: int, store):
-        self.capacity, self.d_ffn, self.store = capacity, d_ffn, store
+    def __init__(self, capacity: int, d_ffn: int, store, compact: bool = True):
+        """`compact` False: rows emptied by eviction stay empty until refilled, and no row moves; for a
+        backend that computes the held rows by index (`held_rows`) instead of rows :num_used."""
+        self.capacity, self.d_ffn, self.store, self.compact = capacity, d_ffn, store, compact
         self.pointer = np.full(capacity, -1, dtype=np.int64)  # neuron id held by each row
         self.row_of = np.full(d_ffn, -1, dtype=np.int64)  # row holding each neuron, -1 if absent
         self.last_active = np.full(d_ffn, NEVER, dtype=np.int64)  # last token each neuron was active
@@ -150,6 +152,10 @@ class NeuronCache:
         end = h + n_keep + len(missing)
         self.row_of[cached[held & ~keep]] = -1
         self.pointer[h + np.flatnonzero(~keep)] = -1
+        self.tight = k < window
+        if not self.compact:  # the emptied rows are refilled first, then rows from num_used on
+            self._free = h + np.flatnonzero(~keep)
+            return missing, k, dropped
         holes = h + np.flatnonzero(~keep[:end - h])
         movers = h + np.flatnonzero(keep)
         movers = movers[movers >= end]
@@ -160,7 +166,6 @@ class NeuronCache:
             self.row_of[self.pointer[dst]] = dst
             self.pointer[movers] = -1
         self.num_used, self._free = min(n, end), holes
-        self.tight = k < window
         return missing, k, dropped
 
     def insert(self, ids: np.ndarray, read, cost=None):
@@ -178,6 +183,14 @@ class NeuronCache:
         refilled = min(len(ids), len(self._free))
         self._free = self._free[refilled:]
         self.num_used += len(ids) - refilled
+
+    def held(self) -> int:
+        """Neurons held (rows :num_used less the emptied ones not refilled yet)."""
+        return self.num_used - len(self._free)
+
+    def held_rows(self) -> np.ndarray | None:
+        """The rows below num_used that hold a neuron, or None when they all do."""
+        return np.flatnonzero(self.pointer[:self.num_used] >= 0) if len(self._free) else None
 
     def free_rows(self, count: int) -> np.ndarray:
         """The rows that the next `count` appended neurons will occupy: rows the last eviction emptied

@@ -24,12 +24,16 @@ def ffn_file(tmp_path_factory):
     return layout, data, path
 
 
-def make_cache(ffn_file, capacity, dtype=None):
+def make_cache(ffn_file, capacity, dtype=None, compact=True):
     layout, _, _ = ffn_file
     spec = ArchSpec("test", 16, D, 1, 1, 1, D, D_FFN, 8)
     backend = TorchBackend(spec, "cpu", dtype, "float32", 8)
     up_bias = torch.arange(D_FFN, dtype=backend.dtype)
-    return NeuronCache(capacity, D_FFN, backend.row_store(capacity, layout, {"up": up_bias}))
+    return NeuronCache(capacity, D_FFN, backend.row_store(capacity, layout, {"up": up_bias}), compact)
+
+
+def held_ids(cache) -> set:
+    return set(cache.pointer[:cache.num_used].tolist()) - {-1}
 
 
 def step(cache, reader, active, window):
@@ -41,12 +45,18 @@ def step(cache, reader, active, window):
 
 
 def check_rows(cache, data):
+    """The held rows hold their neurons' bundles and biases (all rows :num_used, or, `compact` False,
+    those not emptied)."""
     n = cache.num_used
     rows, bias = cache.store.views(n)
-    ids = cache.pointer[:n]
-    assert len(set(ids.tolist())) == n and (ids >= 0).all()
-    assert (cache.row_of[ids] == np.arange(n)).all()
-    assert (cache.row_of >= 0).sum() == n
+    at = cache.held_rows()
+    at = np.arange(n) if at is None else at
+    assert cache.compact or len(at) == cache.held()
+    rows, bias = {k: v[at] for k, v in rows.items()}, {k: v[at] for k, v in bias.items()}
+    ids = cache.pointer[at]
+    assert len(set(ids.tolist())) == len(at) and (ids >= 0).all()
+    assert (cache.row_of[ids] == at).all()
+    assert (cache.row_of >= 0).sum() == len(at)
     np.testing.assert_array_equal(rows["up"].float().numpy(), data[ids, :D])
     np.testing.assert_array_equal(rows["down"].float().numpy(), data[ids, D:])
     np.testing.assert_array_equal(bias["up"].float().numpy(), ids.astype(np.float32))
@@ -77,17 +87,17 @@ def test_cache_holds_exactly_the_window_union(ffn_file, seq):
 
 
 @settings(max_examples=60, deadline=None)
-@given(tokens, st.integers(4, 20), st.sampled_from([None, "bfloat16"]))
-def test_small_cache_shrinks_the_window(ffn_file, seq, capacity, dtype):
+@given(tokens, st.integers(4, 20), st.sampled_from([None, "bfloat16"]), st.booleans())
+def test_small_cache_shrinks_the_window(ffn_file, seq, capacity, dtype, compact):
     _, data, path = ffn_file
-    cache = make_cache(ffn_file, capacity, dtype)
+    cache = make_cache(ffn_file, capacity, dtype, compact)
     history, held = [], set()
     with FlashReader(path, threads=2) as reader:
         for active, window in seq:
             history.append(active)
             k, dropped = step(cache, reader, active, window)
-            cached = set(cache.pointer[:cache.num_used].tolist())
-            assert cache.num_used <= capacity and 1 <= k <= window
+            cached = held_ids(cache)
+            assert cache.num_used <= capacity and 1 <= k <= window and cache.held() == len(cached)
             assert dropped == max(0, len(active) - capacity)
             if not dropped:
                 held = (held | active) & set().union(*history[-k:])
@@ -97,7 +107,8 @@ def test_small_cache_shrinks_the_window(ffn_file, seq, capacity, dtype):
                 check_rows(cache, data)
             else:  # staged and converted rows: compare in the compute dtype
                 rows, _ = cache.store.views(cache.num_used)
-                ids = cache.pointer[:cache.num_used]
+                at = np.flatnonzero(cache.pointer[:cache.num_used] >= 0)
+                rows, ids = {k: v[at] for k, v in rows.items()}, cache.pointer[at]
                 ref = torch.from_numpy(data[ids, :D]).to(torch.bfloat16)
                 assert torch.equal(rows["up"], ref)
 
@@ -118,14 +129,14 @@ guessed = st.lists(st.tuples(st.sets(st.integers(0, D_FFN - 1), max_size=12),
 
 
 @settings(max_examples=60, deadline=None)
-@given(guessed, st.integers(4, 40), st.booleans())
-def test_read_ahead_into_freed_rows_keeps_the_window(ffn_file, seq, capacity, exact):
+@given(guessed, st.integers(4, 40), st.booleans(), st.booleans())
+def test_read_ahead_into_freed_rows_keeps_the_window(ffn_file, seq, capacity, exact, compact):
     """Rows read ahead for a guessed set land in the rows `reserve` frees: a right guess leaves the
     cache holding at least what it would had the set been read when known (unless the window had to
     shrink the step before); a wrong one costs reads,
     never a wrong row, and its neurons leave the window at the next step."""
     _, data, path = ffn_file
-    ahead, plain = make_cache(ffn_file, capacity), make_cache(ffn_file, capacity)
+    ahead, plain = make_cache(ffn_file, capacity, compact=compact), make_cache(ffn_file, capacity, compact=compact)
     history = []
     with FlashReader(path, threads=2) as reader:
         for guess, active, window in seq:
@@ -137,11 +148,11 @@ def test_read_ahead_into_freed_rows_keeps_the_window(ffn_file, seq, capacity, ex
             assert set(read.tolist()) <= guess and ahead.num_used <= capacity
             k, dropped = step(ahead, reader, active, window)
             step(plain, reader, active, window)
-            cached = set(ahead.pointer[:ahead.num_used].tolist())
+            cached = held_ids(ahead)
             assert dropped == 0 and active <= cached <= set().union(*history[-window:])
             check_rows(ahead, data)
             if exact and not tight:  # at least what it would hold had the set been read when known
-                assert cached >= set(plain.pointer[:plain.num_used].tolist())
+                assert cached >= held_ids(plain)
 
 
 def test_failed_read_marks_nothing_loaded(ffn_file, tmp_path):

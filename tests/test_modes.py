@@ -305,7 +305,9 @@ def test_overlap_inside_a_layer_changes_only_the_summation_order(tiny_models, tm
     (a, calls_split, stats), (b, calls_one, _) = runs[True], runs[False]
     assert calls_split > calls_one  # two kernel calls for a layer with reads
     assert stats["neurons_dropped"] == 0 and sum(stats["neurons_loaded_per_layer"]) > 0
-    np.testing.assert_allclose(a, b, atol=2e-3, rtol=2e-3)
+    # each layer's float32 sum is rounded to float16: an order difference may flip its last bit, and
+    # 40 tokens of layers carry that on (the two-call sum itself: tests/test_native.py)
+    np.testing.assert_allclose(a, b, atol=1e-2, rtol=1e-2)
     np.testing.assert_allclose(a, dense, atol=2e-2, rtol=2e-2)
     assert not flashllm.load(out, mode="sparse", predictor="oracle", prefetch=False).plan.split  # no overlap
     assert not flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle").plan.split  # float32: torch copies

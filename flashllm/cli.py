@@ -14,6 +14,10 @@ from pathlib import Path
 from . import __version__
 from .errors import FlashLLMError
 
+# what backends.base.default_compute_dtype picks when --dtype is not given
+DEFAULT_DTYPE_HELP = ("the storage dtype; bfloat16 on torch CPU for int8/int4 FFN bundles with float16 resident "
+                      "tensors; float32 for float16 files on MLX's CPU build")
+
 
 class _HelpFormatter(argparse.HelpFormatter):
     """Every option's help ends with its default, unless its text already states one; a required option
@@ -102,7 +106,7 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--device", default=d.device,
                    help="cpu, cuda or gpu (default: torch cpu, mlx Metal where present)")
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype,
-                   help="compute dtype (default: the storage dtype; float32 for float16 files on a CPU)")
+                   help=f"compute dtype (default: {DEFAULT_DTYPE_HELP})")
     g.add_argument("--mode", default=d.mode, choices=list(PLANS), help="how layer weights are obtained: " + "; ".join(
         f"{name}: {cls.summary}" for name, cls in PLANS.items())
         + " (default: %(default)s)")
@@ -249,6 +253,9 @@ def cmd_generate(args) -> None:
 
     prompt = read_prompt(args)
     model = load(args.model_dir, load_options(args))
+    if args.context and args.context > model.context:
+        print(f"flashllm: warning: --context {args.context}: the model has {model.context} positions; the KV cache "
+              f"holds {model.context}", file=sys.stderr)
     pieces = model.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_p=args.top_p, seed=args.seed, stop=args.stop)
     if args.json:
@@ -260,8 +267,10 @@ def cmd_generate(args) -> None:
         print(piece, end="", flush=True)
     print()
     if model.last_stop_reason == "context":
-        print(f"flashllm: note: generation stopped at the end of the context ({model.context} tokens); "
-              f"load with a larger --context to continue further", file=sys.stderr)
+        further = "the model has no more positions" if model.context >= model.spec.context_limit else \
+            "load with a larger --context to continue further"
+        print(f"flashllm: note: generation stopped at the end of the context ({model.context} tokens); {further}",
+              file=sys.stderr)
     if args.stats:
         print(format_stats(model.stats), file=sys.stderr)
 
@@ -399,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="convert the embedded small model and run it at half its size",
                        description="Convert the embedded small ReLU model (into $FLASHLLM_CACHE or "
-                       "~/.cache/flashllm), generate in sparse mode at a DRAM budget of 50%% of the model, "
+                       "~/.cache/flashllm), generate in sparse mode at a DRAM budget of 50% of the model, "
                        "and compare bytes read and latency per token with naive mode.")
     d.add_argument("--max-new-tokens", type=_count, default=48, help="tokens to generate in sparse mode "
                    "(default: %(default)s)")

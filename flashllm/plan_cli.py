@@ -46,7 +46,7 @@ def add_parsers(sub) -> None:
                        "PATH, DRAM copy and cast bandwidth, matvec throughput per compute dtype, and the "
                        "runtime's fixed cost per layer. Cached per machine (and per disk); --refresh measures again.")
     p.add_argument("path", nargs="?", default=".", help="a file or directory on the disk to profile "
-                   "(a model directory)")
+                   "(a model directory) (default: the current directory)")
     p.add_argument("--backend", default="torch", choices=["torch"], help="compute backend profiled")
     p.add_argument("--device", default="cpu", help="compute device profiled")
     p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import socket
 import sys
 import time
 import uuid
@@ -300,18 +301,33 @@ def _require():
     return anyio
 
 
-def run(server: Server, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") -> None:
-    """Serve until interrupted (Ctrl-C stops uvicorn cleanly)."""
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port, opened before the model loads: a port in use or a bad address is
+    a one-line error at once, not uvicorn's log after the load."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except (OSError, OverflowError) as exc:
+        raise FlashLLMError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def run(server: Server, sock: socket.socket, log_level: str = "info") -> None:
+    """Serve on the listening socket until interrupted (Ctrl-C stops uvicorn cleanly)."""
     import uvicorn
 
-    app = create_app(server)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
-    server.queue.close()
+    config = uvicorn.Config(create_app(server), log_level=log_level, timeout_graceful_shutdown=2)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+        server.queue.close()
 
 
 def add_parser(sub) -> None:
     """The `flashllm serve` subcommand."""
-    from .cli import add_load_options, add_model_dir
+    from .cli import _checked, _count, _positive, add_load_options, add_model_dir
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Load MODEL once and answer POST /v1/chat/completions, POST /v1/completions "
@@ -319,14 +335,15 @@ def add_parser(sub) -> None:
                        "One request decodes at a time; others wait in a bounded queue (503 when full).")
     add_model_dir(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback unless you open it up)")
-    s.add_argument("--port", type=int, default=8080, help="TCP port")
+    s.add_argument("--port", type=_checked(int, lambda v: 0 <= v <= 65535, "a TCP port, 0-65535"), default=8080,
+                   help="TCP port (0: any free one, printed at start)")
     s.add_argument("--api-key", default=os.environ.get("FLASHLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every request (default: $FLASHLLM_API_KEY, else none)")
     s.add_argument("--model-name", help="the model id clients send (default: the model directory's name)")
     s.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file, or 'plain' (role-prefixed "
                    "turns, for base models) (default: the checkpoint's own; without one, only /v1/completions)")
-    s.add_argument("--max-queue", type=int, default=8, help="requests that may wait while one decodes")
-    s.add_argument("--max-body", type=int, default=MAX_BODY_BYTES, help="largest request body in bytes")
+    s.add_argument("--max-queue", type=_count, default=8, help="requests that may wait while one decodes")
+    s.add_argument("--max-body", type=_positive, default=MAX_BODY_BYTES, help="largest request body in bytes")
     add_load_options(s, skip=("batch_size",))  # requests decode one at a time
     s.set_defaults(func=_cmd_serve)
 
@@ -336,11 +353,14 @@ def _cmd_serve(args) -> None:
     from .cli import load_options
 
     _require()
-    if args.max_queue < 0:
-        raise FlashLLMError(f"--max-queue {args.max_queue}: must be 0 or more")
-    server = Server(load(args.model_dir, load_options(args)), args.model_name, args.max_queue, args.api_key,
-                    args.chat_template, args.max_body)
+    sock = listen(args.host, args.port)
+    try:
+        server = Server(load(args.model_dir, load_options(args)), args.model_name, args.max_queue, args.api_key,
+                        args.chat_template, args.max_body)
+    except BaseException:
+        sock.close()
+        raise
     print(f"flashllm serve: {server.name} ({server.model.mode} mode, context {server.model.context}, chat template: "
-          f"{server.template.origin if server.template else 'none'}) on http://{args.host}:{args.port}/v1 "
+          f"{server.template.origin if server.template else 'none'}) on http://{args.host}:{sock.getsockname()[1]}/v1 "
           f"(one decode at a time, {args.max_queue} may wait)", file=sys.stderr, flush=True)
-    run(server, args.host, args.port)
+    run(server, sock)

@@ -56,7 +56,7 @@ def _dtypes(text: str) -> list[str]:
 
 def add_parsers(sub) -> None:
     """Add `train` and `eval` to the subparsers of `flashllm predictors`."""
-    from flashllm.cli import add_load_options, add_model_dir
+    from flashllm.cli import DEFAULT_DTYPE_HELP, add_load_options, add_model_dir
 
     from .train import DEFAULT_MAX_TOKENS, RANK_LADDER, TrainSettings
 
@@ -93,8 +93,7 @@ def add_parsers(sub) -> None:
     t.add_argument("--low-memory", action="store_true",
                    help="collect in naive mode: only one layer's weights in DRAM at a time (large models)")
     t.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="compute dtype of the calibration pass (default: as flashllm.load: the storage dtype; "
-                   "float32 for float16 files on a CPU)")
+                   help=f"compute dtype of the calibration pass (default: as flashllm.load: {DEFAULT_DTYPE_HELP})")
     t.add_argument("--device", default="cpu", help="cpu or cuda (calibration pass and training)")
     t.add_argument("--workdir", default=None, help="directory for the temporary shards (default $FLASHLLM_TMPDIR "
                    "or the system temp dir)")
@@ -123,8 +122,7 @@ def add_parsers(sub) -> None:
     o.add_argument("--low-memory", action="store_true",
                    help="collect in naive mode: only one layer's weights in DRAM at a time (large models)")
     o.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="compute dtype of the calibration pass (default: as flashllm.load: the storage dtype; "
-                   "float32 for float16 files on a CPU)")
+                   help=f"compute dtype of the calibration pass (default: as flashllm.load: {DEFAULT_DTYPE_HELP})")
     o.add_argument("--device", default="cpu", help="cpu or cuda")
     o.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     o.add_argument("--json", action="store_true", help="print the manifest's new neuron_order entry as JSON")

@@ -48,6 +48,7 @@ def test_help_states_every_default_and_describes_every_argument():
     """In every subcommand's --help: a line of help for each argument (MODEL_DIR included), the default of
     each option, and "(required)" rather than "default: none" for a required one."""
     for parser in all_parsers(build_parser()):
+        assert "%%" not in parser.format_help(), parser.prog  # a description is not %-formatted: write 50%
         formatter = parser._get_formatter()
         for action in parser._actions:
             where = (parser.prog, action.option_strings or action.dest)
@@ -105,6 +106,19 @@ def test_context_end_is_reported(capsys, flash):
     code, out, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--context", context,
                              "--max-new-tokens", 50)
     assert code == 0 and "end of the context" in err and f"{context} tokens" in err and "--context" in err
+
+
+def test_a_context_beyond_the_model_is_stated_and_the_end_note_does_not_ask_for_more(capsys, flash):
+    """--context above the model's positions is capped with a warning; at the model's own end the note does not
+    suggest a larger --context."""
+    limit = flashllm.load(flash).spec.context_limit
+    code, out, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--context", limit * 4,
+                             "--max-new-tokens", limit * 2)
+    lines = err.strip().splitlines()
+    assert code == 0 and len(lines) == 2, err
+    assert lines[0] == (f"flashllm: warning: --context {limit * 4}: the model has {limit} positions; the KV cache "
+                        f"holds {limit}")
+    assert f"end of the context ({limit} tokens)" in lines[1] and "--context" not in lines[1], err
 
 
 def test_prompt_from_file_and_stdin(capsys, flash, tmp_path, monkeypatch):

@@ -349,3 +349,50 @@ def test_a_bug_answers_a_json_500_and_the_server_goes_on(model_dir, capfd):
         assert running.client().completions.create(model="tiny", prompt="the", max_tokens=2).choices[0].text
     finally:
         running.stop()
+
+
+def test_the_serve_command_listens_where_it_says_and_stops_on_ctrl_c(model_dir):
+    """`flashllm serve --port 0` binds a free port before loading, names it in its first line, answers there,
+    and a Ctrl-C ends it with status 0."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from flashllm.cli import main; sys.exit(main())",
+                             "serve", str(model_dir), "--port", "0"], stderr=subprocess.PIPE, text=True)
+    try:
+        banner = proc.stderr.readline()
+        port = int(re.search(r"on http://127\.0\.0\.1:(\d+)/v1", banner).group(1))
+        assert port > 0, banner
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+                conn.request("GET", "/health")
+                health = json.loads(conn.getresponse().read())
+                conn.close()
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline, "the server did not answer"
+                time.sleep(0.05)
+        assert health["status"] == "ok" and health["model"] == model_dir.name
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.stderr.close()
+
+
+def test_a_port_in_use_is_a_one_line_error_before_the_model_loads(tmp_path, capsys):
+    from flashllm.cli import main
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        capsys.readouterr()
+        # the model directory does not exist: the port is checked first, so that is not what is reported
+        assert main(["serve", str(tmp_path / "no-model"), "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"flashllm: error: cannot listen on 127.0.0.1:{port}: ") and err.count("\n") == 1, err
+    assert "in use" in err, err

@@ -199,6 +199,7 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
     nbudget = _budget_bytes(budget, manifest)
     ids = sample_ids(model_dir, data, CALIBRATE_PREFILL + CALIBRATE_WARMUP + calibrate_tokens) if calibrate_tokens else None
     options, notes, reference, defaults, noise, needs = [], [], [], None, 0.0, []
+    dropping = False  # sparse mode loads at the budget but would drop more predicted neurons than allowed
     dtypes = dtypes or [default_compute_dtype(None, manifest.dtype, True, quantized_ffn=manifest.layout.quant is not None)]
 
     def loaded(plan: Plan, what: str):
@@ -292,6 +293,7 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
         if not fits:
             pass
         elif extra["dropped_share"] > max_dropped:
+            dropping = True
             reference.append({"what": f"{what} (drops {extra['dropped_share']:.1%} of predicted neurons)",
                               **parts.to_ms(), **plan.predicted})
         elif m is not None or not ids:
@@ -312,6 +314,7 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
         if not fits:
             continue
         if found is None:
+            dropping = True
             notes.append(f"sparse, {tag}: no window and capacities fit while dropping at most {max_dropped:.1%} "
                          f"of the predicted neurons (--max-dropped allows more, at a quality cost)")
             continue
@@ -329,7 +332,12 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
         smallest = min((n for n in needs if n), default=None)
         hint = f"the smallest budget that works is --dram-budget {format_size(smallest)}" if smallest else \
             "see `flashllm generate --help` for the smallest budget each mode needs"
-        raise FlashLLMError(f"{model_dir}: nothing fits --dram-budget {format_size(nbudget)}: {hint}")
+        wider = (["--max-dropped SHARE (sparse mode runs here by dropping predicted neurons: a quality cost)"]
+                 if dropping else []) + ([f"--dtypes {dtypes[0]},bfloat16"] if set(dtypes) == {"float32"} else []) \
+            + ["a smaller --context"]
+        raise FlashLLMError(f"{model_dir}: nothing fits --dram-budget {format_size(nbudget)} with --max-dropped "
+                            f"{max_dropped:g} and --dtypes {','.join(dtypes)} (to let the plan choose from more: "
+                            f"{', '.join(wider)}); {hint}")
     options.sort(key=lambda o: o[0].total_s)
     if defaults is not None and options[0][1] is not defaults and noise > 0:
         default_s = next(p.total_s for p, o, _ in options if o is defaults)

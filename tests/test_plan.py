@@ -207,9 +207,26 @@ def test_plan_errors_are_one_line(planned_model, cached_profiles, capsys):
                  "--sample-tokens", "64"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("flashllm: error:") and "nothing fits" in err and len(err.strip().splitlines()) == 1
+    assert "--dtypes float32,bfloat16" in err and "--max-dropped SHARE" not in err  # nothing loads at 20 KiB
     smallest = err.split("the smallest budget that works is --dram-budget ")[1].split()[0]  # names a budget that works
     assert main(["plan", str(planned_model), "--dram-budget", smallest, "--context", "64", "--quiet",
                  "--sample-tokens", "64", "--calibrate-tokens", "0"]) == 0
+
+
+def test_a_budget_that_only_fits_by_dropping_says_so_and_max_dropped_plans_it(planned_model):
+    """At sparse mode's smallest budget (one cache row per layer) every token drops predicted neurons: the
+    refusal names --max-dropped, and with it the plan is made."""
+    from flashllm.budget import BudgetTooSmall
+
+    with pytest.raises(BudgetTooSmall) as small:
+        flashllm.load(planned_model, mode="sparse", predictor="lowrank", dram_budget="20KiB", context=64)
+    least = small.value.needed
+    kw = dict(data=planned_model.parent / "sample.txt", context=64, sample_tokens=64, calibrate_tokens=0)
+    with pytest.raises(FlashLLMError, match="nothing fits") as refused:
+        planner.make_plan(planned_model, least, MACHINE, FakeDisk(), **kw)
+    assert "--max-dropped SHARE" in str(refused.value)
+    plan = planner.make_plan(planned_model, least, MACHINE, FakeDisk(), max_dropped=1.0, **kw)
+    assert plan.mode == "sparse" and plan.predicted["dropped_share"] > 0
 
 
 def test_plan_weighs_the_gate_predictor_against_lowrank(tiny_models, tmp_path):

@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -243,7 +244,9 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
             fits = model is not None
             if not fits and needs and needs[-1]:  # too small: loaded at the runtime's least, to say what a plan needs
                 try:
-                    model = load(model_dir, **{**plan.load_options(), "dram_budget": needs.pop(), "context": context})
+                    with warnings.catch_warnings():  # the runtime's warnings about a budget the user did not give
+                        warnings.simplefilter("ignore")
+                        model = load(model_dir, **{**plan.load_options(), "dram_budget": needs.pop(), "context": context})
                 except FlashLLMError:
                     continue
             if model is not None:

@@ -199,15 +199,28 @@ def test_plan_cli_and_plan_auto(planned_model, cached_profiles, capsys):
     assert "plan:" not in out.err  # nothing planned anew
 
 
-def test_plan_errors_are_one_line(planned_model, cached_profiles, capsys):
+def test_plan_errors_are_one_line(planned_model, cached_profiles, capsys, recwarn):
+    import json
+
     from flashllm.cli import main
 
+    meta_file = planned_model / "predictors.json"
+    saved = meta_file.read_text()
+    meta = json.loads(saved)  # a predicted set that the caches at the runtime's least budget cannot hold
+    for layer in meta["layers"]:
+        layer["predicted_fraction"] = 0.5
+    meta_file.write_text(json.dumps(meta))
     capsys.readouterr()
-    assert main(["plan", str(planned_model), "--dram-budget", "20KiB", "--context", "64", "--quiet",
-                 "--sample-tokens", "64"]) == 1
+    try:
+        assert main(["plan", str(planned_model), "--dram-budget", "20KiB", "--context", "64", "--quiet",
+                     "--sample-tokens", "64"]) == 1
+    finally:
+        meta_file.write_text(saved)
     err = capsys.readouterr().err
     assert err.startswith("flashllm: error:") and "nothing fits" in err and len(err.strip().splitlines()) == 1
     assert "--dtypes float32,bfloat16" in err and "--max-dropped SHARE" not in err  # nothing loads at 20 KiB
+    # the runtime's warning about the plan's own load at its least budget (not the user's) is not shown
+    assert not [w for w in recwarn if "--dram-budget" in str(w.message)], [str(w.message) for w in recwarn]
     smallest = err.split("the smallest budget that works is --dram-budget ")[1].split()[0]  # names a budget that works
     assert main(["plan", str(planned_model), "--dram-budget", smallest, "--context", "64", "--quiet",
                  "--sample-tokens", "64", "--calibrate-tokens", "0"]) == 0

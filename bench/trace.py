@@ -308,9 +308,8 @@ class TracePredictor:
         T = x.shape[0]
         if layer == 0:  # a new forward: the next T trace tokens
             self.t0, self.next = self.next, self.next + T
-        if self.A:
-            B = self.backend
-            B.greater(B.linear(B.linear(x, self.A[layer], None), self.B[layer], self.b[layer]), 0.0)
+        if self.A:  # what LowRankPredictor.scores and predict_scored compute (result discarded)
+            (self.backend.low_rank(x, self.A[layer], self.B[layer], self.b[layer]) - 0.0) > 0
         rows = (self.t0 + np.arange(T)) % self.trace.tokens
         small = self.trace.predicted[self.layers[layer]][rows]
         return small[:, self.neurons[layer]]

@@ -323,6 +323,7 @@ class SparsePlan(StreamingPlan):
         # (a prior of precision 1: a layer reads ahead until measured otherwise)
         self.ahead_named = np.ones((L, len(self.AHEAD_CUTS)))
         self.ahead_right = np.ones((L, len(self.AHEAD_CUTS)))
+        self._cuts = np.asarray(self.AHEAD_CUTS, dtype=np.float32)[:, None]  # (exact: compared with float32 scores)
         par = ctx.spec.parallel_attn and not ctx.spec.ffn_norm
         self._norm = "attn_norm" if par else "ffn_norm"  # the norm that makes a layer's FFN input
         if not getattr(self.predictor, "selective", True) and min(self.capacities) < lay.d_ffn:
@@ -448,7 +449,7 @@ class SparsePlan(StreamingPlan):
         """The lookahead's sets above each cut [cuts, n]; a predictor without scores names one set (all cuts)."""
         if scores is None:
             return np.broadcast_to(mask, (len(self.AHEAD_CUTS), len(mask)))
-        return scores[None, :] > np.asarray(self.AHEAD_CUTS)[:, None]
+        return scores[None, :] > self._cuts
 
     def _lookahead(self, layer: int, cost) -> None:
         """Predict `layer`'s neurons from the previous layer's residual stream (normed as `layer` norms
@@ -500,13 +501,12 @@ class SparsePlan(StreamingPlan):
         if pending is not None:
             with cost.timed("io_ms"):
                 cost.add_io(pending.wait())
-        if len(cost.lookahead_active) > layer:  # decode: the recall of the lookahead vs this prediction
-            found = int(np.isin(active, predicted, assume_unique=True).sum())
-            cost.lookahead_found[layer], cost.lookahead_active[layer] = found, len(active)
-            cost.lookahead_named[layer] = len(predicted)
-        needed = np.zeros(levels.shape[1], dtype=bool)
+        needed = np.zeros(levels.shape[1], dtype=bool)  # (a mask: no sorting, unlike np.isin)
         needed[active] = True
-        named, right = levels.sum(axis=1), (levels & needed).sum(axis=1)
+        if len(cost.lookahead_active) > layer:  # decode: the recall of the lookahead vs this prediction
+            cost.lookahead_found[layer] = np.count_nonzero(needed[predicted])
+            cost.lookahead_active[layer], cost.lookahead_named[layer] = len(active), len(predicted)
+        named, right = np.count_nonzero(levels, axis=1), np.count_nonzero(levels[:, active], axis=1)
         self.ahead_named[layer] += self.AHEAD_EMA * (named - self.ahead_named[layer])
         self.ahead_right[layer] += self.AHEAD_EMA * (right - self.ahead_right[layer])
         if rows is None:
@@ -596,10 +596,12 @@ class SparsePlan(StreamingPlan):
         cache, B = self.caches[layer], self.backend
         n = max(cache.num_used, int(rows.max()) + 1)
         held = np.flatnonzero(cache.pointer[:n] >= 0)
-        neurons = np.maximum(cache.pointer[:n], 0)  # (rows left empty are not computed)
-        neurons[rows] = ids
         views, bias = cache.store.views(n)
-        gate_pre = None if pre is None else B.columns(pre, neurons)
+        gate_pre = None
+        if pre is not None:  # the resident gate's pre-activations of each row's neuron
+            neurons = np.maximum(cache.pointer[:n], 0)  # (rows left empty are not computed)
+            neurons[rows] = ids
+            gate_pre = B.columns(pre, neurons)
         acc, part = B.ffn_acc(x), (bias.get("up"), bias.get("gate"), None, self.ffn_thresholds[layer], gate_pre)
         B.ffn(x, views, *part, index=held, acc=acc)
         with cost.timed("io_ms"):

@@ -171,9 +171,7 @@ class LowRankPredictor:
 
     def scores(self, layer: int, x) -> np.ndarray:
         """The predictor's logit minus its threshold's logit [tokens, d_ffn] (> 0: predicted active)."""
-        backend = self.backend
-        hidden = backend.linear(x, self.proj_in[layer], None)
-        return backend.to_host(backend.linear(hidden, self.proj_out[layer], self.bias[layer])) - self.threshold[layer]
+        return self.backend.low_rank(x, self.proj_in[layer], self.proj_out[layer], self.bias[layer]) - self.threshold[layer]
 
     def predict(self, layer: int, x) -> np.ndarray:
         return self.scores(layer, x) > 0

@@ -359,3 +359,28 @@ def test_eval_sweep_reports_refusals_drops_and_writes_the_curve(tiny_models, tex
     assert (tmp_path / "curve.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     if (tmp_path / "curve.png").exists():
         assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_low_rank_predictor_through_the_native_mat_vec_equals_the_torch_path(tiny_models, tmp_path, monkeypatch):
+    """A float16 model's low-rank predictor computes one token's logits by the native mat-vec (two kernel calls)
+    where the kernels are present, equal to torch's products within float16 rounding; the same predicted sets."""
+    from flashllm.backends import native
+    from flashllm.converters import convert
+    from tiny import write_random_predictors
+
+    if native.library() is None:
+        pytest.skip(f"no native kernels here: {native.describe()}")
+    out = convert(tiny_models("llama").ckpt, tmp_path / "f16", dtype="float16", progress=False)
+    write_random_predictors(out, rank=16)
+    fast = flashllm.load(out, mode="sparse", predictor="lowrank")
+    monkeypatch.setenv("FLASHLLM_NATIVE", "0")
+    slow = flashllm.load(out, mode="sparse", predictor="lowrank")
+    assert fast.backend.native is not None and slow.backend.native is None
+    x = torch.randn(1, fast.spec.d_model, generator=torch.Generator().manual_seed(1)).to(torch.float16)
+    for layer in range(fast.spec.n_layers):
+        calls = fast.backend.native.calls["linear"]
+        got, ref = fast.predictor.scores(layer, x), slow.predictor.scores(layer, x)
+        assert fast.backend.native.calls["linear"] == calls + 2 and got.dtype == ref.dtype == np.float32
+        np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=2e-3 * float(np.abs(ref).max()))
+        close = np.abs(ref) < 2e-3 * float(np.abs(ref).max())  # a rounding apart from the threshold
+        np.testing.assert_array_equal((got > 0)[~close], (ref > 0)[~close])

@@ -320,6 +320,11 @@ class Backend:
         p = f"layers.{layer}."
         return {k: self.w.get(p + k + "_bias") for k in ("up", "gate", "down")}
 
+    def low_rank(self, x, proj_in, proj_out, bias) -> np.ndarray:
+        """A low-rank predictor's logits proj_out (proj_in x) + bias [T, n] as float32 numpy: two products by
+        `linear` (one token's through the native mat-vec where the backend has it), each rounded to the compute dtype."""
+        return self.to_host(self.linear(self.linear(x, proj_in, None), proj_out, bias))
+
     def greater(self, x, threshold: float) -> np.ndarray:
         """Boolean numpy mask x > threshold."""
         return self.to_host(x) > threshold

@@ -682,7 +682,9 @@ class SparsePlan(StreamingPlan):
 
 def union(mask: np.ndarray, scores: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
     """The neurons predicted for any of the tokens of a decode step ([tokens, n] -> [n]) and, to rank
-    them, each one's highest score (one token: its own mask and scores)."""
+    them, each one's highest score (one token: its own mask and scores, as views)."""
+    if len(mask) == 1:
+        return mask[0], None if scores is None else scores[0]
     return mask.any(axis=0), None if scores is None else scores.max(axis=0)
 
 

@@ -32,6 +32,7 @@ class Reads:
         self.p_len = lens if p_len is None else p_len
         self.p_off = off if p_start is None else None
         self.gathered = p_start is not None and len(self.p_len) > n
+        self._inplace = None  # ((addr, align, mem_align), `inplace`'s answer)
 
     def __len__(self) -> int:
         return len(self.off)
@@ -55,16 +56,18 @@ class Reads:
         join = (g >= 0) & (g <= gap) if gather else (g == 0) & (np.diff(doffs) == row_bytes)
         brk = np.ones(n, dtype=bool)
         brk[1:] = ~join
-        run_start = np.flatnonzero(brk)
-        run = np.cumsum(brk) - 1
-        step = max_chunk - row_bytes + 1  # rows starting within one step of their read's start fit max_chunk
-        key = (offs - offs[run_start][run]) // step
-        pos = (np.arange(n) - run_start[run]) // (cls.MAX_PIECES // 2)
-        brk[1:] |= (key[1:] != key[:-1]) | (pos[1:] != pos[:-1])
         starts = np.flatnonzero(brk)
-        last = np.append(starts[1:], n) - 1
-        read_of = np.cumsum(brk) - 1
-        off, lens = offs[starts], ends[last] - offs[starts]
+        stops = np.append(starts[1:], n)  # one past each read's last row
+        if (ends[stops - 1] - offs[starts]).max() > max_chunk or (stops - starts).max() > cls.MAX_PIECES // 2:
+            run = np.cumsum(brk) - 1  # cut the runs too long for one read
+            step = max_chunk - row_bytes + 1  # rows starting within one step of their read's start fit max_chunk
+            key = (offs - offs[starts][run]) // step
+            pos = (np.arange(n) - starts[run]) // (cls.MAX_PIECES // 2)
+            brk[1:] |= (key[1:] != key[:-1]) | (pos[1:] != pos[:-1])
+            starts = np.flatnonzero(brk)
+            stops = np.append(starts[1:], n)
+        off = offs[starts]
+        lens = ends[stops - 1] - off
         if not gather:
             return cls(off, doffs[starts], lens)
         gap_before = np.zeros(n, dtype=np.int64)
@@ -74,9 +77,15 @@ class Reads:
         new_piece[1:] |= (gap_before[1:] > 0) | (np.diff(doffs) != row_bytes)
         rp = np.flatnonzero(new_piece)
         gp = np.flatnonzero(gap_before > 0)
+        if not len(gp):  # no gap read through: the pieces are the runs of rows, in file order already
+            reads = cls(off, doffs[starts], lens, np.append(np.flatnonzero(brk[rp]), len(rp)), doffs[rp],
+                        np.diff(np.append(rp, n)) * row_bytes)
+            reads.p_off = offs[rp]
+            return reads
         p_off = np.concatenate([offs[rp], ends[gp - 1]])
         p_len = np.concatenate([np.diff(np.append(rp, n)) * row_bytes, gap_before[gp]])
         p_doff = np.concatenate([doffs[rp], np.full(len(gp), -1, dtype=np.int64)])
+        read_of = np.cumsum(brk) - 1
         p_read = np.concatenate([read_of[rp], read_of[gp]])
         order = np.lexsort((p_off, p_read))
         p_off, p_len, p_doff, p_read = p_off[order], p_len[order], p_doff[order], p_read[order]
@@ -93,9 +102,13 @@ class Reads:
         return tuple(zip(self.p_doff[a:b].tolist(), self.p_len[a:b].tolist()))
 
     def inplace(self, addr: int, align: int, mem_align: int) -> np.ndarray:
-        """Per read: can it go straight into dest with direct I/O (every piece aligned)?"""
-        ok = self._piece_ok(addr, align, mem_align)
-        return np.minimum.reduceat(ok, self.p_start[:-1]).astype(bool) if len(ok) else ok
+        """Per read: can it go straight into dest with direct I/O (every piece aligned)? (Kept for the
+        same arguments: `aligned` and the engine's submit ask in turn.)"""
+        if self._inplace is None or self._inplace[0] != (addr, align, mem_align):
+            ok = self._piece_ok(addr, align, mem_align)
+            self._inplace = (addr, align, mem_align), \
+                np.minimum.reduceat(ok, self.p_start[:-1]).astype(bool) if len(ok) else ok.astype(bool)
+        return self._inplace[1]
 
     def aligned(self, addr: int, align: int, mem_align: int, gathered_only: bool = False) -> bool:
         """Whether every piece (of the gathered reads only, if asked) suits direct I/O."""

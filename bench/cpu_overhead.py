@@ -59,6 +59,9 @@ PROBES = [
     ("flashllm.flashio", "FlashReader.submit_rows"), ("flashllm.flashio", "PendingRead.wait"),
     ("flashllm.aio", "AioQueue.add"), ("flashllm.aio", "AioQueue.progress"),
     ("flashllm.aio", "AioContext.submit"), ("flashllm.aio", "AioContext.reap"),
+    ("flashllm.backends.base", "Backend.low_rank"), ("flashllm.backends.torch_backend", "TorchBackend.norm"),
+    ("flashllm.backends.torch_backend", "TorchBackend.linear"), ("flashllm.read_plan", "Reads.plan"),
+    ("flashllm.modes", "SparsePlan._poll"),
 ]
 
 
@@ -103,13 +106,29 @@ def install_probes() -> list[Probe]:
     return probes
 
 
+def matvec_probes(lib, probes: list) -> None:
+    """Time the native mat-vec (backends/native) per matrix shape: probe "native matvec ROWSxCOLS"."""
+    raw, by_shape = lib.matvec, {}
+
+    def matvec(dt, w, rows, cols, *rest):
+        timed = by_shape.get((rows, cols))
+        if timed is None:
+            probe = Probe(f"native matvec {rows}x{cols}")
+            probes.append(probe)
+            timed = by_shape[rows, cols] = probe.wrap(raw)
+        return timed(dt, w, rows, cols, *rest)
+    lib.matvec = matvec
+
+
 def child(args) -> dict:
     probes = install_probes()
     import flashllm
     from flashllm.stats import PartTimer
 
     import importlib.util
-    spec = importlib.util.spec_from_file_location("flashllm_bench_trace", BENCH / "trace.py")
+    # the replay and its predictor stand-in from the checkout under test (--src), next to its flashllm
+    trace_py = Path(flashllm.__file__).resolve().parent.parent / "bench" / "trace.py"
+    spec = importlib.util.spec_from_file_location("flashllm_bench_trace", trace_py)
     trace_mod = importlib.util.module_from_spec(spec)  # bench/trace.py by path (the stdlib has a `trace`)
     spec.loader.exec_module(trace_mod)
     options = {k: v for k, v in CONFIGS[args.config].items() if not k.startswith("flashllm.")}
@@ -125,6 +144,8 @@ def child(args) -> dict:
     model = flashllm.load(args.model_dir, **load)
     load_s = time.perf_counter() - t0
     B = model.backend
+    if getattr(B, "native", None) is not None:
+        matvec_probes(B.native.lib, probes)
     timer = PartTimer(B.sync)
     ids = list(range(1, args.warmup + args.tokens + 2))
     model._costs = []

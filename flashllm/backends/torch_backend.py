@@ -180,6 +180,9 @@ class TorchBackend(Backend):
         t0, w, b, eps = self._tic(), self.w[name + ".weight"], self.w.get(name + ".bias"), self.spec.norm_eps
         if self.spec.norm == "layernorm":
             return self._toc("norms", t0, F.layer_norm(x, (x.shape[-1],), w, b, eps))
+        y = self.native.rms_norm(x, w, eps) if self.native is not None else None  # the same in one C pass
+        if y is not None:
+            return self._toc("norms", t0, y)
         if self.tuned:  # one fused float32 kernel (torch's rms_norm), then transformers' cast and scale
             return self._toc("norms", t0, w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype))
         xf = x.float()

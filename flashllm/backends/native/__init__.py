@@ -108,6 +108,7 @@ class Kernels:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         lib.fl_matvec.argtypes = [i32, p, i64, i64, i64, p, p, p, i32]
         lib.fl_ffn.argtypes = [i32, p, p, p, i64, i64, p, i64, p, p, p, p, i32, i32, f32, i32, f32, p, i32]
-        lib.fl_matvec.restype = lib.fl_ffn.restype = lib.fl_simd.restype = i32
-        self.matvec, self.ffn = lib.fl_matvec, lib.fl_ffn
+        lib.fl_rmsnorm.argtypes = [i32, p, p, i64, i64, f32, p]
+        lib.fl_matvec.restype = lib.fl_ffn.restype = lib.fl_simd.restype = lib.fl_rmsnorm.restype = i32
+        self.matvec, self.ffn, self.rms_norm = lib.fl_matvec, lib.fl_ffn, lib.fl_rmsnorm
         self.simd = bool(lib.fl_simd())

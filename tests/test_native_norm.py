@@ -1,0 +1,46 @@
+"""The native RMS norm (kernels.c fl_rmsnorm): torch's tuned norm within a rounding (machine and portable builds,
+float16 and bfloat16, several rows and per-head shapes), and the runtime's norms take it."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashllm
+from flashllm.backends import native
+from flashllm.backends.torch_native import NativeKernels
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels here: {native.describe()}")
+
+
+@pytest.mark.parametrize("build", ["machine", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4096), (3, 200), (2, 4, 24)])
+def test_rms_norm_matches_the_torch_path(build, dtype, shape):
+    lib = native.library() if build == "machine" else native.Kernels(ctypes.CDLL(str(native.build(portable=True))))
+    kernels = NativeKernels(lib, 2)
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    w = torch.randn(shape[-1], generator=g).to(dtype)
+    ref = (w * F.rms_norm(x.float(), (shape[-1],), eps=1e-5).to(dtype)).float()
+    got = kernels.rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape and kernels.calls["norm"] == 1
+    ulp = 2.0 ** -10 if dtype == torch.float16 else 2.0 ** -7  # a rounding of the scale may flip the last bit
+    np.testing.assert_allclose(got.float(), ref, rtol=2 * ulp, atol=2 * ulp * float(ref.abs().max()) * 2 ** -6)
+    assert kernels.rms_norm(x.float(), w.float(), 1e-5) is None  # float32 stays on torch
+
+
+def test_the_runtime_norms_run_natively(tiny_models, tmp_path, monkeypatch):
+    from flashllm.converters import convert
+
+    out = convert(tiny_models("llama").ckpt, tmp_path / "f16", dtype="float16", progress=False)
+    ids = [1, 17, 33, 5, 60, 8]
+    fast = flashllm.load(out, mode="dense")
+    got = fast.logits(ids, prefill=3)
+    assert fast.backend.native.calls["norm"] >= 2 * fast.spec.n_layers + 1
+    monkeypatch.setenv("FLASHLLM_NATIVE", "0")
+    np.testing.assert_allclose(got, flashllm.load(out, mode="dense").logits(ids, prefill=3), atol=0.02, rtol=0.02)

@@ -47,17 +47,6 @@ def pinned_rows(freq: np.ndarray, capacity: int, window: int) -> int:
     misses[min(capacity, len(f) + 1):] = np.inf
     return int(np.argmin(misses)) if np.isfinite(misses).any() else 0
 
-def _least(last: np.ndarray, rows: np.ndarray, count: int) -> np.ndarray:
-    """Positions of the `count` rows (ascending `rows`) least recently active by `last`, ties to the lower row:
-    the first `count` of a stable argsort of `last`, as a set, in O(n) (a partition, not a sort)."""
-    if count >= len(rows):
-        return np.arange(len(rows))
-    if count <= 0:
-        return np.arange(0)
-    key = (np.maximum(last, -1) + 1) * (int(rows[-1]) + 1) + rows  # tokens count from 0; NEVER (unset) first
-    return np.argpartition(key, count - 1)[:count]
-
-
 class NeuronCache:
     def __init__(self, capacity: int, d_ffn: int, store, compact: bool = True):
         """`compact` False: rows emptied by eviction stay empty until refilled, and no row moves; for a
@@ -127,15 +116,15 @@ class NeuronCache:
         if keep is not None:
             taken[keep] = True
         rows = h + np.flatnonzero((ids >= 0) & ~taken[np.maximum(ids, 0)])
-        last = self.last_active[self.pointer[rows]]
+        rows = rows[np.argsort(self.last_active[self.pointer[rows]], kind="stable")]  # least recently active first
         # rows outside the window (evict frees them unless the true set needs them) before the free rows at
         # the end (new rows there leave live rows beyond the cache's next end: `evict` would move them), and
         # more only where the cache is short of rows
-        stale = np.count_nonzero(last <= self.token + 1 - window)
+        stale = int((self.last_active[self.pointer[rows]] <= self.token + 1 - window).sum())
         if self.tight:  # the last token's sets overflowed the window: it will shrink, so take such rows for all
             stale = len(rows)
         count = max(min(stale, len(missing)), len(missing) - (self.capacity - n) - len(self._free))
-        oldest = rows[_least(last, rows, count)]  # the least recently active first (ties: the lower row)
+        oldest = rows[:count]
         self.row_of[self.pointer[oldest]] = -1
         self.pointer[oldest] = -1
         self._free = np.sort(np.concatenate([self._free, oldest]))

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from flashllm.backends.torch_backend import TorchBackend
 from flashllm.flashio import FlashIOError, FlashReader
 from flashllm.format import FFNLayout
-from flashllm.neuron_cache import NEVER, NeuronCache, _least
+from flashllm.neuron_cache import NeuronCache
 from flashllm.spec import ArchSpec
 
 D_FFN, D = 40, 8
@@ -265,16 +265,3 @@ def test_reserve_keeps_the_neurons_it_is_told_to_keep(ffn_file):
             cache.store.placed(guess, read_ahead_rows)
             cache.append(guess)
             check_rows(cache, data)
-
-
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.sampled_from([NEVER, 0, 1, 2, 3, 7]), min_size=0, max_size=30), st.integers(-1, 32), st.data())
-def test_least_recently_active_rows_are_those_a_stable_sort_puts_first(last, count, data):
-    """`reserve` frees the `count` least recently active rows (ties: the lower row) by a partition: the same
-    set as the first `count` of a stable argsort of the rows' last active tokens (NEVER: never active)."""
-    last = np.asarray(last, dtype=np.int64)
-    rows = np.sort(np.asarray(sorted(data.draw(st.sets(st.integers(0, 200), min_size=len(last), max_size=len(last)))),
-                              dtype=np.int64))
-    got = rows[_least(last, rows, count)]
-    want = rows[np.argsort(last, kind="stable")[:max(count, 0)]]
-    assert sorted(got.tolist()) == sorted(want.tolist())

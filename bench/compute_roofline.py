@@ -63,6 +63,10 @@ CONFIGS = {  # name -> (load options, extra environment)
     "torch-1t": (dict(kernels="tuned", compute_threads=1), {"FLASHLLM_NATIVE": "0"}),
     "torch-2t": (dict(kernels="tuned", compute_threads=2), {"FLASHLLM_NATIVE": "0"}),
     "after-2t-noahead": (dict(kernels="tuned", compute_threads=2, prefetch=False), {}),  # sparse: no read-ahead
+    # torch's CPU allocator on 2 MiB transparent huge pages (c10's THP_MEM_ALLOC_ENABLE, allocations >= 2 MiB)
+    "after-2t-thp": (dict(kernels="tuned", compute_threads=2), {"THP_MEM_ALLOC_ENABLE": "1"}),
+    "after-2t-torchattn": (dict(kernels="tuned", compute_threads=2, _native_attention=False), {}),  # session 6's attention
+    "after-2t-noahead-thp": (dict(kernels="tuned", compute_threads=2, prefetch=False), {"THP_MEM_ALLOC_ENABLE": "1"}),
 }
 QUANT_GROUP = 64
 

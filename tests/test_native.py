@@ -253,3 +253,23 @@ def test_compute_roofline_bench_lists_the_native_kernels(tiny_models, tmp_path):
     assert "native one pass" in text and "| float16, 2 threads | " in text
     assert "| after-1t | torch float16 1 native | ffn |" in text and "| torch-1t | torch float16 1 | ffn |" in text
     assert "**Roofline** per dtype" in text
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["llama", "opt", "mistral", "phi", "persimmon", "qwen3", "gemma3", "falcon-mq"])
+def test_decode_attention_kernel_matches_the_torch_path(tiny_models, tmp_path, family):
+    """The native decode attention (rotary, KV write, scores, softmax, values: GQA, sliding windows, partial
+    rotary, learned positions, q/k norms) gives the torch path's logits and KV cache, float16 and bfloat16,
+    past a sliding window's length (16 tokens, windows of 8)."""
+    ids = IDS + [3, 70, 9, 41, 66, 2, 58]
+    for dtype in ("float16", "bfloat16"):
+        model = flashllm.load(tiny_models(family).model_dir, mode="dense", dtype=dtype)
+        got = model.logits(ids, prefill=2)
+        calls = model.backend.native.calls["attend"]
+        k_native = [kv.k.clone() for kv in model.backend.kvs]
+        model.backend.native.attend = lambda *a: None  # the torch path
+        want = model.logits(ids, prefill=2)
+        assert calls >= (len(ids) - 2) * model.spec.n_layers, calls
+        np.testing.assert_allclose(got, want, atol=1e-2, rtol=0)  # equal here; a 1% error in scale gives 0.06
+        for a, b in zip(k_native, model.backend.kvs):
+            np.testing.assert_allclose(a.float().numpy(), b.k.float().numpy(), atol=4e-3, rtol=2 ** -8)

@@ -40,6 +40,7 @@ class TorchBackend(Backend):
     STAGING_BYTES = 256 << 10  # per staging buffer (bench/results/io_pipeline.md: more is taken from the caches)
     # decode attention in one thread when compute threads > 1 (bench/results/compute_roofline.md, session 5)
     serial_attention = True
+    native_attention = True  # a decode token's attention in one native call where the kernels load (bench switch)
     STAGING_BUFFERS = 2  # on CUDA a ring: one is read into while the other's copy is in flight (CPU: 1)
 
     def __init__(self, spec: ArchSpec, device: str, dtype: str | None, storage_dtype: str, context: int,
@@ -252,15 +253,22 @@ class TorchBackend(Backend):
         """Rotary, KV cache update and attention of one sequence's new tokens ([T, heads, head_dim]);
         `qk`: q's and k's heads side by side (a view of the fused projection), rotated in one call."""
         s, T = self.spec, q.shape[0]
+        S, window = pos + T, s.window(layer)
+        lo = max(0, pos - window + 1) if window else 0  # earliest key any of the new queries sees
+        scale = s.attn_scale or s.head_dim ** -0.5
+        if T == 1 and self.native is not None and self.native_attention and kv.bits == 16 and not s.attn_softcap:
+            cos_sin = None
+            if s.positional == "rotary":
+                cos_sin = tuple(t.reshape(-1) for t in self.rope_tables(self.ropes[layer], pos, 1))
+            out = self.native.attend(q, k, v, kv.k[layer], kv.v[layer], pos, lo, scale, cos_sin)
+            if out is not None:
+                return out
         if s.positional == "rotary" and qk is not None:
             qk = self._rope(qk, self.ropes[layer], pos)
             q, k = qk[:, :s.n_heads], qk[:, s.n_heads:]
         elif s.positional == "rotary":
             q, k = self._rope(q, self.ropes[layer], pos), self._rope(k, self.ropes[layer], pos)
-        S, window = pos + T, s.window(layer)
-        lo = max(0, pos - window + 1) if window else 0  # earliest key any of the new queries sees
         keys, vals_t = kv.update(layer, pos, k, v, lo)  # [kv heads, keys, head_dim], [kv heads, head_dim, keys]
-        scale = s.attn_scale or s.head_dim ** -0.5
         group = s.n_heads // s.n_kv_heads
         if T == 1 and self.tuned and not s.attn_softcap:  # one new token sees every key from lo on
             return self._decode_attention(q[0], keys, vals_t, scale)

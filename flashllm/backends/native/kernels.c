@@ -472,5 +472,79 @@ int fl_rmsnorm(int dt, const void *x, const void *w, int64_t rows, int64_t n, fl
     return 0;
 }
 
+/* ---- one decode token's attention over a head-major KV cache ----
+ * The torch backend's decode path as one call: rotary on q and the new k (float32 products, rounded to dt),
+ * k and v written at `pos` into the layer's caches K [kv heads, ctx, hd] and V [kv heads, hd, ctx], then per
+ * query head the scores q . K[lo..pos] rounded to dt, times `scale`, a float32 softmax whose weights are
+ * rounded to dt, and the output sum_s w[s] V[:, s] rounded to dt: the same roundings as torch's
+ * (bmm in dt, softmax in float32), summed in float32. Chunks are kv heads (a group's query heads share one). */
+typedef struct {
+    int dt;
+    const void *q, *k, *v;          /* [heads, hd], [kv heads, hd], [kv heads, hd] of dtype dt */
+    void *kc, *vc;                  /* the layer's caches (dt) */
+    int64_t ctx, pos, lo, heads, kvh, hd, rd;
+    const float *cos, *sin;         /* [rd] for position pos (halves repeated), or NULL: no rotary */
+    float scale;
+    void *out;                      /* [heads, hd] (dt) */
+    float *scratch;                 /* per slot: hd + (pos - lo + 1) floats */
+} attn_job;
+
+/* x [hd] (dt) rotated over its first rd values (rotate_half convention), rounded to dt, as float32 */
+static void rotary(const attn_job *j, const void *x, float *out) {
+    int64_t half = j->rd / 2;
+    for (int64_t i = 0; i < j->hd; i++) {
+        float xi = load1(j->dt, x, i);
+        if (i < j->rd) {
+            float other = i < half ? -load1(j->dt, x, i + half) : load1(j->dt, x, i - half);
+            volatile float a = xi * j->cos[i], b = other * j->sin[i];  /* two products, then the sum */
+            xi = a + b;
+        }
+        out[i] = round_to(j->dt, xi);
+    }
+}
+
+static void attn_chunk(void *p, int64_t g, int slot) {
+    attn_job *j = p;
+    int64_t hd = j->hd, S = j->pos - j->lo + 1, group = j->heads / j->kvh;
+    size_t es = j->dt == DT_F32 ? 4 : 2;
+    float *qf = j->scratch + (size_t)slot * (size_t)(hd + S), *w = qf + hd;
+    char *kc = (char *)j->kc + (size_t)(g * j->ctx) * hd * es, *vc = (char *)j->vc + (size_t)(g * hd) * j->ctx * es;
+    const char *kn = (const char *)j->k + (size_t)(g * hd) * es, *vn = (const char *)j->v + (size_t)(g * hd) * es;
+    if (j->cos) rotary(j, kn, qf);
+    for (int64_t i = 0; i < hd; i++) {
+        store1(j->dt, kc + (size_t)j->pos * hd * es, i, j->cos ? qf[i] : load1(j->dt, kn, i));
+        store1(j->dt, vc + (size_t)i * j->ctx * es, j->pos, load1(j->dt, vn, i));
+    }
+    for (int64_t h = g * group; h < (g + 1) * group; h++) {
+        const char *qh = (const char *)j->q + (size_t)(h * hd) * es;
+        if (j->cos) rotary(j, qh, qf);
+        else for (int64_t i = 0; i < hd; i++) qf[i] = load1(j->dt, qh, i);
+        float top = -INFINITY, sum = 0.0f;
+        for (int64_t s = 0; s < S; s++) {
+            w[s] = round_to(j->dt, dot(j->dt, kc + (size_t)(j->lo + s) * hd * es, qf, hd)) * j->scale;
+            if (w[s] > top) top = w[s];
+        }
+        for (int64_t s = 0; s < S; s++) sum += (w[s] = expf(w[s] - top));
+        float inv = 1.0f / sum;
+        for (int64_t s = 0; s < S; s++) w[s] = round_to(j->dt, w[s] * inv);
+        for (int64_t i = 0; i < hd; i++)
+            store1(j->dt, j->out, h * hd + i, dot(j->dt, vc + ((size_t)i * j->ctx + j->lo) * es, w, S));
+    }
+}
+
+int fl_attend(int dt, const void *q, const void *k, const void *v, void *kc, void *vc, int64_t ctx, int64_t pos,
+              int64_t lo, int64_t heads, int64_t kvh, int64_t hd, int64_t rd, const float *cos, const float *sin,
+              float scale, void *out, int threads) {
+    int64_t S = pos - lo + 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 1 || kvh < 2 || heads * S * hd < (1 << 17)) threads = 1;  /* a short context: one thread */
+    float *scratch = malloc((size_t)threads * (size_t)(hd + S) * sizeof(float));
+    if (!scratch) return -1;
+    attn_job j = {dt, q, k, v, kc, vc, ctx, pos, lo, heads, kvh, hd, rd, cos, sin, scale, out, scratch};
+    run_chunks(attn_chunk, &j, kvh, threads);
+    free(scratch);
+    return 0;
+}
+
 /* which vector path this build took (1: AVX2 + F16C + FMA, 0: portable C) */
 int fl_simd(void) { return FL_AVX2; }

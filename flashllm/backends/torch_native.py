@@ -41,7 +41,46 @@ class NativeKernels:
         self.calls["linear"] += 1
         return y
 
-        self.calls = {"linear": 0, "ffn": 0, "norm": 0, "attend": 0}  # kernel calls made (tests check the path)
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """w * rms_norm(x) over x's last dimension, as TorchBackend.norm's torch path rounds it (float32 norm,
+        rounded to x's dtype, then the scale); None: not for this kernel."""
+        dt = NATIVE_DTYPES.get(x.dtype)
+        if dt is None or not self._plain(x, x.dtype) or not self._plain(w, x.dtype) or w.shape != x.shape[-1:]:
+            return None
+        x, w = x.contiguous(), w.contiguous()
+        y = torch.empty_like(x)
+        self.lib.rms_norm(native.DTYPES[dt], x.data_ptr(), w.data_ptr(), x.numel() // w.numel(), w.numel(), eps,
+                          y.data_ptr())
+        self.calls["norm"] += 1
+        return y
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               pos: int, lo: int, scale: float, cos_sin) -> torch.Tensor | None:
+        """One token's rotary (`cos_sin`: float32 [rope dim] tables for `pos`, or None), KV write at `pos` into one
+        layer's caches (K [kv heads, ctx, hd], V [kv heads, hd, ctx]) and attention over keys lo..pos, as
+        [1, heads * hd]; q [1, heads, hd], k and v [1, kv heads, hd]. None where the kernel does not apply."""
+        dt = NATIVE_DTYPES.get(q.dtype)
+        heads, hd = q.shape[1], q.shape[2]
+        kvh = k.shape[1]
+        if dt is None or q.shape[0] != 1 or not all(self._plain(t, q.dtype) and t.is_contiguous()
+                                                    for t in (q, k, v, k_cache, v_cache)) \
+                or k.shape != (1, kvh, hd) or v.shape != k.shape or heads % kvh or k_cache.shape[0] != kvh \
+                or k_cache.shape[2] != hd or v_cache.shape != (kvh, hd, k_cache.shape[1]) \
+                or not 0 <= lo <= pos < k_cache.shape[1]:
+            return None
+        cos, sin = cos_sin if cos_sin is not None else (None, None)
+        if cos is not None and not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
+                                    and sin.is_contiguous() and cos.numel() == sin.numel() <= hd):
+            return None
+        out = torch.empty(1, heads * hd, dtype=q.dtype)
+        rc = self.lib.attend(native.DTYPES[dt], q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
+                             v_cache.data_ptr(), k_cache.shape[1], pos, lo, heads, kvh, hd,
+                             0 if cos is None else cos.numel(), None if cos is None else cos.data_ptr(),
+                             None if sin is None else sin.data_ptr(), float(scale), out.data_ptr(), self.threads)
+        if rc:
+            raise MemoryError("native attention: out of memory")
+        self.calls["attend"] += 1
+        return out
 
     def ffn(self, x: torch.Tensor, rows: dict, up_bias, gate_bias, gate_pre, act: str, act_param: float,
             threshold: float | None, index: np.ndarray | None, acc: torch.Tensor, gated: bool) -> torch.Tensor | None:

@@ -1,5 +1,5 @@
-"""flashllm's native CPU kernels (kernels.c: a one-token mat-vec, the sparse FFN over cache rows and decode attention), compiled
-on first use with the machine's C compiler into a per-user cache and loaded with ctypes (whose calls release
+"""flashllm's native CPU kernels (kernels.c: a one-token mat-vec, the sparse FFN over cache rows, RMS norm and
+decode attention), compiled on first use with the machine's C compiler into a per-user cache and loaded with ctypes (whose calls release
 the GIL). `library()` is None where there is no compiler, the build failed, or FLASHLLM_NATIVE=0: callers
 then take their torch path. No network: the source ships with the package."""
 

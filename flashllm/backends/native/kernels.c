@@ -186,6 +186,27 @@ static void dot2(int dt, const void *a, const void *b, const float *x, int64_t n
     out[1] = sb;
 }
 
+/* w[k] . x for four rows anywhere (two cache rows' up and gate parts), sharing each load of x */
+static void dot4p(int dt, const void *const *w, const float *x, int64_t n, float *out) {
+    int64_t i = 0;
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#if FL_AVX2
+    __m256 a[4][2];
+    for (int k = 0; k < 4; k++) a[k][0] = a[k][1] = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        for (int k = 0; k < 4; k++) {
+            a[k][0] = _mm256_fmadd_ps(load8(dt, w[k], i), x0, a[k][0]);
+            a[k][1] = _mm256_fmadd_ps(load8(dt, w[k], i + 8), x1, a[k][1]);
+        }
+    }
+    for (int k = 0; k < 4; k++) s[k] = hsum(_mm256_add_ps(a[k][0], a[k][1]));
+#endif
+    for (; i < n; i++)
+        for (int k = 0; k < 4; k++) s[k] += load1(dt, w[k], i) * x[i];
+    for (int k = 0; k < 4; k++) out[k] = s[k];
+}
+
 /* acc += ha * a + hb * b: two rows' down parts in one pass over acc */
 static void axpy2(int dt, float ha, const void *a, float hb, const void *b, float *acc, int64_t n) {
     int64_t i = 0;
@@ -199,6 +220,30 @@ static void axpy2(int dt, float ha, const void *a, float hb, const void *b, floa
     }
 #endif
     for (; i < n; i++) acc[i] += ha * load1(dt, a, i) + hb * load1(dt, b, i);
+}
+
+/* acc += h[0] * w[0] + ... + h[3] * w[3]: four rows' down parts in one pass over acc */
+static void axpy4(int dt, const float *h, const void *const *w, float *acc, int64_t n) {
+    int64_t i = 0;
+#if FL_AVX2
+    __m256 h0 = _mm256_set1_ps(h[0]), h1 = _mm256_set1_ps(h[1]), h2 = _mm256_set1_ps(h[2]), h3 = _mm256_set1_ps(h[3]);
+    for (; i + 16 <= n; i += 16) {
+        __m256 s0 = _mm256_loadu_ps(acc + i), s1 = _mm256_loadu_ps(acc + i + 8);
+        s0 = _mm256_fmadd_ps(load8(dt, w[0], i), h0, s0);
+        s1 = _mm256_fmadd_ps(load8(dt, w[0], i + 8), h0, s1);
+        s0 = _mm256_fmadd_ps(load8(dt, w[1], i), h1, s0);
+        s1 = _mm256_fmadd_ps(load8(dt, w[1], i + 8), h1, s1);
+        s0 = _mm256_fmadd_ps(load8(dt, w[2], i), h2, s0);
+        s1 = _mm256_fmadd_ps(load8(dt, w[2], i + 8), h2, s1);
+        s0 = _mm256_fmadd_ps(load8(dt, w[3], i), h3, s0);
+        s1 = _mm256_fmadd_ps(load8(dt, w[3], i + 8), h3, s1);
+        _mm256_storeu_ps(acc + i, s0);
+        _mm256_storeu_ps(acc + i + 8, s1);
+    }
+#endif
+    for (; i < n; i++)
+        acc[i] += h[0] * load1(dt, w[0], i) + h[1] * load1(dt, w[1], i) + h[2] * load1(dt, w[2], i)
+                  + h[3] * load1(dt, w[3], i);
 }
 
 static void axpy(int dt, float h, const void *w, float *acc, int64_t n) {
@@ -369,21 +414,43 @@ static inline float activate(int act, float v, float param) {
 
 /* h of row r: what torch computes, the projections rounded to the compute dtype (bias added first), the
  * activation and its product rounded again; only the down sum stays float32 */
-static float hidden(const ffn_job *j, int64_t r) {
+static float hidden_of(const ffn_job *j, int64_t r, float up_dot, float gate_dot) {
     int dt = j->dt;
-    int64_t off = r * j->ld * (int64_t)(dt == DT_F32 ? 4 : 2);
-    float s[2] = {0.0f, 0.0f};
-    if (j->gate && !j->gate_pre) dot2(dt, (const char *)j->up + off, (const char *)j->gate + off, j->x, j->d, s);
-    else s[0] = dot(dt, (const char *)j->up + off, j->x, j->d);
-    float u = round_to(dt, s[0] + (j->up_bias ? load1(dt, j->up_bias, r) : 0.0f)), g = u;
+    float u = round_to(dt, up_dot + (j->up_bias ? load1(dt, j->up_bias, r) : 0.0f)), g = u;
     if (j->gate_pre) g = load1(dt, j->gate_pre, r);
-    else if (j->gate) g = round_to(dt, s[1] + (j->gate_bias ? load1(dt, j->gate_bias, r) : 0.0f));
+    else if (j->gate) g = round_to(dt, gate_dot + (j->gate_bias ? load1(dt, j->gate_bias, r) : 0.0f));
     float a = round_to(dt, activate(j->act, g, j->act_param));
     if (j->has_threshold && !(fabsf(a) > j->threshold)) a = 0.0f;
     return j->gated ? round_to(dt, a * u) : a;
 }
 
-#define FFN_CHUNK 16  /* cache rows per chunk */
+/* h of rows r0 and r1 (r1 < 0: r0 only) into h[0], h[1]; the up and gate dots of both rows share x's loads */
+static void hidden2(const ffn_job *j, int64_t r0, int64_t r1, float *h) {
+    int64_t es = j->dt == DT_F32 ? 4 : 2;
+    int own_gate = j->gate && !j->gate_pre;
+    const char *u0 = (const char *)j->up + r0 * j->ld * es;
+    if (r1 < 0) {
+        float s[2] = {0.0f, 0.0f};
+        if (own_gate) dot2(j->dt, u0, (const char *)j->gate + r0 * j->ld * es, j->x, j->d, s);
+        else s[0] = dot(j->dt, u0, j->x, j->d);
+        h[0] = hidden_of(j, r0, s[0], s[1]);
+        return;
+    }
+    const char *u1 = (const char *)j->up + r1 * j->ld * es;
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (own_gate) {
+        const void *w[4] = {u0, (const char *)j->gate + r0 * j->ld * es, u1, (const char *)j->gate + r1 * j->ld * es};
+        dot4p(j->dt, w, j->x, j->d, s);
+    } else {
+        dot2(j->dt, u0, u1, j->x, j->d, s);
+        s[2] = s[1];
+        s[1] = 0.0f;
+    }
+    h[0] = hidden_of(j, r0, s[0], s[1]);
+    h[1] = hidden_of(j, r1, s[2], s[3]);
+}
+
+#define FFN_CHUNK 16  /* cache rows per chunk (even: rows are taken in pairs) */
 
 static void ffn_chunk(void *p, int64_t c, int slot) {
     ffn_job *j = p;
@@ -395,21 +462,26 @@ static void ffn_chunk(void *p, int64_t c, int slot) {
         j->used[slot] = 1;
     }
     const char *down = j->down;
-    int64_t pending = -1;  /* a row whose h waits for a partner: acc is passed once per two rows */
-    float hp = 0.0f;
-    for (int64_t k = lo; k < hi; k++) {
-        int64_t r = j->index ? j->index[k] : k;
-        float h = hidden(j, r);
-        if (h == 0.0f) continue;
-        if (pending < 0) {
-            pending = r;
-            hp = h;
-            continue;
+    float hs[4];
+    const void *ws[4];
+    int held = 0;  /* rows whose h waits for partners: acc is passed once per four rows */
+    for (int64_t k = lo; k < hi; k += 2) {
+        int64_t r0 = j->index ? j->index[k] : k, r1 = k + 1 < hi ? (j->index ? j->index[k + 1] : k + 1) : -1;
+        float h[2];
+        hidden2(j, r0, r1, h);
+        for (int t = 0; t < (r1 < 0 ? 1 : 2); t++) {
+            if (h[t] == 0.0f) continue;
+            hs[held] = h[t];
+            ws[held++] = down + (t ? r1 : r0) * j->ld * es;
+            if (held == 4) {
+                axpy4(j->dt, hs, ws, acc, j->d);
+                held = 0;
+            }
         }
-        axpy2(j->dt, hp, down + pending * j->ld * es, h, down + r * j->ld * es, acc, j->d);
-        pending = -1;
     }
-    if (pending >= 0) axpy(j->dt, hp, down + pending * j->ld * es, acc, j->d);
+    if (held >= 2) axpy2(j->dt, hs[0], ws[0], hs[1], ws[1], acc, j->d);
+    if (held == 3) axpy(j->dt, hs[2], ws[2], acc, j->d);
+    if (held == 1) axpy(j->dt, hs[0], ws[0], acc, j->d);
 }
 
 /* acc [d] (float32) += sum over rows r (index[0..n-1], or 0..n-1) of h_r * down_r, h_r = act(gate_r.x + gate_bias[r])

@@ -44,3 +44,15 @@ def test_the_runtime_norms_run_natively(tiny_models, tmp_path, monkeypatch):
     assert fast.backend.native.calls["norm"] >= 2 * fast.spec.n_layers + 1
     monkeypatch.setenv("FLASHLLM_NATIVE", "0")
     np.testing.assert_allclose(got, flashllm.load(out, mode="dense").logits(ids, prefill=3), atol=0.02, rtol=0.02)
+
+
+@pytest.mark.parametrize("build", ["machine", "portable"])
+def test_matvec_of_short_rows_in_long_chunks_matches_float32(build):
+    """A predictor-shaped product (many 40-wide rows: chunks of thousands of rows) and its bias, as the float32 sum."""
+    lib = native.library() if build == "machine" else native.Kernels(ctypes.CDLL(str(native.build(portable=True))))
+    g = torch.Generator().manual_seed(5)
+    w, x, b = (torch.randn(*s, generator=g).to(torch.float16) for s in ((9001, 40), (1, 40), (9001,)))
+    ref = (x.float() @ w.float().t() + b.float()).to(torch.float16).float()
+    for threads in (1, 2, 3):
+        y = NativeKernels(lib, threads).linear(x, w, b)
+        np.testing.assert_allclose(y.float(), ref, rtol=2 ** -10, atol=1e-6)

@@ -32,11 +32,14 @@ def add_parser(sub) -> None:
 
 def run(args) -> None:
     from . import load
+    from .chat_template import ChatTemplate
     from .cli import format_stats, load_options
+    from .format import read_manifest
 
+    # a model without a template (or a bad --chat-template) fails here, before the weights are loaded
+    template = ChatTemplate.resolve(read_manifest(args.model_dir, verify=False).root, args.chat_template)
     model = load(args.model_dir, load_options(args))
-    model.chat_template = args.chat_template
-    model.chat_template  # noqa: B018  (a model without a template fails here, before the first turn)
+    model.chat_template = template
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
@@ -57,6 +60,8 @@ def run(args) -> None:
             return
         if line.strip() == "/reset":
             history = list(opening)
+            print("flashllm: conversation reset" + (" (the --system prompt stays)" if opening else ""), file=sys.stderr,
+                  flush=True)
             continue
         messages = history + [{"role": "user", "content": line}]
         reply = []

@@ -19,6 +19,9 @@ DEFAULT_DTYPE_HELP = ("the storage dtype; bfloat16 on torch CPU for int8/int4 FF
                       "tensors; float32 for float16 files on MLX's CPU build")
 
 
+PROG = "flashllm"
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Every option's help ends with its default, unless its text already states one; a required option
     says so instead."""
@@ -43,6 +46,14 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """A subcommand refuses what it does not know itself, so that the error names it (`flashllm generate:
+        error: unrecognized arguments: --bogus`) rather than the top-level parser that argparse hands extras to."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and self.prog != PROG:
+            self.error("unrecognized arguments: " + " ".join(extras))
+        return namespace, extras
 
 
 def _checked(convert, ok, what: str):
@@ -350,7 +361,7 @@ def cmd_demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="flashllm", description="Run LLMs larger than memory by streaming FFN "
+    p = _Parser(prog=PROG, description="Run LLMs larger than memory by streaming FFN "
                 "neurons from flash (LLM in a flash).")
     p.add_argument("--version", action="version", version=f"flashllm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)

@@ -16,6 +16,23 @@ def _mib(b) -> str:
     return "n/a" if b is None else f"{b / MiB:.3f} MiB"
 
 
+def _size(b) -> str:
+    """Bytes in the unit that shows them (a warm cache reads a few KiB per token, naive mode MiB)."""
+    if b is None:
+        return "n/a"
+    return f"{b / MiB:.3f} MiB" if b >= MiB else f"{b / 1024:.2f} KiB" if b >= 1024 else f"{b:.0f} B"
+
+
+def _flash_ratio(p: dict) -> str:
+    """Sparse flash bytes against naive mode's. With an unlimited budget every cache holds all its
+    layer's neurons, so a token reads only the neurons no earlier token used: no steady-state ratio."""
+    if p.get("naive_over_sparse") is None:
+        return "n/a"
+    if p["budget_bytes"] is None:
+        return "unlimited budget: only each neuron's first use reads it"
+    return f"{p['naive_over_sparse']:.1f}x fewer than naive"
+
+
 def _budget(p: dict) -> str:
     b = p.get("dram_budget")
     return "unlimited" if b is None else (str(b) if b <= 1 else f"{b / MiB:.1f} MiB")
@@ -27,7 +44,6 @@ def format_point(p: dict) -> list[str]:
     if "refused" in p:
         return [f"{head}: refused by the runtime: {p['refused']}"]
     held = "unlimited" if p["budget_bytes"] is None else _mib(p["budget_bytes"])
-    ratio = "n/a" if p.get("naive_over_sparse") is None else f"{p['naive_over_sparse']:.1f}x fewer than naive"
     lines = [
         f"{head} ({held}; predictor {p['predictor']}; DRAM held {_mib(p['dram_bytes'])}; cache rows per layer "
         f"{p['cache_capacity']}):",
@@ -36,7 +52,7 @@ def format_point(p: dict) -> list[str]:
         f"(held-out text {p['top1_agreement_heldout'] * 100:.1f}%; free-running {p['free_run_agreement'] * 100:.1f}%, "
         f"first divergence at {p['free_run_first_divergence']})",
         f"  neurons dropped per token: {p['neurons_dropped_per_token']:.1f}; flash read per token "
-        f"{_mib(p['bytes_per_token'])} ({ratio}); latency {p['latency_ms_per_token']:.2f} ms/token "
+        f"{_size(p['bytes_per_token'])} ({_flash_ratio(p)}); latency {p['latency_ms_per_token']:.2f} ms/token "
         f"(I/O {p['io_ms_per_token']:.2f})",
         "  computed at this budget (cache rows vs true mask), per layer: " + "  ".join(
             f"{x['layer']}: recall {x['recall']:.3f} precision {x['precision']:.3f}" for x in p["computed_layers"]),

@@ -104,6 +104,7 @@ def test_multi_turn_chat_streams_and_exits_on_eof(chat_model):
     assert text(reply1).endswith(f"fox\n{want1}\n>>> ") and text(reply3).endswith(f"fox\n{want1}\n>>> ")
     assert text(reply2).endswith(f"dog\n{want2}\n>>> ")
     assert err.count("per decode token:") == 3 and "Traceback" not in err
+    assert err.count("flashllm: conversation reset (the --system prompt stays)") == 1
 
 
 def test_ctrl_c_at_the_prompt_exits_cleanly(chat_model):
@@ -120,9 +121,13 @@ def test_ctrl_c_at_the_prompt_exits_cleanly(chat_model):
     assert code == 0 and "Traceback" not in err, err
 
 
-def test_chat_without_a_template_is_one_clear_line(chat_model, capsys):
+def test_chat_without_a_template_is_one_clear_line_before_loading(chat_model, capsys, monkeypatch):
     from flashllm.cli import main
 
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded the model before checking its chat template")
+
+    monkeypatch.setattr(flashllm, "load", no_load)
     assert main(["chat", str(chat_model)]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "no chat template" in err and "--chat-template" in err

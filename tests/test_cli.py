@@ -83,6 +83,21 @@ def test_bad_sampling_and_load_options_are_one_line_errors(capsys, flash, option
     one_line_error(capsys.readouterr().err, option, repr(value))
 
 
+@pytest.mark.parametrize("argv,prog", [(["generate", "m", "--prompt", "x", "--bogus"], "flashllm generate"),
+                                       (["predictors", "eval", "m", "--data", "d", "--bogus"], "flashllm predictors eval"),
+                                       (["chat", "m", "stray"], "flashllm chat"),
+                                       (["--bogus", "inspect", "m"], "flashllm")])
+def test_an_unknown_argument_is_refused_by_the_subcommand_it_follows(capsys, argv, prog):
+    """The error names the subcommand and points at its --help, not at the top-level parser's."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    one_line_error(err, f"{prog}: error: unrecognized arguments: {argv[-1] if prog != 'flashllm' else argv[0]}",
+                   f"(see {prog} --help)")
+
+
 def test_json_reports_stop_reason_and_stop_strings(capsys, flash):
     code, out, _ = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--max-new-tokens", 12, "--json")
     full = json.loads(out)

@@ -384,3 +384,22 @@ def test_low_rank_predictor_through_the_native_mat_vec_equals_the_torch_path(tin
         np.testing.assert_allclose(got, ref, rtol=2 ** -8, atol=2e-3 * float(np.abs(ref).max()))
         close = np.abs(ref) < 2e-3 * float(np.abs(ref).max())  # a rounding apart from the threshold
         np.testing.assert_array_equal((got > 0)[~close], (ref > 0)[~close])
+
+
+def test_eval_report_shows_small_flash_reads_in_their_unit_and_no_ratio_at_an_unlimited_budget():
+    """A warm unlimited cache reads a few bytes per token: not '0.000 MiB (11892x fewer)' but the bytes, and
+    why there is no steady-state ratio; a finite budget keeps its ratio against naive mode."""
+    from predictors.report import format_point
+
+    base = {"predictor": "lowrank", "dram_bytes": 3 * 2**20, "cache_capacity": [128, 128], "ppl_dense": 9.0,
+            "ppl_sparse": 9.0, "ppl_ratio": 1.0, "top1_agreement": 1.0, "top1_agreement_tokens": 4,
+            "top1_agreement_heldout": 1.0, "free_run_agreement": 1.0, "free_run_first_divergence": 4,
+            "neurons_dropped_per_token": 0.0, "latency_ms_per_token": 1.0, "io_ms_per_token": 0.5,
+            "computed_layers": []}
+    naive = 18.08 * 2**20
+    unlimited = format_point({**base, "dram_budget": None, "budget_bytes": None, "bytes_per_token": 1594.0,
+                              "naive_over_sparse": naive / 1594})[3]
+    assert "1.56 KiB" in unlimited and "fewer" not in unlimited and "first use" in unlimited
+    half = format_point({**base, "dram_budget": 0.5, "budget_bytes": 2**22, "bytes_per_token": 256 * 1024.0,
+                         "naive_over_sparse": naive / (256 * 1024)})[3]
+    assert "256.00 KiB (72.3x fewer than naive)" in half

@@ -14,7 +14,7 @@ from .base import Backend, compute_threads, default_compute_dtype
 from . import native
 from .staging import StagingRing, bundle_values, host_array
 from .torch_native import NATIVE_DTYPES, NativeKernels
-from .torch_quant import Int4ExpertSlots, KVCache, QuantMatrix, dequantize_rows
+from .torch_quant import Int4ExpertSlots, KVCache, QuantMatrix, QuantRows, dequantize_rows
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # torch's intra-op threads before any load changed them (OMP_NUM_THREADS or the cores): the default
@@ -55,7 +55,7 @@ class TorchBackend(Backend):
         self.dtype = cdt = DTYPES[self.dtype_name]
         self.storage_dtype = DTYPES[storage_dtype]
         self.itemsize = cdt.itemsize
-        self.quantized_ffn = quantized_ffn  # FFN rows are dequantized on insert, never read in place
+        self.quantized_ffn = quantized_ffn  # FFN bundles are quantized (see native_quant for how they are held)
         self.tuned = kernels == "tuned"  # fused projections and per-dtype kernels (see fuse_resident, _down)
         self.down_kernel = DOWN_KERNEL[self.dtype_name] if self.device.type == "cpu" and self.tuned else "matmul"
         self.context = context
@@ -90,8 +90,8 @@ class TorchBackend(Backend):
         return sum(kv.nbytes() for kv in self.kvs)
 
     @staticmethod
-    def nbytes_of(t: torch.Tensor | QuantMatrix) -> int:
-        return t.nbytes if isinstance(t, QuantMatrix) else t.numel() * t.element_size()
+    def nbytes_of(t: torch.Tensor | QuantMatrix | QuantRows) -> int:
+        return t.nbytes if isinstance(t, (QuantMatrix, QuantRows)) else t.numel() * t.element_size()
 
     def dequantized(self, raw: np.ndarray, layout) -> torch.Tensor:
         return dequantize_rows(raw, layout.quant, layout.d_model, self.dtype, self.device)
@@ -103,7 +103,22 @@ class TorchBackend(Backend):
         return TorchRowStore(self, capacity, layout, biases)
 
     def reads_in_place(self) -> bool:
-        return self.device.type == "cpu" and self.dtype == self.storage_dtype and not self.quantized_ffn
+        plain = self.dtype == self.storage_dtype and not self.quantized_ffn
+        return self.device.type == "cpu" and (plain or self.native_quant())
+
+    def native_quant(self) -> bool:
+        """Whether quantized FFN bundles stay as stored (cache rows read in place, dense rows as read: QuantRows)
+        for the native int8/int4 kernels, which dequantize in registers; else they are dequantized into rows of
+        the compute dtype when read (bench/results/compute_roofline.md, session 7). MoE experts: expert slots."""
+        return self.native is not None and self.quantized_ffn and not self.spec.is_moe
+
+    def bundle_rows(self, block: np.ndarray, layout, parts: tuple[str, ...] | None = None,
+                    keep_quantized: bool = False) -> dict:
+        """As Backend.bundle_rows; with `keep_quantized` and the native kernels, quantized parts stay as read."""
+        if not (keep_quantized and layout.quant and self.native_quant()):
+            return super().bundle_rows(block, layout, parts, keep_quantized)
+        return {p: QuantRows(block, layout.part_range(p).start, layout.quant, layout.d_model)
+                for p in parts or layout.parts}
 
     def expert_slot_bytes(self, layout) -> int | None:
         """Int4 experts stay quantized in torch's CPU int4 kernel layout (tuned kernels on the CPU)."""
@@ -134,9 +149,10 @@ class TorchBackend(Backend):
         served = "/".join(NATIVE_DTYPES.values())
         if self.native is None:
             return "torch" if self.device.type != "cpu" or not self.tuned else native.describe()
+        quant = "; int8/int4 FFN rows as stored (native)" if self.native_quant() else ""
         if self.dtype not in NATIVE_DTYPES:
-            return f"torch (the native kernels serve {served} compute)"
-        return f"{native.describe()}: {served} decode mat-vecs and cache-row FFN; torch otherwise"
+            return f"torch (the native kernels serve {served} compute){quant}"
+        return f"{native.describe()}: {served} decode mat-vecs and cache-row FFN{quant}; torch otherwise"
 
     def linear(self, x: torch.Tensor, w: torch.Tensor | QuantMatrix, b: torch.Tensor | None) -> torch.Tensor:
         if self.native is not None and x.shape[0] == 1:
@@ -345,6 +361,8 @@ class TorchBackend(Backend):
             if self.native.ffn(x, rows, up_bias, gate_bias, gate_pre, self.spec.activation,
                                self.spec.activation_threshold, threshold, index, out, gated) is not None:
                 return self._toc("ffn", t0, out if acc is not None else self.ffn_result(out, x, down_bias))
+        if isinstance(rows.get("up"), QuantRows):  # no kernel for this call (e.g. prefill): dequantized rows
+            rows = {p: t.values(self.dtype) for p, t in rows.items()}
         if index is not None:  # the selected rows (copies), their biases and pre-activations
             idx = torch.from_numpy(np.asarray(index, dtype=np.int64)).to(self.device)
             parts = ("up", "gate", "down") if gated and gate_pre is None else ("up", "down")
@@ -365,7 +383,7 @@ class TorchBackend(Backend):
         return self._toc("ffn", t0, y + down_bias if down_bias is not None else y)
 
     def ffn_index_in_place(self) -> bool:
-        return self.native is not None and self.dtype in NATIVE_DTYPES
+        return self.native is not None and (self.dtype in NATIVE_DTYPES or self.native_quant())
 
     def ffn_acc(self, x: torch.Tensor) -> torch.Tensor:
         """A float32 accumulator [T, d_model] for `ffn(..., acc=)` calls over parts of a layer's rows."""
@@ -495,7 +513,8 @@ class TorchRowStore:
         self.elems = len(layout.parts) * layout.d_model
         if backend.reads_in_place():
             self.raw = aligned_empty((capacity, layout.stride), np.uint8)
-            self.matrix = torch.from_numpy(self.raw).view(storage_dtype)
+            # quantized bundles stay bytes (QuantRows views) for the native kernels
+            self.matrix = None if layout.quant else torch.from_numpy(self.raw).view(storage_dtype)
             self.staging = None
         else:
             self.raw = None
@@ -506,12 +525,16 @@ class TorchRowStore:
 
     def nbytes(self) -> int:
         """Bytes of the matrix and per-row biases (the shared staging buffer is counted once, elsewhere)."""
-        return sum(map(self.backend.nbytes_of, [self.matrix, *self.bias.values()]))
+        held = self.raw.nbytes if self.matrix is None else self.backend.nbytes_of(self.matrix)
+        return held + sum(map(self.backend.nbytes_of, self.bias.values()))
 
     def move(self, dst: np.ndarray, src: np.ndarray) -> None:
         d = torch.from_numpy(dst).to(self.backend.device)
         s = torch.from_numpy(src).to(self.backend.device)
-        self.matrix[d] = self.matrix[s]
+        if self.matrix is None:
+            self.raw[dst] = self.raw[src]
+        else:
+            self.matrix[d] = self.matrix[s]
         for b in self.bias.values():
             b[d] = b[s]
 
@@ -575,5 +598,9 @@ class TorchRowStore:
 
     def views(self, n: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Per-part [n, d] weight views of rows :n, and per-row biases."""
-        rows = {p: self.matrix[:n, self.layout.part_slice(p)] for p in self.layout.parts}
+        lay = self.layout
+        if self.matrix is None:
+            rows = {p: QuantRows(self.raw[:n], lay.part_range(p).start, lay.quant, lay.d_model) for p in lay.parts}
+        else:
+            rows = {p: self.matrix[:n, lay.part_slice(p)] for p in lay.parts}
         return rows, {k: b[:n] for k, b in self.bias.items()}

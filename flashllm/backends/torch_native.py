@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from . import native
+from .torch_quant import QuantRows
 
 # compute dtypes the native kernels serve (bench/results/compute_roofline.md: float32 stays on torch's BLAS)
 NATIVE_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -18,7 +19,7 @@ class NativeKernels:
 
     def __init__(self, lib: native.Kernels, threads: int):
         self.lib, self.threads = lib, threads
-        self.calls = {"linear": 0, "ffn": 0, "norm": 0, "attend": 0}  # kernel calls made (tests check the path)
+        self.calls = {"linear": 0, "ffn": 0, "norm": 0, "attend": 0, "qlinear": 0, "qffn": 0}  # kernel calls made (tests check the path)
 
     @staticmethod
     def _plain(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
@@ -82,10 +83,29 @@ class NativeKernels:
         self.calls["attend"] += 1
         return out
 
+    def qlinear(self, x: torch.Tensor, w: QuantRows, b: torch.Tensor | None) -> torch.Tensor | None:
+        """x [1, d] @ w.T + b over quantized rows kept as stored, as [1, rows] of x's dtype; None: not for it."""
+        dt = NATIVE_DTYPES.get(x.dtype, "float32" if x.dtype == torch.float32 else None)
+        if dt is None or x.dim() != 2 or x.shape != (1, w.d) or not self._plain(b, x.dtype) \
+                or (b is not None and b.shape != (len(w),)):
+            return None
+        x, q = x.contiguous(), w.scheme
+        b = None if b is None else b.contiguous()
+        y = torch.empty(1, len(w), dtype=x.dtype)
+        rc = self.lib.qmatvec(q.bits, int(q.symmetric), q.group_size, w.ptr(), len(w), w.d, w.raw.strides[0],
+                              native.DTYPES[dt], x.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+                              self.threads)
+        if rc:
+            raise MemoryError("native quantized mat-vec: out of memory")
+        self.calls["qlinear"] += 1
+        return y
+
     def ffn(self, x: torch.Tensor, rows: dict, up_bias, gate_bias, gate_pre, act: str, act_param: float,
             threshold: float | None, index: np.ndarray | None, acc: torch.Tensor, gated: bool) -> torch.Tensor | None:
         """acc [1, d] (float32) += the FFN contributions of cache rows `rows` (views [n, d] of one row store,
         or only rows `index`): the one-pass kernel; None (acc untouched) where it does not apply."""
+        if isinstance(rows.get("up"), QuantRows):
+            return self._qffn(x, rows, up_bias, gate_bias, gate_pre, act, act_param, threshold, index, acc, gated)
         dt = NATIVE_DTYPES.get(x.dtype)
         code = native.ACTIVATIONS.get(act)
         parts = [rows.get("up"), rows.get("gate") if gate_pre is None and gated else None, rows.get("down")]
@@ -102,10 +122,7 @@ class NativeKernels:
         if acc.numel() != d or x.shape[1] != d or not all(self._plain(t, x.dtype) and (t is None or t.numel() == n)
                                                           for t in extras):
             return None
-        if index is not None:
-            index = np.ascontiguousarray(index, dtype=np.int64)
-            if len(index) and (index.min() < 0 or index.max() >= n):
-                raise IndexError(f"FFN row index out of range 0..{n - 1}")
+        index = self._checked(index, n)
         ptr = [None if t is None else t.data_ptr() for t in (*parts, *extras)]
         x = x.contiguous()
         rc = self.lib.ffn(native.DTYPES[dt], ptr[0], ptr[1], ptr[2], present[0].stride(0), d,
@@ -116,3 +133,41 @@ class NativeKernels:
             raise MemoryError("native FFN: out of memory")
         self.calls["ffn"] += 1
         return acc
+
+    def _qffn(self, x, rows, up_bias, gate_bias, gate_pre, act, act_param, threshold, index, acc, gated):
+        """`ffn` over quantized parts kept as stored (QuantRows of one row store, one scheme): float32, float16 or
+        bfloat16 activations."""
+        dt = NATIVE_DTYPES.get(x.dtype, "float32" if x.dtype == torch.float32 else None)
+        code = native.ACTIVATIONS.get(act)
+        parts = [rows.get("up"), rows.get("gate") if gate_pre is None and gated else None, rows.get("down")]
+        present = [t for t in parts if t is not None]
+        if dt is None or code is None or x.shape[0] != 1 or parts[2] is None or acc.dtype != torch.float32 \
+                or not acc.is_contiguous() or (gated and gate_pre is None and parts[1] is None) \
+                or not all(isinstance(t, QuantRows) and t.same_rows(present[0]) for t in present):
+            return None
+        n, d = present[0].shape
+        extras = [t if t is None else t.contiguous() for t in (up_bias, gate_bias, gate_pre)]
+        if acc.numel() != d or x.shape[1] != d or not all(self._plain(t, x.dtype) and (t is None or t.numel() == n)
+                                                          for t in extras):
+            return None
+        index = self._checked(index, n)
+        q, x = present[0].scheme, x.contiguous()
+        ptr = [None if t is None else t.ptr() for t in parts] + [None if t is None else t.data_ptr() for t in extras]
+        rc = self.lib.qffn(q.bits, int(q.symmetric), q.group_size, ptr[0], ptr[1], ptr[2], present[0].raw.strides[0], d,
+                           None if index is None else index.ctypes.data, n if index is None else len(index),
+                           native.DTYPES[dt], x.data_ptr(), ptr[3], ptr[4], ptr[5], int(gated), code, float(act_param),
+                           int(threshold is not None), float(threshold or 0.0), acc.data_ptr(), self.threads)
+        if rc:
+            raise MemoryError("native quantized FFN: out of memory")
+        self.calls["qffn"] += 1
+        return acc
+
+    @staticmethod
+    def _checked(index: np.ndarray | None, n: int) -> np.ndarray | None:
+        """A row index list as contiguous int64, every entry in 0..n-1."""
+        if index is None:
+            return None
+        index = np.ascontiguousarray(index, dtype=np.int64)
+        if len(index) and (index.min() < 0 or index.max() >= n):
+            raise IndexError(f"FFN row index out of range 0..{n - 1}")
+        return index

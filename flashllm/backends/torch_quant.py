@@ -75,6 +75,41 @@ def dequantize_rows(raw: np.ndarray, scheme, d: int, dtype: torch.dtype, device)
     return out
 
 
+class QuantRows:
+    """Rows of one quantized FFN part kept as stored (quant.py's layout), for the native kernels (which dequantize
+    in registers): part r is `d` values at bytes offset.. of row r of `raw` (uint8 [n, row bytes], e.g. a neuron
+    cache's rows read in place). `values` dequantizes rows for torch's path (several tokens, no kernels)."""
+
+    def __init__(self, raw: np.ndarray, offset: int, scheme, d: int):
+        self.raw, self.offset, self.scheme, self.d = raw, offset, scheme, d
+        self.shape = (raw.shape[0], d)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: slice) -> "QuantRows":
+        return QuantRows(self.raw[rows], self.offset, self.scheme, self.d)
+
+    def same_rows(self, other: "QuantRows") -> bool:
+        """Whether both are parts of the same rows (one row stride, one scheme): what one kernel call takes."""
+        a, b = self.raw, other.raw
+        return a.ctypes.data == b.ctypes.data and a.shape == b.shape and a.strides == b.strides \
+            and self.scheme == other.scheme and self.d == other.d
+
+    def ptr(self) -> int:
+        return self.raw.ctypes.data + self.offset
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * self.scheme.part_bytes(self.d)
+
+    def values(self, dtype: torch.dtype, index: np.ndarray | None = None) -> torch.Tensor:
+        """The rows (or rows `index`) dequantized, [n, d] of `dtype`."""
+        raw = self.raw if index is None else self.raw[np.asarray(index, dtype=np.int64)]
+        part = raw[:, self.offset:self.offset + self.scheme.part_bytes(self.d)]
+        return dequantize_rows(part, self.scheme, self.d, dtype, torch.device("cpu"))
+
+
 class QuantMatrix:
     """A resident [out, in] matrix held as int8 or int4 codes; `linear` multiplies, `rows` gathers.
 

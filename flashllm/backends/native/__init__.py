@@ -1,5 +1,5 @@
 """flashllm's native CPU kernels (kernels.c: a one-token mat-vec, the sparse FFN over cache rows, RMS norm and
-decode attention), compiled on first use with the machine's C compiler into a per-user cache and loaded with ctypes (whose calls release
+decode attention; int8/int4 mat-vec and sparse FFN over quantized bundle parts as stored), compiled on first use with the machine's C compiler into a per-user cache and loaded with ctypes (whose calls release
 the GIL). `library()` is None where there is no compiler, the build failed, or FLASHLLM_NATIVE=0: callers
 then take their torch path. No network: the source ships with the package."""
 
@@ -110,7 +110,11 @@ class Kernels:
         lib.fl_ffn.argtypes = [i32, p, p, p, i64, i64, p, i64, p, p, p, p, i32, i32, f32, i32, f32, p, i32]
         lib.fl_rmsnorm.argtypes = [i32, p, p, i64, i64, f32, p]
         lib.fl_attend.argtypes = [i32, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p, p, f32, p, i32]
-        for fn in (lib.fl_matvec, lib.fl_ffn, lib.fl_simd, lib.fl_rmsnorm, lib.fl_attend):
+        # quantized parts (quant.py's layout): bits, symmetric, group size first
+        lib.fl_qmatvec.argtypes = [i32, i32, i64, p, i64, i64, i64, i32, p, p, p, i32]
+        lib.fl_qffn.argtypes = [i32, i32, i64, p, p, p, i64, i64, p, i64, i32, p, p, p, p, i32, i32, f32, i32, f32, p, i32]
+        for fn in (lib.fl_matvec, lib.fl_ffn, lib.fl_simd, lib.fl_rmsnorm, lib.fl_attend, lib.fl_qmatvec, lib.fl_qffn):
             fn.restype = i32
+        self.qmatvec, self.qffn = lib.fl_qmatvec, lib.fl_qffn
         self.matvec, self.ffn, self.rms_norm, self.attend = lib.fl_matvec, lib.fl_ffn, lib.fl_rmsnorm, lib.fl_attend
         self.simd = bool(lib.fl_simd())

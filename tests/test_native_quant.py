@@ -97,12 +97,12 @@ def _logits(out, monkeypatch, native: bool, **kw):
 @pytest.mark.parametrize("name", ["int4", "int8"])
 def test_quantized_models_native_equal_torch_dense_and_sparse(tiny, tmp_path, monkeypatch, name):
     """Every family, float32 compute: the native kernels over rows as stored give the torch path's logits (rows
-    dequantized when read) up to float32 summation order, in dense mode and in sparse mode with the oracle
-    (== dense); the cache holds the stored bytes (4-8x smaller rows than dequantized ones)."""
+    dequantized when read) up to float32 summation order, in dense mode, hybrid (two calls per layer) and sparse
+    mode with the oracle (== dense); the cache holds the stored bytes (4-8x smaller rows than dequantized ones)."""
     out = convert(tiny.ckpt, tmp_path / name, dtype="float16", quantize=name, group_size=16, progress=False)
     torch_dense, _ = _logits(out, monkeypatch, False)
     scale = float(np.abs(torch_dense).max())
-    for mode, kw in (("dense", {}), ("sparse", dict(predictor="oracle", window=2))):
+    for mode, kw in (("dense", {}), ("hybrid", {"hybrid_fraction": 0.5}), ("sparse", dict(predictor="oracle", window=2))):
         ours, model = _logits(out, monkeypatch, True, mode=mode, **kw)
         assert model.backend.native.calls["qffn"] > 0 and "int8/int4 FFN rows as stored" in model.stats["kernels"]
         np.testing.assert_allclose(ours, torch_dense, rtol=0, atol=2e-5 * scale, err_msg=mode)

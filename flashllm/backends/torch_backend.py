@@ -391,8 +391,9 @@ class TorchBackend(Backend):
 
     @staticmethod
     def ffn_result(acc: torch.Tensor, x: torch.Tensor, down_bias) -> torch.Tensor:
-        """The FFN output from its float32 sum: rounded once to x's dtype, then the down bias added."""
-        y = acc.to(x.dtype)
+        """The FFN output from its float32 sum: rounded once to x's dtype, then the down bias added (a new tensor:
+        the one-call native FFN reuses its sum's buffer)."""
+        y = acc.to(x.dtype, copy=True)
         return y + down_bias if down_bias is not None else y
 
     def _ffn_buffer(self, x: torch.Tensor) -> torch.Tensor:

@@ -154,7 +154,10 @@ class TorchBackend(Backend):
             return f"torch (the native kernels serve {served} compute){quant}"
         return f"{native.describe()}: {served} decode mat-vecs and cache-row FFN{quant}; torch otherwise"
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor | QuantMatrix, b: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor | QuantMatrix | QuantRows, b: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(w, QuantRows):  # FFN rows as stored (native_quant): natively for one token, else dequantized
+            y = self.native.qlinear(x, w, b) if self.native is not None else None
+            return y if y is not None else F.linear(x, w.values(x.dtype), b)
         if self.native is not None and x.shape[0] == 1:
             y = self.native.linear(x, w, b)
             if y is not None:

@@ -32,6 +32,7 @@ import numpy as np
 
 from flashllm.aio import IOVEC, AioContext, AioJob, AioQueue, device_queue, gathered_iocbs, make_iocbs
 from flashllm.read_plan import Reads, split
+from flashllm.uring import UringContext
 from flashllm.errors import FlashLLMError
 
 _STATX_DIOALIGN = 0x2000
@@ -39,6 +40,16 @@ _AT_FDCWD = -100
 _preadv = os.preadv  # module-level so tests can inject I/O errors
 _warned_devices: set = set()  # file systems already warned about (the fallback warns once each)
 _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()  # False on free-threaded Python: no shared iterator
+IO_ENGINES = ("auto", "io_uring", "aio", "preadv")
+
+
+def io_engine() -> str:
+    """$FLASHLLM_IO_ENGINE: "auto" (io_uring, else Linux AIO, for readers given an aio_depth), or forced:
+    "io_uring" (still Linux AIO where it is missing), "aio" (Linux AIO), "preadv" (reader threads)."""
+    choice = os.environ.get("FLASHLLM_IO_ENGINE", "auto").strip().lower() or "auto"
+    if choice not in IO_ENGINES:
+        raise FlashIOError(f"FLASHLLM_IO_ENGINE={choice!r}: expected one of {', '.join(IO_ENGINES)}")
+    return choice
 
 
 class FlashIOError(FlashLLMError):
@@ -219,8 +230,10 @@ class FlashReader:
     ``direct=True`` uses O_DIRECT (Linux) / F_NOCACHE (macOS); where the file system refuses, it warns
     once and falls back to buffered reads plus ``posix_fadvise(DONTNEED)``, like ``direct=False``.
     ``threads``: reads in flight as one blocking preadv per read in each of ``threads`` threads.
-    ``aio_depth > 0`` sends aligned reads through native AIO from the calling thread where it works
-    (Linux, direct I/O), ``aio_depth`` in flight. ``engine`` says which one is in use.
+    ``aio_depth > 0`` sends aligned reads through the kernel's asynchronous interface from the calling thread
+    where it works (Linux, direct I/O), ``aio_depth`` in flight: io_uring with the destinations registered
+    as fixed buffers (``flashllm.uring``), else Linux AIO. ``engine`` says "aio" (either) or "preadv" (threads),
+    ``kernel_io`` which interface ("io_uring", "linux-aio", "preadv"); $FLASHLLM_IO_ENGINE forces one.
     ``gap_bytes``: rows at most this far apart in the file are read with the gap in one read.
     """
 
@@ -238,9 +251,14 @@ class FlashReader:
         self._junk, self._junk_addr = memoryview(junk), junk.ctypes.data  # gaps read through land here
         self.size = os.fstat(self._fd).st_size
         bounce_bytes = self.max_chunk_bytes + 2 * self.alignment
-        ctx = AioContext.open(int(aio_depth)) if self.direct and aio_depth > 0 else None
+        ctx, choice = None, io_engine()
+        if self.direct and aio_depth > 0 and choice != "preadv":
+            ctx = UringContext.open(int(aio_depth), self._fd) if choice in ("auto", "io_uring") else None
+            ctx = ctx or AioContext.open(int(aio_depth))
         self._aio = AioQueue(ctx, int(device_queue(self.path) * AioQueue.INLINE_SHARE)) if ctx is not None else None  # None: unavailable, all reads take preadv
+        self._ring = ctx if isinstance(ctx, UringContext) else None  # registers destinations as fixed buffers
         self.engine = "aio" if self._aio else "preadv"
+        self.kernel_io = "io_uring" if self._ring else "linux-aio" if self._aio else "preadv"
         self.aio_depth = int(aio_depth) if self._aio else 0
         self._queues = [queue.SimpleQueue() for _ in range(self.threads)]
         self._threads = [
@@ -384,6 +402,8 @@ class FlashReader:
             order = np.argsort(indices, kind="stable")
             offs, doffs = base_offset + indices[order] * stride, dest_rows[order] * pitch
         addr = dest.ctypes.data
+        if self._ring is not None:
+            self._ring.register(dest)
         if self._aio is not None and not self.gap_bytes and len(offs) * row_bytes <= self.max_chunk_bytes and \
                 not ((base_offset | stride | row_bytes) % self.alignment or (addr | pitch) % self.mem_alignment):
             call = self._aio_rows(offs, doffs, row_bytes, stride == row_bytes == pitch, addr, dest, t0)
@@ -490,6 +510,8 @@ class FlashReader:
     def _submit_aio(self, flat: np.ndarray, reads: "Reads", requested: int, t0: float) -> PendingRead:
         """Submit the reads to the AIO queue from this thread; the returned handle reaps them when waited on."""
         base = flat.ctypes.data
+        if self._ring is not None:
+            self._ring.register(flat)
         iocbs = make_iocbs(self._fd, base + reads.doff.astype(np.uint64), reads.off, reads.len)
         iovecs = None
         multi = np.flatnonzero(reads.piece_count() > 1)

@@ -71,25 +71,26 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
-def build(portable: bool = False) -> Path:
+def build(portable: bool = False, source: Path = SOURCE) -> Path:
     """The library for this source, compiler, flags and CPU: from the cache, or compiled into it
     (into a temporary file, then renamed, so concurrent builds never see a partial library); for the
-    machine's vector units (-march/-mcpu=native), else (or `portable`) for the compiler's default target."""
+    machine's vector units (-march/-mcpu=native), else (or `portable`) for the compiler's default target.
+    `source`: another C file of the package (the io_uring engine, uring.c)."""
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     native = ["-mcpu=native"] if platform.machine() in ("arm64", "aarch64") else ["-march=native"]
     errors = []
     for flags in ([BASE_FLAGS] if portable else [[*BASE_FLAGS, *native], BASE_FLAGS]):
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *flags, platform.machine(), _cpu_id()])
+        key = hashlib.sha256("\0".join([source.read_text(), cc, version, *flags, platform.machine(), _cpu_id()])
                              .encode()).hexdigest()[:20]
-        path = cache_dir() / f"flashllm_kernels_{key}.so"
+        path = cache_dir() / f"flashllm_{source.stem}_{key}.so"
         if path.is_file():
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".build-", suffix=".so")
         os.close(fd)
         try:
-            done = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+            done = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
                                   timeout=300)
             if done.returncode == 0:
                 os.replace(tmp, path)

@@ -243,6 +243,7 @@ class FlashReader:
             raise FlashIOError(f"{path}: threads and max_chunk_bytes must be >= 1, aio_depth and gap_bytes >= 0, "
                                f"got {threads}, {max_chunk_bytes}, {aio_depth} and {gap_bytes}")
         self.path = os.fspath(path)
+        choice = io_engine()
         self.threads, self.max_chunk_bytes = int(threads), int(max_chunk_bytes)
         self.direct, self.alignment, self.mem_alignment = False, 1, 1
         self._fd = self._open(direct)
@@ -251,7 +252,7 @@ class FlashReader:
         self._junk, self._junk_addr = memoryview(junk), junk.ctypes.data  # gaps read through land here
         self.size = os.fstat(self._fd).st_size
         bounce_bytes = self.max_chunk_bytes + 2 * self.alignment
-        ctx, choice = None, io_engine()
+        ctx = None
         if self.direct and aio_depth > 0 and choice != "preadv":
             ctx = UringContext.open(int(aio_depth), self._fd) if choice in ("auto", "io_uring") else None
             ctx = ctx or AioContext.open(int(aio_depth))

@@ -16,6 +16,9 @@ from hypothesis import strategies as st
 import flashllm.flashio as flashio
 from flashllm.errors import FlashLLMError
 from flashllm.flashio import FlashIOError, FlashReader, IOStats, aligned_empty
+from flashllm.uring import MIN_BUFFER, UringContext
+
+CONTEXTS = {"io_uring": UringContext, "aio": flashio.AioContext}  # the kernel interfaces under AioQueue
 
 FILE_BYTES = 3 << 20
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -189,15 +192,23 @@ def test_io_error_in_a_worker_is_raised_in_the_caller(data_file, monkeypatch):
         assert r.read_rows(0, 4096, 4096, np.arange(8) * 2, dest, np.arange(8)).reads == 8  # workers alive
 
 
+@pytest.fixture(params=sorted(CONTEXTS))
+def kernel_io(request, monkeypatch):
+    """Each asynchronous engine in turn (FLASHLLM_IO_ENGINE); the context class its reader drives."""
+    monkeypatch.setenv("FLASHLLM_IO_ENGINE", request.param)
+    return CONTEXTS[request.param]
+
+
 def aio_reader(path, **kw):
     r = FlashReader(path, **kw)
-    if r.engine != "aio":
+    want = {"auto": None, "aio": "linux-aio", "io_uring": "io_uring"}[flashio.io_engine()]
+    if r.engine != "aio" or want not in (None, r.kernel_io):
         r.close()
-        pytest.skip("no native AIO with direct I/O here")
+        pytest.skip(f"no {want or 'native AIO'} with direct I/O here")
     return r
 
 
-def test_aio_engine_is_used_for_direct_reads_and_reads_in_batches(data_file):
+def test_aio_engine_is_used_for_direct_reads_and_reads_in_batches(data_file, kernel_io):
     path, data = data_file
     with aio_reader(path, threads=2, aio_depth=5) as r:
         dest = aligned_empty((23, 4096), np.uint8)
@@ -208,15 +219,15 @@ def test_aio_engine_is_used_for_direct_reads_and_reads_in_batches(data_file):
         assert r.engine == "preadv" and r.aio_depth == 0
 
 
-def test_aio_joins_rows_adjacent_in_file_and_dest_and_waits_once(data_file, monkeypatch):
+def test_aio_joins_rows_adjacent_in_file_and_dest_and_waits_once(data_file, kernel_io, monkeypatch):
     """The sparse decode's AIO call: runs of rows adjacent in the file and in dest are one read each;
     rows adjacent in the file but apart in dest are one vectored read; the waiter reaps all of a call's
     reads in one sleeping syscall."""
     path, data = data_file
     rows = data.reshape(-1, 4096)
     mins = []
-    real = flashio.AioContext.reap
-    monkeypatch.setattr(flashio.AioContext, "reap", lambda self, lo, hi: mins.append(lo) or real(self, lo, hi))
+    real = kernel_io.reap
+    monkeypatch.setattr(kernel_io, "reap", lambda self, lo, hi: mins.append(lo) or real(self, lo, hi))
     with aio_reader(path, threads=2, aio_depth=64) as r:
         ids = np.array([3, 4, 5, 9, 11, 12, 40])
         dest = aligned_empty((8, 4096), np.uint8)
@@ -228,15 +239,15 @@ def test_aio_joins_rows_adjacent_in_file_and_dest_and_waits_once(data_file, monk
         assert (dest[[0, 2, 4, 5, 6, 7, 1]] == rows[ids]).all() and stats.reads == 4
 
 
-def test_aio_call_beyond_the_inline_share_is_submitted_in_the_background(data_file, monkeypatch):
+def test_aio_call_beyond_the_inline_share_is_submitted_in_the_background(data_file, kernel_io, monkeypatch):
     """`submit_rows` returns after submitting at most the inline share from the caller (io_submit sleeps
     while the device queue is full); the submitter thread sends the rest, so the reads complete while
     the caller does other work, and a waiter gets exactly the file's bytes, also when the context holds
     fewer reads than the call (the waiter's reaping makes room)."""
     path, data = data_file
     rows = data.reshape(-1, 4096)
-    real, calls = flashio.AioContext.submit, []
-    monkeypatch.setattr(flashio.AioContext, "submit",
+    real, calls = kernel_io.submit, []
+    monkeypatch.setattr(kernel_io, "submit",
                         lambda self, iocbs: calls.append((threading.current_thread().name, len(iocbs))) or
                         real(self, iocbs))
     ids = np.arange(23) * 7
@@ -259,9 +270,9 @@ def test_aio_call_beyond_the_inline_share_is_submitted_in_the_background(data_fi
             assert sum(n for _, n in calls) == 23
 
 
-def test_aio_errors_name_the_read_and_leave_workers_alive(data_file, monkeypatch):
+def test_aio_errors_name_the_read_and_leave_workers_alive(data_file, kernel_io, monkeypatch):
     path, _ = data_file
-    real = flashio.AioContext.reap
+    real = kernel_io.reap
     dest = aligned_empty((8, 4096), np.uint8)
     with aio_reader(path, threads=4, aio_depth=3) as r:
         for res, match in [(-errno.EIO, r"ffn\.bin: read of 4096 bytes at offset \d+ failed: \[EIO\]"),
@@ -271,17 +282,57 @@ def test_aio_errors_name_the_read_and_leave_workers_alive(data_file, monkeypatch
                 if len(events):  # a poll may find none done yet
                     events["res"][-1] = res
                 return events
-            monkeypatch.setattr(flashio.AioContext, "reap", bad_event)
+            monkeypatch.setattr(kernel_io, "reap", bad_event)
             with pytest.raises(FlashIOError, match=match):
                 r.read_rows(0, 4096, 4096, np.arange(8) * 2, dest, np.arange(8))
 
         def refused(self, iocbs):
             raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
-        monkeypatch.setattr(flashio.AioContext, "submit", refused)
+        monkeypatch.setattr(kernel_io, "submit", refused)
         with pytest.raises(FlashIOError, match=r"reads from offset \d+ could not be submitted"):
             r.read_rows(0, 4096, 4096, np.arange(8) * 2, dest, np.arange(8))
         monkeypatch.undo()
         assert r.read_rows(0, 4096, 4096, np.arange(8) * 2, dest, np.arange(8)).reads == 8
+
+
+def test_async_short_read_from_truncated_file_raises_naming_file_and_offset(tmp_path, kernel_io):
+    path = tmp_path / "ffn.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    with aio_reader(path, threads=2, aio_depth=8) as r:
+        os.truncate(path, 100_000)
+        dest = aligned_empty((16, 4096), np.uint8)
+        with pytest.raises(FlashIOError, match=r"ffn\.bin: short read at offset \d+: got 0 of 4096 bytes"):
+            r.read_rows(0, 4096, 4096, np.arange(16) * 10, dest, np.arange(16))
+
+
+def test_io_uring_registers_large_destinations_while_they_live(data_file, monkeypatch):
+    """A destination of at least MIN_BUFFER bytes becomes a fixed buffer (its reads skip page pinning); a view
+    of it reads through the same slot; when the array is freed its slot is emptied, so a new array at the
+    same address gets plain reads or a fresh registration, never the old pages. Small ones stay plain."""
+    monkeypatch.setenv("FLASHLLM_IO_ENGINE", "io_uring")
+    path, data = data_file
+    rows = data.reshape(-1, 4096)
+    ids = np.array([1, 2, 9, 30, 31, 700])
+    with aio_reader(path, threads=2, aio_depth=16) as r:
+        small = aligned_empty((8, 4096), np.uint8)
+        r.read_rows(0, 4096, 4096, ids, small, np.arange(6))
+        assert r._ring.registered == 0 and (small[:6] == rows[ids]).all()
+        for _ in range(3):
+            big = aligned_empty((MIN_BUFFER // 4096 + 5, 8192), np.uint8)
+            r.read_rows(0, 4096, 4096, ids, big[:, 4096:], np.arange(6) * 3)  # a strided view
+            assert r._ring.registered >= big.nbytes
+            assert (big[np.arange(6) * 3, 4096:] == rows[ids]).all()
+            del big
+            assert r._ring.registered == 0
+
+
+def test_unknown_io_engine_is_a_clear_error(data_file, monkeypatch):
+    monkeypatch.setenv("FLASHLLM_IO_ENGINE", "spdk")
+    with pytest.raises(FlashIOError, match="FLASHLLM_IO_ENGINE='spdk': expected one of auto, io_uring, aio, preadv"):
+        FlashReader(data_file[0], aio_depth=4)
+    monkeypatch.setenv("FLASHLLM_IO_ENGINE", "preadv")
+    with FlashReader(data_file[0], aio_depth=4) as r:
+        assert r.engine == r.kernel_io == "preadv"
 
 
 def test_out_of_range_and_malformed_requests_raise(data_file):

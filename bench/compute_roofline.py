@@ -67,6 +67,9 @@ CONFIGS = {  # name -> (load options, extra environment)
     "after-2t-thp": (dict(kernels="tuned", compute_threads=2), {"THP_MEM_ALLOC_ENABLE": "1"}),
     "after-2t-torchattn": (dict(kernels="tuned", compute_threads=2, _native_attention=False), {}),  # session 6's attention
     "after-2t-noahead-thp": (dict(kernels="tuned", compute_threads=2, prefetch=False), {"THP_MEM_ALLOC_ENABLE": "1"}),
+    # weights fused/packed at load on torch's 4 KiB pages (session 6), not flashllm's huge pages (hugepages.py)
+    "after-2t-4k": (dict(kernels="tuned", compute_threads=2), {"FLASHLLM_HUGEPAGES": "0"}),
+    "after-2t-noahead-4k": (dict(kernels="tuned", compute_threads=2, prefetch=False), {"FLASHLLM_HUGEPAGES": "0"}),
 }
 QUANT_GROUP = 64
 

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import hugepages
 from ..errors import FlashLLMError
 from ..rope import Rope, layer_ropes
 from ..stats import untimed
@@ -331,6 +332,15 @@ class TorchBackend(Backend):
         fused = self.linear(h, w, self.w.get(p + "qkv.bias")).view(T, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
         return (*fused.split((s.n_heads, s.n_kv_heads, s.n_kv_heads), dim=1), fused)
 
+    def resident_empty(self, shape) -> torch.Tensor:
+        """An uninitialised tensor of the compute dtype for a weight built at load (fused, packed): on the
+        CPU on 2 MiB huge pages (`hugepages`; torch's allocator gives 4 KiB pages), as numpy already gives
+        the loader's reads."""
+        if self.device.type != "cpu" or not hugepages.enabled():
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        raw = hugepages.empty(int(np.prod(shape)) * self.dtype.itemsize)
+        return torch.from_numpy(raw).view(self.dtype).view(tuple(shape))
+
     def fuse_resident(self) -> None:
         """At load: each layer's q, k, v weights (and biases) as one matrix, so a token's projections
         are one call streaming one matrix. Same math; skipped for layers whose q/k/v are not plain
@@ -345,7 +355,8 @@ class TorchBackend(Backend):
             for kind in ("weight", "bias"):
                 parts = [self.w.get(f"{p}{n}.{kind}") for n in "qkv"]
                 if all(t is not None for t in parts):
-                    self.w[f"{p}qkv.{kind}"] = torch.cat(parts)
+                    out = self.resident_empty((sum(map(len, parts)), *parts[0].shape[1:])) if kind == "weight" else None
+                    self.w[f"{p}qkv.{kind}"] = torch.cat(parts, out=out)
                     for n in "qkv":
                         del self.w[f"{p}{n}.{kind}"]
 
@@ -445,11 +456,13 @@ class TorchBackend(Backend):
         dtype (quantized) and the "plain" kernels keep the rows as they are."""
         if not self.tuned or not all(type(t) is torch.Tensor and t.dtype == self.dtype for t in rows.values()):
             return rows
-        packed = {"down_t": rows["down"].t().contiguous()}
+        down = rows["down"]
+        packed = {"down_t": self.resident_empty(down.shape[::-1]).copy_(down.t())}
         if self.spec.gated_ffn:
-            packed["up_gate"] = torch.cat((rows["up"], rows["gate"]))
+            packed["up_gate"] = torch.cat((rows["up"], rows["gate"]), out=self.resident_empty(
+                (2 * len(rows["up"]), *rows["up"].shape[1:])))
         else:
-            packed["up"] = rows["up"].contiguous()
+            packed["up"] = self.resident_empty(rows["up"].shape).copy_(rows["up"])
         return packed
 
     def ffn_part(self, rows: dict, part: str):

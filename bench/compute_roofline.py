@@ -251,7 +251,7 @@ def part_bytes(model, cost, pos: int) -> dict[str, int]:
         w = s.window(layer)
         kv += 2 * min(pos + 1, w or pos + 1) * s.n_kv_heads * s.head_dim * B.itemsize
     if model.mode == "sparse":
-        ffn = sum(cost.neurons_cached) * len(model.layout.parts) * s.d_model * B.itemsize
+        ffn = sum(cost.neurons_cached) * B.cache_row_bytes(model.layout)  # as the cache holds them (int8/int4 codes too)
     else:
         ffn = model.plan.device_bytes()
     head = B.w["embed.weight"] if s.tied_embeddings else B.w["lm_head.weight"]

@@ -76,13 +76,30 @@ def down_survey(spec, dtypes, rounds: int, llc: int, parts: int = 2) -> list[dic
     return rows
 
 
-def ffn_survey(spec, dtypes, rounds: int, llc: int, threads=(1, 2)) -> list[dict]:
-    """One token's FFN over n = d_ffn / 2 bundle rows ([gate|]up|down, the cache's row stride) per path."""
+def torch_ffn(x, d: int):
+    """fn(rows): the torch backend's FFN over rows {[gate], up, down} [n, d] of x's dtype (session 5's path:
+    up and gate products, SiLU, the DOWN_KERNEL down projection)."""
     import torch
     import torch.nn.functional as F
 
-    from flashllm.backends import native
     from flashllm.backends.torch_backend import DOWN_CHUNK, DOWN_KERNEL, chunked_down
+
+    kernel, chunk, acc = DOWN_KERNEL[str(x.dtype).removeprefix("torch.")], torch.empty(DOWN_CHUNK, d), torch.empty(d)
+
+    def run(r):
+        up = F.linear(x, r["up"])
+        h = F.silu(F.linear(x, r["gate"])) * up if "gate" in r else F.silu(up)
+        if kernel == "chunked":
+            return chunked_down(h, r["down"], chunk, acc)
+        return torch.mv(r["down"].t(), h[0]) if kernel == "mv" else h @ r["down"]
+    return run
+
+
+def ffn_survey(spec, dtypes, rounds: int, llc: int, threads=(1, 2)) -> list[dict]:
+    """One token's FFN over n = d_ffn / 2 bundle rows ([gate|]up|down, the cache's row stride) per path."""
+    import torch
+
+    from flashllm.backends import native
     from flashllm.backends.torch_native import NATIVE_DTYPES, NativeKernels
 
     d, n, default_threads = spec.d_model, spec.d_ffn // 2, torch.get_num_threads()
@@ -96,15 +113,7 @@ def ffn_survey(spec, dtypes, rounds: int, llc: int, threads=(1, 2)) -> list[dict
             m = torch.randn(n, len(names) * d).to(dt) * d ** -0.5
             mats.append({p: m[:, k * d:(k + 1) * d] for k, p in enumerate(names)})
         x = torch.randn(1, d).to(dt)
-        chunk, acc = torch.empty(DOWN_CHUNK, d), torch.empty(d)
-
-        def torch_path(r):
-            up = F.linear(x, r["up"])
-            h = F.silu(F.linear(x, r["gate"])) * up if "gate" in r else F.silu(up)
-            if DOWN_KERNEL[dtype] == "chunked":
-                return chunked_down(h, r["down"], chunk, acc)
-            return torch.mv(r["down"].t(), h[0]) if DOWN_KERNEL[dtype] == "mv" else h @ r["down"]
-
+        torch_path = torch_ffn(x, d)
         for t in threads:
             torch.set_num_threads(t)
             cases = {"torch (session 5's path)": torch_path}
@@ -116,7 +125,59 @@ def ffn_survey(spec, dtypes, rounds: int, llc: int, threads=(1, 2)) -> list[dict
                 sec = _best(fn, mats, rounds)
                 rows.append(dict(dtype=dtype, threads=t, kernel=name, ms=sec * 1e3, best_gbps=nbytes / sec / GB))
     torch.set_num_threads(default_threads)
-    return rows
+    return rows + quant_ffn_survey(spec, [t for t in dtypes if t in ("int8", "int4")], rounds, llc, threads)
+
+
+def quant_ffn_survey(spec, names, rounds: int, llc: int, threads=(1, 2), group: int = 64) -> list[dict]:
+    """The FFN over n = d_ffn / 2 int8/int4 bundle rows as the converter stores them (asymmetric, groups of
+    `group`), bfloat16 activations: the native kernel over the codes as stored (QuantRows, dequantized in
+    registers) against torch's path over the same rows dequantized to bfloat16 beforehand (what the cache held
+    before: rows dequantized on insert, a cost not in this table) and that dequantization per row set. GB/s of
+    the bytes each case streams (codes and scales; bfloat16 rows for torch)."""
+    import numpy as np
+    import torch
+
+    from flashllm.backends import native
+    from flashllm.backends.torch_native import NativeKernels
+    from flashllm.backends.torch_quant import QuantRows, dequantize_rows
+    from flashllm.quant import QuantScheme
+
+    d, n, default_threads = spec.d_model, spec.d_ffn // 2, torch.get_num_threads()
+    names_ = ("gate", "up", "down") if spec.gated_ffn else ("up", "down")
+    lib, dt, out = native.library(), torch.bfloat16, []
+    group = math.gcd(group, d)  # tiny test shapes
+    for name in names:
+        q = QuantScheme.named(name, group, "asymmetric")
+        label = f"{name} g{group} (bfloat16 x)"
+        pb = q.part_bytes(d)
+        qbytes, bbytes = n * len(names_) * pb, n * len(names_) * d * dt.itemsize
+        gen = torch.Generator().manual_seed(0)
+        stores, plain = [], []
+        for _ in range(_copies(qbytes + bbytes, llc)):
+            w = (torch.randn(len(names_), n, d, generator=gen) * d ** -0.5).numpy()
+            raw = np.concatenate([q.quantize(p) for p in w], axis=1)
+            stores.append({p: QuantRows(raw, k * pb, q, d) for k, p in enumerate(names_)})
+            plain.append({p: dequantize_rows(raw[:, k * pb:(k + 1) * pb], q, d, dt, torch.device("cpu"))
+                          for k, p in enumerate(names_)})
+        x = torch.randn(1, d).to(dt)
+        for t in threads:
+            torch.set_num_threads(t)
+            sec = _best(lambda r: {p: dequantize_rows(v.raw[:, v.offset:v.offset + pb], q, d, dt, torch.device("cpu"))
+                                   for p, v in r.items()}, stores, rounds)
+            out.append(dict(dtype=label, threads=t, kernel="dequantize the rows to bfloat16",
+                            ms=sec * 1e3, best_gbps=qbytes / sec / GB))
+            if lib is None:
+                continue
+            kn, acc = NativeKernels(lib, t), torch.zeros(1, d)
+            cases = {"torch (session 5's path)": (plain, bbytes, torch_ffn(x, d)),
+                     "native one pass": (stores, qbytes, lambda r: kn.ffn(x, r, None, None, None, "silu", 0.0, None,
+                                                                          None, acc.zero_(), "gate" in r))}
+            for kernel, (items, nbytes, fn) in cases.items():
+                sec = _best(fn, items, rounds)
+                out.append(dict(dtype=label, threads=t, kernel=kernel, ms=sec * 1e3,
+                                best_gbps=nbytes / sec / GB))
+    torch.set_num_threads(default_threads)
+    return out
 
 
 def attention_survey(spec, dtypes, rounds: int, llc: int, lengths=(256, 2048)) -> list[dict]:

@@ -256,6 +256,38 @@ def test_compute_roofline_bench_lists_the_native_kernels(tiny_models, tmp_path):
 
 
 @needs_native
+def test_compute_roofline_bench_on_an_int4_model(tiny_models, tmp_path, monkeypatch):
+    """bench/compute_roofline.py on an int4 model: the FFN survey's int4 rows (native over the codes, torch over
+    dequantized rows, the dequantization itself), and the native run's FFN bytes are the cache's int4 rows (fewer
+    bytes per cached neuron than the torch run's bfloat16 rows)."""
+    from tiny import bench
+
+    model = convert(tiny_models("llama").ckpt, tmp_path / "int4", dtype="float16", quantize="int4", group_size=16,
+                    progress=False)
+    args = [str(model), "--mode", "sparse", "--dtype", "bfloat16", "--configs", "torch-1t", "after-1t", "--rounds",
+            "1", "--tokens", "2", "--warmup", "1", "--backends", "native", "--roofline-dtypes", "int4",
+            "--roofline-rounds", "1", "--attention-keys", "16"]
+    out = tmp_path / "roof.md"
+    bench("compute_roofline").main(args + ["--out", str(out)])
+    text = out.read_text()
+    for case in ("native one pass", "torch (session 5's path)", "dequantize the rows to bfloat16"):
+        assert case in text
+    assert "| int4 g64 (bfloat16 x), 2 threads | " in text
+    roof = bench("compute_roofline")
+    per_neuron = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("FLASHLLM_NATIVE", native)
+        m = flashllm.load(model, mode="sparse", dtype="bfloat16", predictor="oracle", window=2)
+        m._costs = []
+        m.logits(IDS, prefill=2)
+        cost = m._costs[-1]
+        per_neuron[native] = roof.part_bytes(m, cost, len(IDS))["ffn"] / sum(cost.neurons_cached)
+    lay = m.manifest.layout
+    # the same per-row extras either way; the parts as int4 codes + scales + mins against bfloat16 values
+    assert per_neuron["0"] - per_neuron["1"] == len(lay.parts) * (lay.d_model * 2 - lay.quant.part_bytes(lay.d_model))
+
+
+@needs_native
 @pytest.mark.parametrize("family", ["llama", "opt", "mistral", "phi", "persimmon", "qwen3", "gemma3", "falcon-mq"])
 def test_decode_attention_kernel_matches_the_torch_path(tiny_models, tmp_path, family):
     """The native decode attention (rotary, KV write, scores, softmax, values: GQA, sliding windows, partial

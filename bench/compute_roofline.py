@@ -70,6 +70,8 @@ CONFIGS = {  # name -> (load options, extra environment)
     # weights fused/packed at load on torch's 4 KiB pages (session 6), not flashllm's huge pages (hugepages.py)
     "after-2t-4k": (dict(kernels="tuned", compute_threads=2), {"FLASHLLM_HUGEPAGES": "0"}),
     "after-2t-noahead-4k": (dict(kernels="tuned", compute_threads=2, prefetch=False), {"FLASHLLM_HUGEPAGES": "0"}),
+    # reads through Linux AIO instead of io_uring's registered buffers (session 7's engine before uring)
+    "after-2t-aio": (dict(kernels="tuned", compute_threads=2), {"FLASHLLM_IO_ENGINE": "aio"}),
 }
 QUANT_GROUP = 64
 
@@ -284,9 +286,11 @@ def child(args) -> dict:
     ids = rng.integers(0, model.spec.vocab_size, args.warmup + args.tokens + 1).tolist()
     model._costs = []
     model.forward(ids[:1], 0)
-    per_token = []
+    per_token, beside = [], []
     for i, t in enumerate(ids[1:]):
         measured = i >= args.warmup
+        if i == args.warmup and args.beside_rounds:
+            beside.append(beside_roofline(model, args.beside_rounds))
         B.parts = timer if measured else None
         timer.reset()
         cpu0 = time.process_time()
@@ -300,14 +304,29 @@ def child(args) -> dict:
                                   total_ms=cost.total_ms, io_ms=cost.io_ms, mem_ms=cost.mem_ms, cpu_ms=cpu_ms,
                                   predictor_ms=cost.predictor_ms))
     B.parts = None
+    if args.beside_rounds:
+        time.sleep(0.5)  # the read-ahead's reads in flight finish first
+        beside.append(beside_roofline(model, args.beside_rounds))
     mean = lambda key: statistics.fmean(p[key] for p in per_token)  # noqa: E731
     return dict(config=args.config, backend=B.name, dtype=B.dtype_name, kernels=B.kernels(), load_s=load_s,
-                load=os.getloadavg()[0],
+                load=os.getloadavg()[0], beside_gbps=beside,
                 autogroup_nice=autogroup_nice(),
                 threads=_torch_threads(), omp_wait_policy="spin" if "GOMP_SPINCOUNT" in os.environ else os.environ.get("OMP_WAIT_POLICY"),
                 parts={k: statistics.fmean(p["parts"][k] for p in per_token) for k in per_token[0]["parts"]},
                 bytes={k: statistics.fmean(p["bytes"][k] for p in per_token) for k in per_token[0]["bytes"]},
                 **{k: mean(k) for k in ("compute_ms", "total_ms", "io_ms", "mem_ms", "predictor_ms", "cpu_ms")})
+
+
+def beside_roofline(model, rounds: int) -> float:
+    """The roofline in the child itself, just before and after its measured tokens: the best GB/s of the native
+    mat-vec on the model's shapes at the run's thread count, so each run's tokens are set against the memory
+    bandwidth of the same minute (it swung 24-41 GB/s between runs of one slot on this shared machine)."""
+    dtype, threads = model.backend.dtype_name, _torch_threads()
+    try:
+        rows = roofline(model.spec, ["native"], [dtype], rounds, torch_threads=(threads,))
+    except (RuntimeError, ValueError):
+        return 0.0
+    return max((r["best_gbps"] for r in rows), default=0.0)
 
 
 def autogroup_nice() -> int | None:
@@ -334,7 +353,8 @@ def run_child(args, config: str) -> dict:
 
 
 def _forward_args(args) -> list[str]:
-    out = ["--mode", args.mode, "--tokens", str(args.tokens), "--warmup", str(args.warmup), "--start-pos", str(args.start_pos),
+    out = ["--mode", args.mode, "--beside-rounds", str(args.beside_rounds), "--tokens", str(args.tokens),
+           "--warmup", str(args.warmup), "--start-pos", str(args.start_pos),
            "--window", str(args.window), "--predictor", args.predictor, "--predictor-rank", str(args.predictor_rank)]
     for key in ("dtype", "dram_budget", "trace", "context"):
         if getattr(args, key) is not None:
@@ -395,6 +415,12 @@ def report(meta, roof_rows, survey, runs) -> str:
             if bound:
                 lines.append(f"| {config} | | **compute / (bytes / roofline)** | "
                              f"{spread([r['compute_ms'] / bound for r in rs], '{:.2f}x')} (bound {bound:.0f} ms) | | | |")
+            beside = [(r["compute_ms"], max(r["beside_gbps"])) for r in rs if max(r.get("beside_gbps") or [0]) > 0]
+            if beside:
+                nbytes = sum(r0["bytes"].values())
+                lines.append(f"| {config} | | **compute / (bytes / roofline beside the tokens)** | "
+                             f"{spread([ms / (nbytes / GB / g * 1e3) for ms, g in beside], '{:.2f}x')} (roofline "
+                             f"{spread([g for _, g in beside])} GB/s) | | | |")
         lines += ["", "Other per-token costs (not compute): " + "; ".join(
             f"{c}: io {spread([r['io_ms'] for r in rs])} ms, mem {spread([r['mem_ms'] for r in rs])} ms, "
             f"process CPU {spread([r['cpu_ms'] for r in rs])} ms, load average {spread([r['load'] for r in rs])}, "
@@ -428,6 +454,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--roofline-dtypes", nargs="+", default=["bfloat16", "float16", "float32", "int8", "int4"],
                    help="(default: %(default)s)")
     p.add_argument("--roofline-rounds", type=int, default=3, help="0: no roofline (default: %(default)s)")
+    p.add_argument("--beside-rounds", type=int, default=1,
+                   help="native roofline rounds inside each run, before and after its measured tokens; 0: none "
+                        "(default: %(default)s)")
     p.add_argument("--attention-keys", type=int, nargs="+", default=[256, 2048],
                    help="cached keys of the attention survey (default: %(default)s)")
     p.add_argument("--survey-only", action="store_true", help="only the down-projection and attention surveys")

@@ -111,3 +111,19 @@ def test_compute_roofline_bench_reports_every_part(tiny_models, tmp_path):
         assert f"| after-1t | torch float32 1 | {part} |" in text
     assert "| before | torch float32 2 spin | ffn |" in text and "process CPU" in text
     assert "| float32, S=256 | " in text and "| float32 | " in text  # the attention and down-projection surveys
+
+
+def test_compute_roofline_sets_each_run_against_the_roofline_beside_its_tokens(tiny_models, tmp_path):
+    from tiny import bench
+
+    from flashllm.backends import native
+    if native.library() is None:
+        pytest.skip(f"no native kernels: {native.describe()}")
+    out = tmp_path / "roof.md"
+    bench("compute_roofline").main([str(tiny_models("llama").model_dir), "--mode", "sparse", "--dtype", "float16",
+                                    "--configs", "after-1t", "--rounds", "1", "--tokens", "2", "--warmup", "1",
+                                    "--backends", "native", "--roofline-dtypes", "float16", "--roofline-rounds", "0",
+                                    "--out", str(out)])
+    row = next(line for line in out.read_text().splitlines() if "roofline beside the tokens" in line)
+    ratio, rate = row.split("|")[4].split("x (roofline ")
+    assert float(ratio) > 0 and float(rate.split()[0]) > 0

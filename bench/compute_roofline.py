@@ -70,8 +70,8 @@ CONFIGS = {  # name -> (load options, extra environment)
     # weights fused/packed at load on torch's 4 KiB pages (session 6), not flashllm's huge pages (hugepages.py)
     "after-2t-4k": (dict(kernels="tuned", compute_threads=2), {"FLASHLLM_HUGEPAGES": "0"}),
     "after-2t-noahead-4k": (dict(kernels="tuned", compute_threads=2, prefetch=False), {"FLASHLLM_HUGEPAGES": "0"}),
-    # reads through Linux AIO instead of io_uring's registered buffers (session 7's engine before uring)
-    "after-2t-aio": (dict(kernels="tuned", compute_threads=2), {"FLASHLLM_IO_ENGINE": "aio"}),
+    # reads through io_uring with registered buffers (session 7's engine; Linux AIO is the default)
+    "after-2t-uring": (dict(kernels="tuned", compute_threads=2), {"FLASHLLM_IO_ENGINE": "io_uring"}),
 }
 QUANT_GROUP = 64
 

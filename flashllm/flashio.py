@@ -44,8 +44,10 @@ IO_ENGINES = ("auto", "io_uring", "aio", "preadv")
 
 
 def io_engine() -> str:
-    """$FLASHLLM_IO_ENGINE: "auto" (io_uring, else Linux AIO, for readers given an aio_depth), or forced:
-    "io_uring" (still Linux AIO where it is missing), "aio" (Linux AIO), "preadv" (reader threads)."""
+    """$FLASHLLM_IO_ENGINE: "auto" (Linux AIO for readers given an aio_depth, reader threads otherwise), or
+    forced: "io_uring" (still Linux AIO where it is missing), "aio" (Linux AIO), "preadv" (reader threads).
+    io_uring is not the default: inside the runtime it cost the 7B sparse token more CPU than Linux AIO and
+    no I/O time (bench/results/compute_roofline.md, session 8), though fio measured its reads cheaper."""
     choice = os.environ.get("FLASHLLM_IO_ENGINE", "auto").strip().lower() or "auto"
     if choice not in IO_ENGINES:
         raise FlashIOError(f"FLASHLLM_IO_ENGINE={choice!r}: expected one of {', '.join(IO_ENGINES)}")
@@ -231,11 +233,17 @@ class FlashReader:
     once and falls back to buffered reads plus ``posix_fadvise(DONTNEED)``, like ``direct=False``.
     ``threads``: reads in flight as one blocking preadv per read in each of ``threads`` threads.
     ``aio_depth > 0`` sends aligned reads through the kernel's asynchronous interface from the calling thread
-    where it works (Linux, direct I/O), ``aio_depth`` in flight: io_uring with the destinations registered
-    as fixed buffers (``flashllm.uring``), else Linux AIO. ``engine`` says "aio" (either) or "preadv" (threads),
+    where it works (Linux, direct I/O), ``aio_depth`` in flight: Linux AIO, or io_uring with the destinations
+    registered as fixed buffers (``flashllm.uring``) where $FLASHLLM_IO_ENGINE asks for it (at most
+    URING_QUEUE_SHARE of the device's queue in flight). ``engine`` says "aio" (either) or "preadv" (threads),
     ``kernel_io`` which interface ("io_uring", "linux-aio", "preadv"); $FLASHLLM_IO_ENGINE forces one.
     ``gap_bytes``: rows at most this far apart in the file are read with the gap in one read.
     """
+
+    # io_uring reads in flight: at most this share of the device's request queue. Past a full queue a read
+    # waits for a request in io_uring's kernel workers, which took the cores from the math: the 7B sparse
+    # token's FFN 276-352 ms at 2048 in flight, 70 at 192 (bench/results/compute_roofline.md, session 8).
+    URING_QUEUE_SHARE = 0.75
 
     def __init__(self, path, threads: int = 32, max_chunk_bytes: int = 1 << 20, direct: bool = True,
                  aio_depth: int = 0, gap_bytes: int = 0):
@@ -254,13 +262,14 @@ class FlashReader:
         bounce_bytes = self.max_chunk_bytes + 2 * self.alignment
         ctx = None
         if self.direct and aio_depth > 0 and choice != "preadv":
-            ctx = UringContext.open(int(aio_depth), self._fd) if choice in ("auto", "io_uring") else None
+            depth = min(int(aio_depth), max(1, int(device_queue(self.path) * self.URING_QUEUE_SHARE)))
+            ctx = UringContext.open(depth, self._fd) if choice == "io_uring" else None
             ctx = ctx or AioContext.open(int(aio_depth))
         self._aio = AioQueue(ctx, int(device_queue(self.path) * AioQueue.INLINE_SHARE)) if ctx is not None else None  # None: unavailable, all reads take preadv
         self._ring = ctx if isinstance(ctx, UringContext) else None  # registers destinations as fixed buffers
         self.engine = "aio" if self._aio else "preadv"
         self.kernel_io = "io_uring" if self._ring else "linux-aio" if self._aio else "preadv"
-        self.aio_depth = int(aio_depth) if self._aio else 0
+        self.aio_depth = ctx.depth if self._aio else 0
         self._queues = [queue.SimpleQueue() for _ in range(self.threads)]
         self._threads = [
             threading.Thread(target=_worker, name=f"flashio-{i}", daemon=True,

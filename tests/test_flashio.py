@@ -326,6 +326,25 @@ def test_io_uring_registers_large_destinations_while_they_live(data_file, monkey
             assert r._ring.registered == 0
 
 
+def test_default_engine_is_linux_aio_and_io_uring_keeps_within_the_device_queue(data_file, monkeypatch):
+    """auto takes Linux AIO (io_uring cost the runtime more CPU); a forced io_uring ring holds at most
+    URING_QUEUE_SHARE of the device's request queue in flight, so no read waits for a request in the kernel's
+    io_uring workers; every read of a call larger than that still arrives."""
+    path, data = data_file
+    rows = data.reshape(-1, 4096)
+    monkeypatch.delenv("FLASHLLM_IO_ENGINE", raising=False)
+    with aio_reader(path, threads=2, aio_depth=2048) as r:
+        assert r.kernel_io == "linux-aio" and r.aio_depth == 2048
+    monkeypatch.setenv("FLASHLLM_IO_ENGINE", "io_uring")
+    monkeypatch.setattr(flashio, "device_queue", lambda p: 8)
+    with aio_reader(path, threads=2, aio_depth=2048) as r:
+        assert r.aio_depth == 6 and r._ring.depth == 6
+        ids = np.arange(40) * 5
+        dest = aligned_empty((40, 4096), np.uint8)
+        r.read_rows(0, 4096, 4096, ids, dest, np.arange(40))
+        assert (dest == rows[ids]).all()
+
+
 def test_unknown_io_engine_is_a_clear_error(data_file, monkeypatch):
     monkeypatch.setenv("FLASHLLM_IO_ENGINE", "spdk")
     with pytest.raises(FlashIOError, match="FLASHLLM_IO_ENGINE='spdk': expected one of auto, io_uring, aio, preadv"):

@@ -460,7 +460,7 @@ class SparsePlan(StreamingPlan):
         if not self.read_ahead or self._residual is None or layer >= len(self.caches):
             return
         self._drop_prefetch()
-        with cost.timed("predictor_ms"):
+        with cost.timed("predictor_ms"), self.backend.untimed_parts():
             x = self.backend.norm(f"layers.{layer}.{self._norm}", self._residual)
             mask, scores = union(*predict_scored(self.predictor, layer, x))
         levels, cut, cache = self._levels(mask, scores), self._cut(layer), self.caches[layer]

@@ -36,7 +36,7 @@ def test_fused_at_load_holds_the_same_bytes(tiny_models):
 
 
 def test_part_timer_splits_compute(tiny_models):
-    model = flashllm.load(tiny_models("llama").model_dir, mode="sparse", predictor="oracle", threads=2)
+    model = flashllm.load(tiny_models("llama").model_dir, mode="sparse", predictor="oracle", threads=2, prefetch=True)
     model.forward(IDS[:4], 0)
     timer = PartTimer(model.backend.sync)
     model.backend.parts = timer
@@ -45,6 +45,7 @@ def test_part_timer_splits_compute(tiny_models):
     cost = model._costs[-1]
     assert all(timer.ms[p] > 0 for p in ("embed", "norms", "attn_proj", "attention", "ffn", "logits"))
     assert timer.calls["attn_proj"] == 2 * model.spec.n_layers  # fused q/k/v, then o
+    assert timer.calls["norms"] == 2 * model.spec.n_layers + 1  # not the read-ahead's (predictor time)
     assert sum(timer.ms.values()) <= cost.compute_ms
     timer.reset()
     model.forward(IDS[5:6], 5)  # no timer set: nothing is charged

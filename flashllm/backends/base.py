@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -220,6 +221,15 @@ class Backend:
     def _tic(self) -> float:
         """Start timing a compute part (free when no part timer is set)."""
         return time.perf_counter() if self.parts is not None else 0.0
+
+    @contextmanager
+    def untimed_parts(self):
+        """No compute part is charged inside (the read-ahead's predictor norms its input: predictor time)."""
+        parts, self.parts = self.parts, None
+        try:
+            yield
+        finally:
+            self.parts = parts
 
     def _toc(self, part: str, t0: float, out):
         """Charge the time since `t0` to `part` once `out` is computed; returns `out`."""

@@ -117,12 +117,10 @@ class NativeKernels:
         if not all(self._plain(t, x.dtype) and t.stride(1) == 1 and t.stride(0) == present[0].stride(0)
                    and t.shape == present[0].shape for t in present):
             return None
-        n, d = present[0].shape
-        extras = [t if t is None else t.contiguous() for t in (up_bias, gate_bias, gate_pre)]
-        if acc.numel() != d or x.shape[1] != d or not all(self._plain(t, x.dtype) and (t is None or t.numel() == n)
-                                                          for t in extras):
+        args = self._row_args(x, acc, present[0], index, (up_bias, gate_bias, gate_pre))
+        if args is None:
             return None
-        index = self._checked(index, n)
+        n, d, extras, index = args
         ptr = [None if t is None else t.data_ptr() for t in (*parts, *extras)]
         x = x.contiguous()
         rc = self.lib.ffn(native.DTYPES[dt], ptr[0], ptr[1], ptr[2], present[0].stride(0), d,
@@ -145,12 +143,10 @@ class NativeKernels:
                 or not acc.is_contiguous() or (gated and gate_pre is None and parts[1] is None) \
                 or not all(isinstance(t, QuantRows) and t.same_rows(present[0]) for t in present):
             return None
-        n, d = present[0].shape
-        extras = [t if t is None else t.contiguous() for t in (up_bias, gate_bias, gate_pre)]
-        if acc.numel() != d or x.shape[1] != d or not all(self._plain(t, x.dtype) and (t is None or t.numel() == n)
-                                                          for t in extras):
+        args = self._row_args(x, acc, present[0], index, (up_bias, gate_bias, gate_pre))
+        if args is None:
             return None
-        index = self._checked(index, n)
+        n, d, extras, index = args
         q, x = present[0].scheme, x.contiguous()
         ptr = [None if t is None else t.ptr() for t in parts] + [None if t is None else t.data_ptr() for t in extras]
         rc = self.lib.qffn(q.bits, int(q.symmetric), q.group_size, ptr[0], ptr[1], ptr[2], present[0].raw.strides[0], d,
@@ -161,6 +157,17 @@ class NativeKernels:
             raise MemoryError("native quantized FFN: out of memory")
         self.calls["qffn"] += 1
         return acc
+
+    def _row_args(self, x, acc, first, index, extras) -> tuple | None:
+        """(n, d, extras, index) for the FFN kernels over `first`'s [n, d] rows: the per-row values (up/gate
+        biases, resident gate pre-activations) contiguous, the index checked; None where they, x [1, d] or
+        acc [d] do not fit the kernels."""
+        n, d = first.shape
+        extras = [t if t is None else t.contiguous() for t in extras]
+        if acc.numel() != d or x.shape[1] != d or not all(self._plain(t, x.dtype) and (t is None or t.numel() == n)
+                                                          for t in extras):
+            return None
+        return n, d, extras, self._checked(index, n)
 
     @staticmethod
     def _checked(index: np.ndarray | None, n: int) -> np.ndarray | None:

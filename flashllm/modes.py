@@ -411,14 +411,15 @@ class SparsePlan(StreamingPlan):
 
     def before_ffn(self, layer: int, residual, cost) -> None:
         self._residual = residual if residual.shape[0] == cost.batch else None  # decode (one sequence or a batch)
-        self._poll()
+        self._poll(cost)
 
-    def _poll(self) -> None:
+    def _poll(self, cost) -> None:
         """Reap the read-ahead's completed reads without waiting (at sublayer boundaries): its read time
         then ends near when the disk finished, not when the layer waits for it (native AIO's reads are
-        counted until reaped)."""
+        counted until reaped). Reaping is I/O (io_ms)."""
         if self._pending is not None and self._pending[3] is not None:
-            self._pending[3].done()
+            with cost.timed("io_ms"):
+                self._pending[3].done()
 
     def _load(self, layer: int, active: np.ndarray, window: int, cost, split: bool = False) -> int:
         """One cache step: evict outside the window, then read the missing bundles into free rows
@@ -460,22 +461,23 @@ class SparsePlan(StreamingPlan):
         if not self.read_ahead or self._residual is None or layer >= len(self.caches):
             return
         self._drop_prefetch()
-        with cost.timed("predictor_ms"), self.backend.untimed_parts():
+        cache = self.caches[layer]
+        with cost.timed("predictor_ms"), self.backend.untimed_parts():  # the lookahead and its guess
             x = self.backend.norm(f"layers.{layer}.{self._norm}", self._residual)
             mask, scores = union(*predict_scored(self.predictor, layer, x))
-        levels, cut, cache = self._levels(mask, scores), self._cut(layer), self.caches[layer]
-        guess = np.flatnonzero(levels[cut]) if cut is not None else np.flatnonzero(mask)[:0]
-        if len(guess) > cache.capacity:  # `_fit` keeps the `capacity` best (as ranked there): read no others
-            best = np.argsort(-scores[guess], kind="stable")[:cache.capacity] if scores is not None else \
-                np.arange(cache.capacity)
-            guess = np.sort(guess[best])
+            levels, cut = self._levels(mask, scores), self._cut(layer)
+            guess = np.flatnonzero(levels[cut]) if cut is not None else np.flatnonzero(mask)[:0]
+            if len(guess) > cache.capacity:  # `_fit` keeps the `capacity` best (as ranked there): read no others
+                best = np.argsort(-scores[guess], kind="stable")[:cache.capacity] if scores is not None else \
+                    np.arange(cache.capacity)
+                guess = np.sort(guess[best])
         if not len(guess):  # nothing likely enough: only measure the lookahead
             ids, pending, rows = guess, None, guess if self.ahead_in_place else None
         elif self.ahead_in_place:
             keep = np.flatnonzero(scores > self.AHEAD_KEEP) if scores is not None else guess
             with cost.timed("mem_ms"):
                 ids = cache.reserve(guess, self.window, keep)
-            rows = cache.free_rows(len(ids))
+                rows = cache.free_rows(len(ids))
             with cost.timed("io_ms"):  # building and submitting the requests is I/O, not compute
                 pending = self.reader.submit(layer, ids, cache.store.landing(), rows)
         else:
@@ -501,20 +503,22 @@ class SparsePlan(StreamingPlan):
         if pending is not None:
             with cost.timed("io_ms"):
                 cost.add_io(pending.wait())
-        needed = np.zeros(levels.shape[1], dtype=bool)  # (a mask: no sorting, unlike np.isin)
-        needed[active] = True
-        if len(cost.lookahead_active) > layer:  # decode: the recall of the lookahead vs this prediction
-            cost.lookahead_found[layer] = np.count_nonzero(needed[predicted])
-            cost.lookahead_active[layer], cost.lookahead_named[layer] = len(active), len(predicted)
-        named, right = np.count_nonzero(levels, axis=1), np.count_nonzero(levels[:, active], axis=1)
-        self.ahead_named[layer] += self.AHEAD_EMA * (named - self.ahead_named[layer])
-        self.ahead_right[layer] += self.AHEAD_EMA * (right - self.ahead_right[layer])
+        with cost.timed("predictor_ms"):  # the lookahead's recall and running precision per cut
+            needed = np.zeros(levels.shape[1], dtype=bool)  # (a mask: no sorting, unlike np.isin)
+            needed[active] = True
+            if len(cost.lookahead_active) > layer:  # decode: the recall of the lookahead vs this prediction
+                cost.lookahead_found[layer] = np.count_nonzero(needed[predicted])
+                cost.lookahead_active[layer], cost.lookahead_named[layer] = len(active), len(predicted)
+            named, right = np.count_nonzero(levels, axis=1), np.count_nonzero(levels[:, active], axis=1)
+            self.ahead_named[layer] += self.AHEAD_EMA * (named - self.ahead_named[layer])
+            self.ahead_right[layer] += self.AHEAD_EMA * (right - self.ahead_right[layer])
         if rows is None:
             return 0  # in the prefetch buffer: `_use_prefetch` places what the layer needs
         self._pending = None
         cache = self.caches[layer]
-        cache.store.placed(ids, rows, cost)
-        cache.append(ids)
+        cache.store.placed(ids, rows, cost)  # (times its own placing)
+        with cost.timed("mem_ms"):
+            cache.append(ids)
         unused = len(ids) - int(needed[ids].sum())
         cost.prefetch_unused += unused
         cost.bytes_wasted += unused * self.lay.stride  # read ahead for nothing
@@ -628,7 +632,7 @@ class SparsePlan(StreamingPlan):
             y = self._compute_split(layer, x, pre, cost) if self._landing else \
                 self._compute(layer, x, self.caches[layer].num_used, True, pre)
             cost.neurons_cached.append(self.caches[layer].held())
-            self._poll()
+            self._poll(cost)
             return y
         return self._prefill(layer, x, mask, scores, cost, pre)
 

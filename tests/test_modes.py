@@ -112,6 +112,30 @@ def test_submitting_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeyp
     assert io_ms >= 10.0 * len(calls) > 0
 
 
+def test_reaping_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeypatch):
+    """The read-ahead's completions reaped at sublayer boundaries (without waiting) are I/O: each such poll is
+    inside the forward's io_ms."""
+    import time
+
+    from flashllm.ffn_reader import PendingNeurons
+
+    tiny = tiny_models("opt")
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True)
+    model.plan.AHEAD_PRECISION = 0.0  # read ahead whatever the lookahead's precision
+    calls, real = [], PendingNeurons.done
+
+    def slow_done(self):
+        calls.append(1)
+        time.sleep(0.01)
+        return real(self)
+
+    monkeypatch.setattr(PendingNeurons, "done", slow_done)
+    model.logits(IDS[:PREFILL + 6], prefill=PREFILL)
+    assert model.stats["neurons_prefetched"] > 0
+    io_ms = sum(c["io_ms"] for c in model.token_stats)
+    assert io_ms >= 10.0 * len(calls) > 0
+
+
 def test_read_ahead_through_a_buffer_matches_reading_when_known(tiny_models):
     """Where reads cannot land in cache rows (compute dtype != storage), read-ahead goes through a buffer."""
     tiny = tiny_models("opt")

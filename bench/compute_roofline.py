@@ -309,12 +309,24 @@ def child(args) -> dict:
         beside.append(beside_roofline(model, args.beside_rounds))
     mean = lambda key: statistics.fmean(p[key] for p in per_token)  # noqa: E731
     return dict(config=args.config, backend=B.name, dtype=B.dtype_name, kernels=B.kernels(), load_s=load_s,
-                load=os.getloadavg()[0], beside_gbps=beside,
+                load=os.getloadavg()[0], beside_gbps=beside, anon_huge_gb=anon_huge_gb(),
                 autogroup_nice=autogroup_nice(),
                 threads=_torch_threads(), omp_wait_policy="spin" if "GOMP_SPINCOUNT" in os.environ else os.environ.get("OMP_WAIT_POLICY"),
                 parts={k: statistics.fmean(p["parts"][k] for p in per_token) for k in per_token[0]["parts"]},
                 bytes={k: statistics.fmean(p["bytes"][k] for p in per_token) for k in per_token[0]["bytes"]},
                 **{k: mean(k) for k in ("compute_ms", "total_ms", "io_ms", "mem_ms", "predictor_ms", "cpu_ms")})
+
+
+def anon_huge_gb() -> float | None:
+    """GB of this process's anonymous memory on transparent huge pages (Linux), else None: whether the weights
+    and caches got the 2 MiB pages they asked for decides how fast they stream."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024 / GB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def beside_roofline(model, rounds: int) -> float:
@@ -425,6 +437,8 @@ def report(meta, roof_rows, survey, runs) -> str:
             f"{c}: io {spread([r['io_ms'] for r in rs])} ms, mem {spread([r['mem_ms'] for r in rs])} ms, "
             f"process CPU {spread([r['cpu_ms'] for r in rs])} ms, load average {spread([r['load'] for r in rs])}, "
             f"predictor {spread([r['predictor_ms'] for r in rs])} ms, total {spread([r['total_ms'] for r in rs])} ms"
+            + (f", on 2 MiB pages {spread([r['anon_huge_gb'] for r in rs], '{:.2f}')} GB"
+               if all(r.get("anon_huge_gb") is not None for r in rs) else "")
             for c, rs in by.items()), ""]
     return "\n".join(lines)
 

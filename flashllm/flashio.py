@@ -47,7 +47,7 @@ def io_engine() -> str:
     """$FLASHLLM_IO_ENGINE: "auto" (Linux AIO for readers given an aio_depth, reader threads otherwise), or
     forced: "io_uring" (still Linux AIO where it is missing), "aio" (Linux AIO), "preadv" (reader threads).
     io_uring is not the default: inside the runtime it cost the 7B sparse token more CPU than Linux AIO and
-    no I/O time (bench/results/compute_roofline.md, session 8), though fio measured its reads cheaper."""
+    saved no I/O time, though fio measured its reads cheaper (bench/results/compute_roofline.md, session 8)."""
     choice = os.environ.get("FLASHLLM_IO_ENGINE", "auto").strip().lower() or "auto"
     if choice not in IO_ENGINES:
         raise FlashIOError(f"FLASHLLM_IO_ENGINE={choice!r}: expected one of {', '.join(IO_ENGINES)}")
@@ -262,8 +262,9 @@ class FlashReader:
         bounce_bytes = self.max_chunk_bytes + 2 * self.alignment
         ctx = None
         if self.direct and aio_depth > 0 and choice != "preadv":
-            depth = min(int(aio_depth), max(1, int(device_queue(self.path) * self.URING_QUEUE_SHARE)))
-            ctx = UringContext.open(depth, self._fd) if choice == "io_uring" else None
+            if choice == "io_uring":
+                queue_share = max(1, int(device_queue(self.path) * self.URING_QUEUE_SHARE))
+                ctx = UringContext.open(min(int(aio_depth), queue_share), self._fd)
             ctx = ctx or AioContext.open(int(aio_depth))
         self._aio = AioQueue(ctx, int(device_queue(self.path) * AioQueue.INLINE_SHARE)) if ctx is not None else None  # None: unavailable, all reads take preadv
         self._ring = ctx if isinstance(ctx, UringContext) else None  # registers destinations as fixed buffers

@@ -230,7 +230,12 @@ def read_manifest(model_dir: str | Path, verify: bool | None = None) -> Manifest
     """Read and validate a model directory; `verify` None checksums only files up to 256 MiB."""
     root = Path(model_dir)
     mpath = root / MANIFEST
-    if not mpath.is_file():  # one message whether the directory or only its manifest is missing
+    if not mpath.is_file():
+        if not root.exists():
+            raise FlashLLMError(f"{root}: no such model directory")
+        if (root / "config.json").is_file():  # a Hugging Face checkpoint given where a converted model goes
+            raise FlashLLMError(f"{root}: a Hugging Face checkpoint, not a flashllm model directory; run "
+                                f"`flashllm convert {root} OUT_DIR` and use OUT_DIR")
         raise FlashLLMError(f"{root}: not a flashllm model directory (no {MANIFEST}); run `flashllm convert "
                             f"HF_DIR {root}` first")
     try:

@@ -162,16 +162,22 @@ def test_console_script_exit_code(flash, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "flashllm.cli", "inspect", str(tmp_path / "nope")],
                           capture_output=True, text=True)
     assert proc.returncode == 1
-    assert "not a flashllm model directory" in proc.stderr and "Traceback" not in proc.stderr
+    assert "no such model directory" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_missing_directory_and_missing_manifest_give_one_message(capsys, tmp_path):
-    """A path that does not exist and a directory without a manifest are the same mistake: one message."""
+def test_a_wrong_model_path_says_which_mistake_it_is(capsys, tmp_path):
+    """A path that does not exist, a directory without a manifest and a Hugging Face checkpoint given where a
+    converted model goes: each its own one-line error, the last naming the convert command to run."""
     from flashllm.cli import main
 
     (tmp_path / "empty").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
     errors = []
-    for path in (tmp_path / "nope", tmp_path / "empty"):
+    for path in (tmp_path / "nope", tmp_path / "empty", tmp_path / "ckpt"):
         assert main(["inspect", str(path)]) == 1
-        errors.append(capsys.readouterr().err.replace(str(path), "PATH"))
-    assert errors[0] == errors[1] and "run `flashllm convert HF_DIR PATH` first" in errors[0]
+        errors.append(capsys.readouterr().err.replace(str(path), "PATH").strip())
+    assert errors[0] == "flashllm: error: PATH: no such model directory"
+    assert "not a flashllm model directory" in errors[1] and "run `flashllm convert HF_DIR PATH` first" in errors[1]
+    assert "a Hugging Face checkpoint" in errors[2] and "run `flashllm convert PATH OUT_DIR`" in errors[2]
+    assert all(len(e.splitlines()) == 1 for e in errors)

@@ -213,8 +213,10 @@ def cmd_eval(args) -> None:
     from flashllm.cli import load_options
 
     from .evaluate import evaluate
-    from .report import format_report, write_sweep
+    from .report import check_out_prefix, format_report, write_sweep
 
+    if args.out:
+        check_out_prefix(args.out)
     options = load_options(args)
     results = [evaluate(args.model_dir, args.data, options.replace(dtype=dtype), budgets=args.sweep_budget,
                         max_tokens=args.max_tokens, gen_tokens=args.gen_tokens, prompt_tokens=args.prompt_tokens,

@@ -142,13 +142,19 @@ def plot_sweep(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_sweep(results: list[dict], prefix: str | Path, command: str) -> list[Path]:
-    """PREFIX.json (every figure), PREFIX.md (the table and the command) and PREFIX.png (where
-    matplotlib is installed: the `bench` extra). Returns the paths written."""
+def check_out_prefix(prefix: str | Path) -> Path:
+    """`--out PREFIX` whose directory exists (checked before a sweep of minutes to hours, and again on writing)."""
     prefix = Path(prefix)
     if not prefix.parent.is_dir():
         from flashllm.errors import FlashLLMError
         raise FlashLLMError(f"--out {prefix}: directory {prefix.parent} does not exist")
+    return prefix
+
+
+def write_sweep(results: list[dict], prefix: str | Path, command: str) -> list[Path]:
+    """PREFIX.json (every figure), PREFIX.md (the table and the command) and PREFIX.png (where
+    matplotlib is installed: the `bench` extra). Returns the paths written."""
+    prefix = check_out_prefix(prefix)
     paths = [prefix.with_suffix(".json"), prefix.with_suffix(".md"), prefix.with_suffix(".png")]
     _write(paths[0], lambda p: p.write_text(json.dumps({"command": command, "results": results}, indent=1) + "\n"))
     r0 = results[0]

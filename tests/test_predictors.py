@@ -403,3 +403,15 @@ def test_eval_report_shows_small_flash_reads_in_their_unit_and_no_ratio_at_an_un
     half = format_point({**base, "dram_budget": 0.5, "budget_bytes": 2**22, "bytes_per_token": 256 * 1024.0,
                          "naive_over_sparse": naive / (256 * 1024)})[3]
     assert "256.00 KiB (72.3x fewer than naive)" in half
+
+
+def test_eval_checks_its_out_directory_before_evaluating(tiny_models, texts, tmp_path, capsys, monkeypatch):
+    """A sweep takes minutes to hours: a missing --out directory is refused before it, not after."""
+    import predictors.evaluate
+
+    model_dir = own_copy(tiny_models, "opt", tmp_path)
+    write_random_predictors(model_dir)
+    monkeypatch.setattr(predictors.evaluate, "evaluate", lambda *a, **k: pytest.fail("evaluated before --out"))
+    out = tmp_path / "nope" / "q"
+    code, _, err = run_cli(capsys, "predictors", "eval", model_dir, "--data", texts["heldout"], "--out", out)
+    assert code == 1 and err == f"flashllm: error: --out {out}: directory {out.parent} does not exist\n", err

@@ -236,9 +236,14 @@ def load_options(args: argparse.Namespace):
 def cmd_convert(args) -> None:
     from .converters import convert
 
+    old = Path(args.out)
+    before = set(os.listdir(old)) if args.force and old.is_dir() else set()
     out = convert(args.src, args.out, dtype=args.dtype, quantize=args.quantize, group_size=args.group_size, force=args.force,
                   bundled=not args.no_bundle, expert_layout=args.expert_layout)
     print(f"wrote {out}")
+    gone = sorted(before - set(os.listdir(out)))  # e.g. predictors trained for the replaced model
+    if gone:
+        print(f"flashllm: note: removed with the replaced model: {', '.join(gone)}", file=sys.stderr)
 
 
 def read_prompt(args) -> str:

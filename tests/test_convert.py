@@ -174,8 +174,10 @@ def test_force_replaces_only_a_model_directory_or_an_empty_one(capsys, ckpt, tmp
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["convert", str(ckpt), str(empty), "--force"]) == 0 and (empty / fmt.MANIFEST).is_file()
-    (empty / "predictors.json").write_text("{}")  # written beside the model: replaced with the model
+    capsys.readouterr()
+    (empty / "predictors.json").write_text("{}")  # written beside the model: replaced with the model, and said so
     assert main(["convert", str(ckpt), str(empty), "--force"]) == 0
+    assert "flashllm: note: removed with the replaced model: predictors.json\n" in capsys.readouterr().err
     assert sorted(os.listdir(empty)) == sorted(os.listdir(tiny_dir := convert(ckpt, tmp_path / "ref")))
     assert no_partial_dirs(tmp_path) and tiny_dir.is_dir()
 

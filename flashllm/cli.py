@@ -322,12 +322,19 @@ def format_stats(stats: dict) -> str:
 
 def cmd_inspect(args) -> None:
     from . import format as fmt
+    from .predictor import PREDICTOR_FILE, PREDICTOR_META, verify_predictor_files
     from .sparsity import read_sparsity
 
     manifest = fmt.read_manifest(args.model_dir, verify=args.verify)
     sparsity = read_sparsity(manifest)
     data = manifest.data
     sizes = {key: entry["size"] for key, entry in data["files"].items()}
+    trained = (manifest.root / PREDICTOR_META).is_file() or (manifest.root / PREDICTOR_FILE).is_file()
+    if trained:  # trained beside the model: listed, and checked in full with --verify
+        if args.verify:
+            verify_predictor_files(manifest)
+        sizes.update({name: (manifest.root / name).stat().st_size for name in (PREDICTOR_META, PREDICTOR_FILE)
+                      if (manifest.root / name).is_file()})
     info = {"model_dir": str(manifest.root), "format_version": data["format_version"], "dtype": data["dtype"],
             "quantization": data.get("quantization", "none"), **({"quantization_params": data["ffn"]["quantization"]}
                                                                   if manifest.layout.quant else {}),
@@ -348,7 +355,7 @@ def cmd_inspect(args) -> None:
     print(f"bundle: {'+'.join(manifest.layout.parts)} = {manifest.layout.bundle_bytes} bytes, "
           f"stride {manifest.layout.stride}" + (f", {q.name} {q.scheme} groups of {q.group_size}" if q else ""))
     for key, size in sizes.items():
-        print(f"  {data['files'][key]['path']:<28} {size / 2**20:10.2f} MiB")
+        print(f"  {data['files'][key]['path'] if key in data['files'] else key:<28} {size / 2**20:10.2f} MiB")
     print("checksums verified: " + info["checksums_verified"])
     if sparsity:
         print(sparsity.describe(s.activation))

@@ -115,6 +115,32 @@ class GatePredictor(OraclePredictor):
         return sum(self.backend.nbytes_of(t) for t in self.rows)
 
 
+def verify_predictor_files(manifest) -> dict:
+    """The trained predictors' metadata, once their files are there, readable, for this model's layers and
+    weights, and the weights file matches its sha256 (at load, and in `flashllm inspect --verify`)."""
+    root = manifest.root
+    meta_path, st_path = root / PREDICTOR_META, root / PREDICTOR_FILE
+    if not meta_path.is_file() or not st_path.is_file():
+        missing = meta_path if not meta_path.is_file() else st_path
+        raise FlashLLMError(f"{missing}: missing (no trained predictors); train them with `flashllm predictors "
+                            f"train {root} --data TEXT`, or pass --predictor oracle")
+    try:
+        meta = json.loads(meta_path.read_text())
+        layers = meta["layers"]
+        ok = meta.get("format") == PREDICTOR_FORMAT and meta.get("format_version") == PREDICTOR_VERSION
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FlashLLMError(f"{meta_path}: unreadable predictor metadata ({exc})") from None
+    if not ok or len(layers) != manifest.spec.n_layers:
+        raise FlashLLMError(f"{meta_path}: not predictors for this model (format/version or layer count)")
+    trained_for = (meta.get("model") or {}).get("sha256", {}).get("ffn")
+    if trained_for and trained_for != manifest.data["files"]["ffn"]["sha256"]:
+        raise FlashLLMError(f"{meta_path}: these predictors were trained for different weights "
+                            f"(ffn.bin sha256 {trained_for[:12]}...); train them again for this model")
+    if meta.get("sha256") and fmt.sha256_file(st_path) != meta["sha256"]:
+        raise FlashLLMError(f"{st_path}: checksum mismatch (train the predictors again)")
+    return meta
+
+
 class LowRankPredictor:
     """sigmoid(B (A x) + b) > threshold per layer, with weights and thresholds from the model dir."""
 
@@ -123,24 +149,8 @@ class LowRankPredictor:
     def __init__(self, ctx):
         root, spec, self.backend = ctx.manifest.root, ctx.spec, ctx.backend
         meta_path, st_path = root / PREDICTOR_META, root / PREDICTOR_FILE
-        if not meta_path.is_file() or not st_path.is_file():
-            missing = meta_path if not meta_path.is_file() else st_path
-            raise FlashLLMError(f"{missing}: missing (no trained predictors); train them with `flashllm predictors "
-                                f"train {root} --data TEXT`, or pass --predictor oracle")
-        try:
-            meta = json.loads(meta_path.read_text())
-            layers = meta["layers"]
-            ok = meta.get("format") == PREDICTOR_FORMAT and meta.get("format_version") == PREDICTOR_VERSION
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise FlashLLMError(f"{meta_path}: unreadable predictor metadata ({exc})") from None
-        if not ok or len(layers) != spec.n_layers:
-            raise FlashLLMError(f"{meta_path}: not predictors for this model (format/version or layer count)")
-        trained_for = (meta.get("model") or {}).get("sha256", {}).get("ffn")
-        if trained_for and trained_for != ctx.manifest.data["files"]["ffn"]["sha256"]:
-            raise FlashLLMError(f"{meta_path}: these predictors were trained for different weights "
-                                f"(ffn.bin sha256 {trained_for[:12]}...); train them again for this model")
-        if meta.get("sha256") and fmt.sha256_file(st_path) != meta["sha256"]:
-            raise FlashLLMError(f"{st_path}: checksum mismatch (train the predictors again)")
+        meta = verify_predictor_files(ctx.manifest)
+        layers = meta["layers"]
         trained = (meta.get("activation_rule") or {}).get("thresholds")
         have = None if ctx.sparsity is None else list(ctx.sparsity.thresholds)
         if (trained is not None or have is not None) and (trained is None or have is None or trained != have):

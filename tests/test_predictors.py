@@ -415,3 +415,23 @@ def test_eval_checks_its_out_directory_before_evaluating(tiny_models, texts, tmp
     out = tmp_path / "nope" / "q"
     code, _, err = run_cli(capsys, "predictors", "eval", model_dir, "--data", texts["heldout"], "--out", out)
     assert code == 1 and err == f"flashllm: error: --out {out}: directory {out.parent} does not exist\n", err
+
+
+def test_inspect_lists_trained_predictors_and_verify_checks_them(tiny_models, tmp_path, capsys):
+    """`inspect --verify` checks every file in full, the trained predictors beside the model included."""
+    from flashllm import format as fmt
+    from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_META
+
+    model_dir = own_copy(tiny_models, "opt", tmp_path)
+    write_random_predictors(model_dir)
+    meta = json.loads((model_dir / PREDICTOR_META).read_text())
+    meta["sha256"] = fmt.sha256_file(model_dir / PREDICTOR_FILE)
+    (model_dir / PREDICTOR_META).write_text(json.dumps(meta))
+    code, out, _ = run_cli(capsys, "inspect", model_dir, "--verify")
+    assert code == 0 and PREDICTOR_FILE in out and PREDICTOR_META in out and "checksums verified: all" in out
+    raw = bytearray((model_dir / PREDICTOR_FILE).read_bytes())
+    raw[-1] ^= 0xFF
+    (model_dir / PREDICTOR_FILE).write_bytes(bytes(raw))
+    assert run_cli(capsys, "inspect", model_dir)[0] == 0  # without --verify: small files of the manifest only
+    code, out, err = run_cli(capsys, "inspect", model_dir, "--verify")
+    assert code == 1 and err == f"flashllm: error: {model_dir / PREDICTOR_FILE}: checksum mismatch (train the predictors again)\n"

@@ -151,7 +151,12 @@ def auto_options(model_dir, options):
         except FlashLLMError:
             pass
     log = _log(False)
-    plan = plan_for(model_dir, options.dram_budget, [options.dtype] if options.dtype else None, options.context,
-                    log=log)
+    try:
+        plan = plan_for(model_dir, options.dram_budget, [options.dtype] if options.dtype else None, options.context,
+                        log=log)
+    except FlashLLMError as exc:  # its advice names `flashllm plan`'s options: say how to use them from here
+        raise FlashLLMError(f"--plan auto: {exc}. `flashllm plan {model_dir}` with the same --dram-budget takes "
+                            f"those options and saves a plan that --plan auto then uses; or pass --dtype or a "
+                            f"smaller --context here") from None
     log(plan.describe().splitlines()[0] + f" (saved in {model_dir}/{planner.PLAN_FILE})")
     return options.replace(**plan.load_options())

@@ -226,6 +226,19 @@ def test_plan_errors_are_one_line(planned_model, cached_profiles, capsys, recwar
                  "--sample-tokens", "64", "--calibrate-tokens", "0"]) == 0
 
 
+def test_plan_auto_that_finds_nothing_says_how_to_plan_over_more(planned_model, cached_profiles, capsys):
+    """generate has no --dtypes/--max-dropped: a --plan auto refusal points to `flashllm plan`, which has them."""
+    from flashllm.cli import main
+
+    (planned_model / planner.PLAN_FILE).unlink(missing_ok=True)
+    capsys.readouterr()
+    assert main(["generate", str(planned_model), "--prompt", "def main", "--max-new-tokens", "2", "--plan", "auto",
+                 "--dram-budget", "20KiB", "--context", "64"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the planner's progress lines
+    assert err.startswith("flashllm: error: --plan auto: ") and "nothing fits" in err, err
+    assert f"`flashllm plan {planned_model}` with the same --dram-budget" in err
+
+
 def test_a_budget_that_only_fits_by_dropping_says_so_and_max_dropped_plans_it(planned_model):
     """At sparse mode's smallest budget (one cache row per layer) every token drops predicted neurons: the
     refusal names --max-dropped, and with it the plan is made."""

@@ -33,12 +33,13 @@ def add_parser(sub) -> None:
 def run(args) -> None:
     from . import load
     from .chat_template import ChatTemplate
-    from .cli import format_stats, load_options
+    from .cli import format_stats, load_options, warn_if_context_cut
     from .format import read_manifest
 
     # a model without a template (or a bad --chat-template) fails here, before the weights are loaded
     template = ChatTemplate.resolve(read_manifest(args.model_dir, verify=False).root, args.chat_template)
     model = load(args.model_dir, load_options(args))
+    warn_if_context_cut(args, model)
     model.chat_template = template
     try:
         import readline  # noqa: F401  (line editing and history for input())

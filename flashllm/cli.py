@@ -233,6 +233,13 @@ def load_options(args: argparse.Namespace):
     return options
 
 
+def warn_if_context_cut(args, model) -> None:
+    """A --context beyond the model's positions runs at the model's: said on stderr, not silently."""
+    if getattr(args, "context", None) and args.context > model.context:
+        print(f"flashllm: warning: --context {args.context}: the model has {model.context} positions; the KV cache "
+              f"holds {model.context}", file=sys.stderr)
+
+
 def cmd_convert(args) -> None:
     from .converters import convert
 
@@ -269,9 +276,7 @@ def cmd_generate(args) -> None:
 
     prompt = read_prompt(args)
     model = load(args.model_dir, load_options(args))
-    if args.context and args.context > model.context:
-        print(f"flashllm: warning: --context {args.context}: the model has {model.context} positions; the KV cache "
-              f"holds {model.context}", file=sys.stderr)
+    warn_if_context_cut(args, model)
     pieces = model.stream(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_p=args.top_p, seed=args.seed, stop=args.stop)
     if args.json:
@@ -279,9 +284,11 @@ def cmd_generate(args) -> None:
         print(json.dumps({"text": text, "token_ids": run.token_ids, "stop_reason": run.stop_reason,
                           "stats": model.stats}))
         return
-    for piece in pieces:
-        print(piece, end="", flush=True)
-    print()
+    try:
+        for piece in pieces:
+            print(piece, end="", flush=True)
+    finally:
+        print()  # the text's line ends before anything else is written, an error included
     if model.last_stop_reason == "context":
         further = "the model has no more positions" if model.context >= model.spec.context_limit else \
             "load with a larger --context to continue further"

@@ -135,3 +135,17 @@ def test_chat_without_a_template_is_one_clear_line_before_loading(chat_model, ca
 
 def text(raw: bytes) -> str:
     return raw.replace(b"\r\n", b"\n").decode()
+
+
+def test_chat_states_a_context_beyond_the_model(chat_model, capsys, monkeypatch):
+    """As generate does: a --context above the model's positions is capped with a warning, not silently."""
+    import io
+
+    from flashllm.cli import main
+
+    limit = flashllm.load(chat_model).spec.context_limit
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # end of input at the first prompt
+    assert main(["chat", str(chat_model), "--chat-template", "plain", "--context", str(limit * 4)]) == 0
+    err = capsys.readouterr().err
+    assert (f"flashllm: warning: --context {limit * 4}: the model has {limit} positions; the KV cache holds {limit}"
+            in err) and f"context {limit} tokens" in err, err

@@ -192,3 +192,16 @@ def test_closed_pipe_is_quiet(flash):
     proc.stdout.close()  # the reader is gone before the first byte
     err = proc.stderr.read().decode()
     assert proc.wait() == 141 and err == "", err
+
+
+def test_an_error_after_streamed_text_starts_on_its_own_line(capsys, flash, monkeypatch):
+    """Text streamed without a final newline is ended before the error is written (it was glued to it)."""
+    from flashllm.model import Model
+
+    def fail_midway(self, *a, **k):
+        yield "partial"
+        raise flashllm.FlashLLMError("layer 0: refused")
+
+    monkeypatch.setattr(Model, "stream", fail_midway)
+    code, out, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--max-new-tokens", 4)
+    assert code == 1 and out == "partial\n" and err == "flashllm: error: layer 0: refused\n"

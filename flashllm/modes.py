@@ -378,13 +378,19 @@ class SparsePlan(StreamingPlan):
         if not short:
             return
         i, c, w = max(short, key=lambda s: s[2] - s[1])
-        option, budget = self.ctx.budget_option, self.ctx.budget
+        option, budget, opts = self.ctx.budget_option, self.ctx.budget, self.ctx.options
         enough = budget_mod.format_size(base + sum(want) * row)
+        over = sum(w - c for _, c, w in short)
+        if opts.batch_size > 1:  # a batch's union that does not fit is streamed through the rows, never dropped
+            then = "batch steps whose predicted neurons exceed a cache stream them through its rows (exact, slower)"
+        elif opts.on_overflow == "error":
+            then = f"tokens predicting more than a cache holds (about {over} neurons per token over) are refused"
+        else:
+            then = (f"about {over} predicted neurons per token will be dropped, at a quality cost that `flashllm "
+                    f"predictors eval MODEL --data TEXT {option} ...` measures")
         warnings.warn(f"{option} {budget_mod.format_size(budget)}: {len(short)} of {len(want)} layer caches hold fewer "
-                      f"neurons than their predictors select per token on average (layer {i}: {c} for {w}), so about "
-                      f"{sum(w - c for _, c, w in short)} predicted neurons per token will be dropped, at a quality "
-                      f"cost that `flashllm predictors eval MODEL --data TEXT {option} ...` measures; {option} "
-                      f"{enough} avoids it", RuntimeWarning, stacklevel=4)
+                      f"neurons than their predictors select per token on average (layer {i}: {c} for {w}), so "
+                      f"{then}; {option} {enough} avoids it", RuntimeWarning, stacklevel=4)
 
     def describe(self) -> dict:
         sparsity = self.ctx.sparsity

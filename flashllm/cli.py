@@ -336,12 +336,11 @@ def cmd_inspect(args) -> None:
     sparsity = read_sparsity(manifest)
     data = manifest.data
     sizes = {key: entry["size"] for key, entry in data["files"].items()}
-    trained = (manifest.root / PREDICTOR_META).is_file() or (manifest.root / PREDICTOR_FILE).is_file()
-    if trained:  # trained beside the model: listed, and checked in full with --verify
-        if args.verify:
-            verify_predictor_files(manifest)
-        sizes.update({name: (manifest.root / name).stat().st_size for name in (PREDICTOR_META, PREDICTOR_FILE)
-                      if (manifest.root / name).is_file()})
+    trained = {name: path.stat().st_size for name in (PREDICTOR_META, PREDICTOR_FILE)
+               if (path := manifest.root / name).is_file()}
+    if trained and args.verify:  # trained beside the model: listed, and checked in full with --verify
+        verify_predictor_files(manifest)
+    sizes.update(trained)
     info = {"model_dir": str(manifest.root), "format_version": data["format_version"], "dtype": data["dtype"],
             "quantization": data.get("quantization", "none"), **({"quantization_params": data["ffn"]["quantization"]}
                                                                   if manifest.layout.quant else {}),

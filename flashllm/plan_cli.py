@@ -154,7 +154,7 @@ def auto_options(model_dir, options):
     try:
         plan = plan_for(model_dir, options.dram_budget, [options.dtype] if options.dtype else None, options.context,
                         log=log)
-    except FlashLLMError as exc:  # its advice names `flashllm plan`'s options: say how to use them from here
+    except planner.NothingFits as exc:  # its advice names `flashllm plan`'s options: say how to use them here
         raise FlashLLMError(f"--plan auto: {exc}. `flashllm plan {model_dir}` with the same --dram-budget takes "
                             f"those options and saves a plan that --plan auto then uses; or pass --dtype or a "
                             f"smaller --context here") from None

@@ -46,6 +46,10 @@ CALIBRATE_SECONDS = 3.0  # ... decoded again until this long: a shared machine's
 CALIBRATE_WARM_PASSES = 1  # ... after this many uncounted passes (a model just loaded is cold)
 
 
+class NothingFits(FlashLLMError):
+    """No mode, dtype and setting the plan may choose from fits the budget (the message names what to widen)."""
+
+
 @dataclass
 class Plan:
     """The chosen way to run a model at a budget, with its predicted cost per decode token."""
@@ -338,7 +342,7 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
         wider = (["--max-dropped SHARE (sparse mode runs here by dropping predicted neurons: a quality cost)"]
                  if dropping else []) + ([f"--dtypes {dtypes[0]},bfloat16"] if set(dtypes) == {"float32"} else []) \
             + ["a smaller --context"]
-        raise FlashLLMError(f"{model_dir}: nothing fits --dram-budget {format_size(nbudget)} with --max-dropped "
+        raise NothingFits(f"{model_dir}: nothing fits --dram-budget {format_size(nbudget)} with --max-dropped "
                             f"{max_dropped:g} and --dtypes {','.join(dtypes)} (to let the plan choose from more: "
                             f"{', '.join(wider)}); {hint}")
     options.sort(key=lambda o: o[0].total_s)

@@ -103,14 +103,13 @@ def test_cuda_every_mode_matches_cuda_dense(tiny_models, family):
 
 @cuda
 @pytest.mark.parametrize("family", ["llama-relu", "qwen2_moe"])
-def test_cuda_quantized_storage_resident_and_kv_match_the_cpu(tiny_models, tmp_path, family):
-    """int4 bundles + int4 resident matrices + int8 KV: every mode on the GPU equals GPU dense, and GPU dense
-    equals CPU dense with the same options."""
+def test_cuda_quantized_storage_and_kv_match_the_cpu(tiny_models, tmp_path, family):
+    """int4 bundles + int8 KV: every mode on the GPU equals GPU dense, and GPU dense equals CPU dense."""
     from flashllm.converters import convert
 
     out = convert(tiny_models(family).ckpt, tmp_path / "q", dtype="float16", quantize="int4", group_size=32,
                   progress=False)
-    opts = dict(quantize_resident="int4", kv_bits=8, dtype="float32")
+    opts = dict(kv_bits=8, dtype="float32")
     cpu = flashllm.load(out, **opts).logits(IDS, prefill=4)
     dense = flashllm.load(out, device="cuda", **opts).logits(IDS, prefill=4)
     close_to(dense, cpu, 1e-3)
@@ -119,6 +118,15 @@ def test_cuda_quantized_storage_resident_and_kv_match_the_cpu(tiny_models, tmp_p
             continue
         model = flashllm.load(out, device="cuda", mode=mode, **opts, **({} if family in MOE_FAMILIES else kw))
         np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-4, rtol=1e-4, err_msg=mode)
+
+
+@cuda
+def test_cuda_refuses_resident_quantization_at_load(tiny_models):
+    """The resident int8/int4 kernels are torch's CPU ones: on CUDA a clear error at load, not a failure later."""
+    from flashllm.errors import FlashLLMError
+
+    with pytest.raises(FlashLLMError, match="--quantize-resident none"):
+        flashllm.load(tiny_models("llama").model_dir, device="cuda", quantize_resident="int4")
 
 
 @cuda

@@ -98,6 +98,9 @@ class TorchBackend(Backend):
         return dequantize_rows(raw, layout.quant, layout.d_model, self.dtype, self.device)
 
     def quantized(self, t: torch.Tensor, bits: int, gather: bool) -> QuantMatrix:
+        if self.on_gpu:  # the weights are quantized on the host before they move: refuse here, at load
+            raise FlashLLMError("--quantize-resident runs on the CPU only (torch's weight-only CPU kernels); "
+                                "on CUDA use --quantize-resident none")
         return QuantMatrix(t, bits, self.dtype, gather)
 
     def row_store(self, capacity: int, layout, biases: dict):

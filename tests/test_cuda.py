@@ -112,7 +112,8 @@ def test_cuda_quantized_storage_and_kv_match_the_cpu(tiny_models, tmp_path, fami
     opts = dict(kv_bits=8, dtype="float32")
     cpu = flashllm.load(out, **opts).logits(IDS, prefill=4)
     dense = flashllm.load(out, device="cuda", **opts).logits(IDS, prefill=4)
-    close_to(dense, cpu, 1e-3)
+    # the CPU's int4 expert kernel takes its input in bfloat16 (torch's int4pack kernel): 0.6% on the H100
+    close_to(dense, cpu, 1e-2 if family in MOE_FAMILIES else 1e-3)
     for mode, kw in MODES:
         if family in MOE_FAMILIES and mode != "sparse":
             continue

@@ -83,7 +83,8 @@ def measure(run: dict) -> dict:
                           dram_budget=run["budget"], window=run.get("window") or 1, threads=run["threads"],
                           aio_depth=run.get("aio_depth", 0), gap_bytes=run.get("gap_bytes", 0), dtype=run.get("dtype"),
                           context=n + 1, quantize_resident=run.get("quantize_resident", "none"),
-                          kv_bits=run.get("kv_bits", 16), prefetch=run.get("prefetch"))
+                          kv_bits=run.get("kv_bits", 16), prefetch=run.get("prefetch"), device=run.get("device"),
+                          gpu_budget=run.get("gpu_budget"))
     load_s = time.perf_counter() - t0
     if hasattr(model.plan.predictor, "early"):  # a replayed trace: tell it which predictions are lookaheads
         flag_lookahead(model.plan)
@@ -138,6 +139,7 @@ def measure(run: dict) -> dict:
     row_bytes = model.compute_row_bytes()
     out = {"run": run, "load_s": load_s, "decode_tokens": len(measured), "warmup_tokens": run["warmup"],
            "model_bytes": model.model_bytes, "dram_budget": model.dram_budget, "dram_bytes": model.dram_bytes(),
+           "device": model.stats["device"], "gpu_budget": model.gpu_budget, "gpu_bytes": model.stats["gpu_bytes"],
            "compute_dtype": model.backend.dtype_name,
            "storage_dtype": model.manifest.data["dtype"], "bundled": model.layout.bundled,
            "context": model.context, "gap_bytes": model.stats.get("gap_bytes"), "n_layers": model.spec.n_layers, "d_ffn": model.spec.d_ffn, "kv_bytes": _kv_bytes(model), "row_bytes": row_bytes,

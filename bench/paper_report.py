@@ -53,7 +53,8 @@ def table3_rows(results: dict, backends: list[str]) -> list[dict]:
                          "io_ms": r["io_ms"], "read_ms": r["read_ms"], "mem_ms": r["mem_ms"],
                          "compute_ms": r["compute_ms"], "predictor_ms": r["predictor_ms"], "total_ms": r["total_ms"],
                          "flash_gb_per_token": r["bytes_read"] / GB, "dram_gb": r["dram_in_use"] / GB,
-                         "dram_allocated_gb": r["dram_bytes"] / GB, "tokens": r["decode_tokens"]})
+                         "dram_allocated_gb": r["dram_bytes"] / GB, "gpu_gb": r.get("gpu_bytes", 0) / GB,
+                         "device": r.get("device", "cpu"), "tokens": r["decode_tokens"]})
     return rows
 
 

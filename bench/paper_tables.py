@@ -58,7 +58,8 @@ def plan_runs(args, model_dir: Path, unbundled: Path | None, budget: float, pred
     base = dict(backend="torch", budget=budget, threads=args.threads, aio_depth=args.aio_depth,
                 gap_bytes=args.gap_bytes, trace=args.trace,
                 seed=args.seed, predictor=predictor, predictor_rank=args.predictor_rank,
-                torch_threads=args.torch_threads, quantize_resident=args.quantize_resident, kv_bits=args.kv_bits)
+                torch_threads=args.torch_threads, quantize_resident=args.quantize_resident, kv_bits=args.kv_bits,
+                device=args.device, gpu_budget=args.gpu_budget)
 
     def run(label, mode, bundled=True, window=None, tokens=args.tokens, warmup=args.warmup, backend="torch", **kw):
         d = model_dir if bundled else unbundled
@@ -171,6 +172,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="read through gaps up to this many bytes; auto: the disk profile's cost model (default: 0)")
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--backends", type=lambda s: [b for b in s.split(",") if b], default=["torch"])
+    p.add_argument("--device", default=None, help="torch device: cpu or cuda (default: cpu)")
+    p.add_argument("--gpu-budget", type=parse_budget, default=None,
+                   help="with --device cuda: the GPU's share of the model (weights, KV, caches); --dram-budget then "
+                   "limits the host side (staging) (default: unlimited)")
     p.add_argument("--mlx-max-gb", type=float, default=3.0, help="skip MLX (CPU build, 10-30x slower) above this size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="cProfile the measured tokens of the torch \"all\" run "

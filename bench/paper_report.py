@@ -149,6 +149,10 @@ def _setting(report: dict, g: Units) -> list[str]:
     L.append(f"- model: `{m['model_dir']}`: {m['model_desc']}")
     L.append(f"- DRAM budget: {m['budget_gb']:.2f} GB ({m['budget_arg']} of {m['model_gb']:.2f} GB); the runtime "
              "counts resident weights (in the compute dtype), KV cache, neuron caches and predictors against it")
+    if m.get("gpu_budget_arg") is not None:
+        L.append(f"- GPU budget: {m['gpu_budget_arg']} of the model: resident weights, KV cache and neuron caches live "
+                 "in GPU memory and count against it (the DRAM budget then covers host staging; the DRAM columns "
+                 "below count what the runtime holds on the GPU)")
     L.append(f"- compute: {m['compute']}")
     L.append(f"- active neurons: {m['active_method']}")
     L.append(f"- memory limit: {m['memory_limit']}")

@@ -273,7 +273,8 @@ def main(argv=None) -> dict:
                                                                                *sys.argv]),
                  "machine": f"{machine_desc}, {os.getloadavg()[0]:.1f} at the end", "code": code_version(), "model_dir": str(model_dir), "model_desc": model_desc(manifest, model_bytes),
                  "model_gb": model_bytes / GB, "budget_gb": budget / GB, "budget_arg": args.dram_budget,
-                 "compute": f"torch CPU, {cdt} (storage {manifest.data['dtype']}; --dtype {args.dtype}; FFN bundles "
+                 "gpu_budget_arg": args.gpu_budget,
+                 "compute": f"torch {'CUDA' if (args.device or 'cpu').startswith('cuda') else 'CPU'}, {cdt} (storage {manifest.data['dtype']}; --dtype {args.dtype}; FFN bundles "
                             f"{manifest.data.get('quantization', 'none')}, resident matrices {args.quantize_resident}, "
                             f"KV {args.kv_bits} bits); "
                             f"flash reads: {io_engine(manifest, args.threads, args.aio_depth)}; torch intra-op threads "

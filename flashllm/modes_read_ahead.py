@@ -1,4 +1,4 @@
-"""The sparse plan's read-ahead: layer l+1's likely neurons, predicted from layer l's residual, read while l computes."""
+"""The sparse plan's read-ahead: layer l+1's likely neurons, predicted from l's residual, read while l computes."""
 
 from __future__ import annotations
 

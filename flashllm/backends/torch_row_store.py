@@ -1,4 +1,4 @@
-"""A neuron cache's rows on a torch device (`TorchBackend.row_store`): where flash reads land and how they are placed."""
+"""A neuron cache's rows on a torch device (`TorchBackend.row_store`): where flash reads land, how they are placed."""
 
 from __future__ import annotations
 

@@ -45,12 +45,15 @@ CONFIGS = {"default": {}, "no-overlap": {"prefetch": False}, "threads": {"aio_de
            "nice5": {"flashllm.aio.AioQueue.SUBMITTER_NICE": 5}, "nice19": {"flashllm.aio.AioQueue.SUBMITTER_NICE": 19}}
 # keys "module.Class.ATTR" are class attributes set in the child (those a checkout lacks are skipped)
 
-# module, qualified name: the functions timed (those a checkout lacks are skipped)
+# module, qualified name: the functions timed (those a checkout lacks are skipped; one name in several modules is
+# one probe)
 PROBES = [
     ("flashllm.modes", "SparsePlan.ffn"), ("flashllm.modes", "SparsePlan._load"),
     ("flashllm.modes", "SparsePlan._lookahead"), ("flashllm.modes", "SparsePlan._finish_prefetch"),
     ("flashllm.modes", "SparsePlan._fit"), ("flashllm.modes", "SparsePlan._compute"),
-    ("flashllm.modes", "predict_scored"), ("flashllm.modes", "union"),
+    ("flashllm.modes", "predict_scored"), ("flashllm.modes", "union"),  # (before modes_sparse.py)
+    ("flashllm.modes_sparse", "predict_scored"), ("flashllm.modes_read_ahead", "predict_scored"),
+    ("flashllm.modes_sparse", "union"), ("flashllm.modes_read_ahead", "union"),
     ("flashllm.neuron_cache", "NeuronCache.evict"), ("flashllm.neuron_cache", "NeuronCache.reserve"),
     ("flashllm.neuron_cache", "NeuronCache.insert"), ("flashllm.neuron_cache", "NeuronCache.append"),
     ("flashllm.neuron_cache", "NeuronCache.free_rows"),
@@ -89,7 +92,7 @@ class Probe:
 
 
 def install_probes() -> list[Probe]:
-    probes = []
+    probes = {}
     for module, qual in PROBES:
         try:
             owner = importlib.import_module(module)
@@ -100,10 +103,9 @@ def install_probes() -> list[Probe]:
             owner = getattr(owner, p, None)
         if owner is None or not hasattr(owner, attr):
             continue
-        probe = Probe(qual)
+        probe = probes.setdefault(qual, Probe(qual))
         setattr(owner, attr, probe.wrap(getattr(owner, attr)))
-        probes.append(probe)
-    return probes
+    return list(probes.values())
 
 
 def matvec_probes(lib, probes: list) -> None:

@@ -201,6 +201,14 @@ def predict_scored(predictor, layer: int, x, pre=None) -> tuple[np.ndarray, np.n
     return (predictor.predict(layer, x), None) if scores is None else (scores > 0, scores)
 
 
+def union(mask: np.ndarray, scores: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The neurons predicted for any of the tokens of a decode step ([tokens, n] -> [n]) and, to rank
+    them, each one's highest score (one token: its own mask and scores, as views)."""
+    if len(mask) == 1:
+        return mask[0], None if scores is None else scores[0]
+    return mask.any(axis=0), None if scores is None else scores.max(axis=0)
+
+
 def auto_predictor(ctx) -> str:
     """`auto`: for a gated FFN made sparse by calibrated thresholds (SiLU/GELU), the resident gate rows
     (exact, and a neuron read is 2/3 of a bundle) whenever the budget holds them and a cache row per

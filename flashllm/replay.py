@@ -61,7 +61,7 @@ class ReadGeometry:
 
 
 def _fit_pinned(cache, active: np.ndarray) -> bool:
-    """modes.SparsePlan._fit's pinning rule: release the least frequent pinned neurons until the token's
+    """modes_sparse.SparsePlan._fit's pinning rule: release the least frequent pinned neurons until the token's
     other neurons fit the rest of the cache. True when they fit (no capacity cut applies then)."""
     while cache.pinned:
         rows = cache.row_of[active]

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flashllm.flashio as flashio
+import flashllm.flashio_threads as flashio_threads
 from flashllm.errors import FlashLLMError
 from flashllm.flashio import FlashIOError, FlashReader, IOStats, aligned_empty
 from flashllm.uring import MIN_BUFFER, UringContext
@@ -184,7 +185,7 @@ def test_io_error_in_a_worker_is_raised_in_the_caller(data_file, monkeypatch):
     with FlashReader(path, threads=4, aio_depth=0) as r:
         def eio(fd, buffers, offset):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
-        monkeypatch.setattr(flashio, "_preadv", eio)
+        monkeypatch.setattr(flashio_threads, "_preadv", eio)
         dest = aligned_empty((8, 4096), np.uint8)
         with pytest.raises(FlashIOError, match=r"ffn\.bin: read of 4096 bytes at offset \d+ failed: \[EIO\]"):
             r.read_rows(0, 4096, 4096, np.arange(8) * 2, dest, np.arange(8))
@@ -254,7 +255,7 @@ def test_aio_call_beyond_the_inline_share_is_submitted_in_the_background(data_fi
     for depth in (64, 3):
         calls.clear()
         with aio_reader(path, threads=2, aio_depth=depth) as r:
-            r._aio.inline = 2
+            r._aio.queue.inline = 2
             dest = aligned_empty((23, 4096), np.uint8)
             pending = r.submit_rows(0, 4096, 4096, ids, dest, np.arange(23))
             caller = threading.current_thread().name
@@ -316,14 +317,14 @@ def test_io_uring_registers_large_destinations_while_they_live(data_file, monkey
     with aio_reader(path, threads=2, aio_depth=16) as r:
         small = aligned_empty((8, 4096), np.uint8)
         r.read_rows(0, 4096, 4096, ids, small, np.arange(6))
-        assert r._ring.registered == 0 and (small[:6] == rows[ids]).all()
+        assert r._aio.ring.registered == 0 and (small[:6] == rows[ids]).all()
         for _ in range(3):
             big = aligned_empty((MIN_BUFFER // 4096 + 5, 8192), np.uint8)
             r.read_rows(0, 4096, 4096, ids, big[:, 4096:], np.arange(6) * 3)  # a strided view
-            assert r._ring.registered >= big.nbytes
+            assert r._aio.ring.registered >= big.nbytes
             assert (big[np.arange(6) * 3, 4096:] == rows[ids]).all()
             del big
-            assert r._ring.registered == 0
+            assert r._aio.ring.registered == 0
 
 
 def test_default_engine_is_linux_aio_and_io_uring_keeps_within_the_device_queue(data_file, monkeypatch):
@@ -338,7 +339,7 @@ def test_default_engine_is_linux_aio_and_io_uring_keeps_within_the_device_queue(
     monkeypatch.setenv("FLASHLLM_IO_ENGINE", "io_uring")
     monkeypatch.setattr(flashio, "device_queue", lambda p: 8)
     with aio_reader(path, threads=2, aio_depth=2048) as r:
-        assert r.aio_depth == 6 and r._ring.depth == 6
+        assert r.aio_depth == 6 and r._aio.ring.depth == 6
         ids = np.arange(40) * 5
         dest = aligned_empty((40, 4096), np.uint8)
         r.read_rows(0, 4096, 4096, ids, dest, np.arange(40))
@@ -383,7 +384,7 @@ def test_out_of_range_and_malformed_requests_raise(data_file):
 def test_closed_reader_raises_and_threads_are_gone(data_file):
     path, _ = data_file
     r = FlashReader(path, threads=4)
-    workers = list(r._threads)
+    workers = list(r._workers.threads)
     r.close()
     r.close()
     assert r.closed and not any(t.is_alive() for t in workers)
@@ -456,14 +457,14 @@ def test_a_worker_woken_after_its_call_is_over_holds_no_view_of_dest(data_file, 
     """The waiting thread may do all of its call's reads while the workers are busy with an earlier call;
     the queued share of a worker woken after that must not keep the buffer alive."""
     path, data = data_file
-    real, gate = flashio._preadv, threading.Event()
+    real, gate = flashio_threads._preadv, threading.Event()
 
     def held_read(fd, bufs, off):  # the first call's reads (from offset 1 MiB) wait at the gate
         if off >= 1 << 20:
             assert gate.wait(timeout=30)
         return real(fd, bufs, off)
 
-    monkeypatch.setattr(flashio, "_preadv", held_read)
+    monkeypatch.setattr(flashio_threads, "_preadv", held_read)
     with FlashReader(path, threads=2, aio_depth=0) as r:
         busy = r.submit_rows(1 << 20, 4096, 4096, np.arange(8) * 2, aligned_empty((8, 4096), np.uint8), np.arange(8))
         dest = np.zeros((4, 4096), np.uint8)
@@ -477,14 +478,14 @@ def test_a_worker_woken_after_its_call_is_over_holds_no_view_of_dest(data_file, 
 def test_submitted_calls_overlap_and_wait_returns_their_stats(data_file, monkeypatch):
     path, data = data_file
     a, b = aligned_empty((64, 8192), np.uint8), aligned_empty(1 << 20, np.uint8)
-    real, gate = flashio._preadv, threading.Event()
+    real, gate = flashio_threads._preadv, threading.Event()
 
     def held_read(fd, bufs, off):  # reads wait at the gate: the calls stay in flight until it opens
         assert gate.wait(timeout=30)
         return real(fd, bufs, off)
 
     with FlashReader(path, threads=4, aio_depth=0) as r:
-        monkeypatch.setattr(flashio, "_preadv", held_read)
+        monkeypatch.setattr(flashio_threads, "_preadv", held_read)
         pa = r.submit_rows(0, 8192, 8192, np.arange(64) * 2, a, np.arange(64))
         pb = r.submit_range(4096, 1 << 20, b)
         assert not pa.done() and not pb.done()  # both submitted and pending at once: the caller goes on
@@ -492,7 +493,7 @@ def test_submitted_calls_overlap_and_wait_returns_their_stats(data_file, monkeyp
         stats_b, stats_a = pb.wait(), pa.wait()
         assert pa.done() and pa.wait() is stats_a and stats_a.bytes_requested == 64 * 8192
         assert stats_b.bytes_requested == 1 << 20
-        monkeypatch.setattr(flashio, "_preadv", lambda fd, bufs, off: 0)  # every read comes back short
+        monkeypatch.setattr(flashio_threads, "_preadv", lambda fd, bufs, off: 0)  # every read comes back short
         pending = r.submit_range(0, 4096, b)
         with pytest.raises(FlashIOError, match="short read"):
             pending.wait()

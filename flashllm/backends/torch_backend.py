@@ -1,4 +1,6 @@
-"""The decoder math on torch (CPU or CUDA): embeddings, attention with a static KV cache, FFN, head."""
+"""The decoder math on torch (CPU or CUDA): embeddings, attention with a static KV cache, FFN, head.
+
+Attention is in torch_attention.py, a neuron cache's rows in torch_row_store.py."""
 
 from __future__ import annotations
 
@@ -9,13 +11,14 @@ import torch.nn.functional as F
 from .. import hugepages
 from ..errors import FlashLLMError
 from ..rope import Rope, layer_ropes
-from ..stats import untimed
 from ..spec import ArchSpec
 from .base import Backend, compute_threads, default_compute_dtype
 from . import native
-from .staging import StagingRing, bundle_values, host_array
+from .staging import StagingRing, host_array
+from .torch_attention import TorchAttention
 from .torch_native import NATIVE_DTYPES, NativeKernels
 from .torch_quant import Int4ExpertSlots, KVCache, QuantMatrix, QuantRows, dequantize_rows
+from .torch_row_store import TorchRowStore
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # torch's intra-op threads before any load changed them (OMP_NUM_THREADS or the cores): the default
@@ -34,14 +37,11 @@ DOWN_KERNEL = {"float32": "matmul", "bfloat16": "mv", "float16": "chunked"}
 DOWN_CHUNK = 64  # rows per float32 piece: 64 x 4096 x 4 B = 1 MiB, the L2 of this CPU
 
 
-class TorchBackend(Backend):
+class TorchBackend(TorchAttention, Backend):
     """Holds resident weights and the KV cache on one torch device and computes one decoder."""
 
     name = "torch"
     STAGING_BYTES = 256 << 10  # per staging buffer (bench/results/io_pipeline.md: more is taken from the caches)
-    # decode attention in one thread when compute threads > 1 (bench/results/compute_roofline.md, session 5)
-    serial_attention = True
-    native_attention = True  # a decode token's attention in one native call where the kernels load (bench switch)
     STAGING_BUFFERS = 2  # on CUDA a ring: one is read into while the other's copy is in flight (CPU: 1)
 
     def __init__(self, spec: ArchSpec, device: str, dtype: str | None, storage_dtype: str, context: int,
@@ -219,121 +219,6 @@ class TorchBackend(Backend):
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
-
-    def _rope(self, x: torch.Tensor, rope: Rope, pos: int) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated in float32 (x * cos + rotate_half(x) * sin), in x's dtype."""
-        rd = self.spec.rope_dim
-        cos, sin = self.rope_tables(rope, pos, x.shape[0])
-        xr, rest = x[..., :rd].float(), x[..., rd:]
-        half = rd // 2
-        if self.tuned:  # rotate_half(x) * sin as the swapped halves times (-sin, sin): the same products
-            swapped = xr.unflatten(-1, (2, half)).flip(-2).flatten(-2)
-            out = torch.addcmul(xr * cos, swapped, self._signed_sin(rope, sin)).to(x.dtype)
-            return out if rd == x.shape[-1] else torch.cat((out, rest), dim=-1)
-        rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
-        return torch.cat(((xr * cos + rotated * sin).to(x.dtype), rest), dim=-1)
-
-    def _signed_sin(self, rope: Rope, sin: torch.Tensor) -> torch.Tensor:
-        """The sin table with its first half negated, made once per forward call and rope."""
-        hit = self._rope_rows[rope]
-        if len(hit) == 4:
-            half = sin.shape[-1] // 2
-            hit = self._rope_rows[rope] = (*hit, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
-        return hit[4]
-
-    def attention(self, layer: int, x: torch.Tensor, pos, slot=0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Self-attention of block `layer` for one sequence's tokens at positions pos.. in KV cache
-        `slot`, or (lists `pos`, `slot`) one token per sequence; returns (output, normed input)."""
-        s, p, T = self.spec, f"layers.{layer}.", x.shape[0]
-        h = self.norm(p + "attn_norm", x)
-        t0 = self._tic()
-        q, k, v, fused = self._toc("attn_proj", t0, self._qkv(p, h))  # [T, heads, head_dim] each
-        if s.qk_norm and s.qk_norm_full:
-            q = self.norm(p + "q_norm", q.reshape(T, -1)).view(T, s.n_heads, s.head_dim)
-            k = self.norm(p + "k_norm", k.reshape(T, -1)).view(T, s.n_kv_heads, s.head_dim)
-        if s.qk_norm and not s.qk_norm_full:
-            q, k = self.norm(p + "q_norm", q), self.norm(p + "k_norm", k)
-        t0 = self._tic()
-        qk = fused[:, :s.n_heads + s.n_kv_heads] if fused is not None and not s.qk_norm else None
-        serial = self.serial_attention and self.threads > 1 and T == 1 and self.device.type == "cpu"
-        if serial:  # a decode token's ~10 small ops: waking a second OpenMP thread costs more than it saves
-            torch.set_num_threads(1)
-        try:
-            if isinstance(pos, int):
-                out = self._attend(layer, q, k, v, pos, self.kvs[slot], qk)
-            else:  # batch decode: the projections above ran once for every sequence; keys are per sequence
-                out = torch.cat([self._attend(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], at, self.kvs[kv],
-                                              None if qk is None else qk[i:i + 1])
-                                 for i, (at, kv) in enumerate(zip(pos, slot))])
-        finally:
-            if serial:
-                torch.set_num_threads(self.threads)
-        out = self._toc("attention", t0, out)
-        t0 = self._tic()
-        return self._toc("attn_proj", t0, self._linear(p + "o", out)), h
-
-    def _attend(self, layer: int, q, k, v, pos: int, kv: KVCache, qk=None) -> torch.Tensor:
-        """Rotary, KV cache update and attention of one sequence's new tokens ([T, heads, head_dim]);
-        `qk`: q's and k's heads side by side (a view of the fused projection), rotated in one call."""
-        s, T = self.spec, q.shape[0]
-        S, window = pos + T, s.window(layer)
-        lo = max(0, pos - window + 1) if window else 0  # earliest key any of the new queries sees
-        scale = s.attn_scale or s.head_dim ** -0.5
-        if T == 1 and self.native is not None and self.native_attention and kv.bits == 16 and not s.attn_softcap:
-            cos_sin = None
-            if s.positional == "rotary":
-                cos_sin = tuple(t.reshape(-1) for t in self.rope_tables(self.ropes[layer], pos, 1))
-            out = self.native.attend(q, k, v, kv.k[layer], kv.v[layer], pos, lo, scale, cos_sin)
-            if out is not None:
-                return out
-        if s.positional == "rotary" and qk is not None:
-            qk = self._rope(qk, self.ropes[layer], pos)
-            q, k = qk[:, :s.n_heads], qk[:, s.n_heads:]
-        elif s.positional == "rotary":
-            q, k = self._rope(q, self.ropes[layer], pos), self._rope(k, self.ropes[layer], pos)
-        keys, vals_t = kv.update(layer, pos, k, v, lo)  # [kv heads, keys, head_dim], [kv heads, head_dim, keys]
-        group = s.n_heads // s.n_kv_heads
-        if T == 1 and self.tuned and not s.attn_softcap:  # one new token sees every key from lo on
-            return self._decode_attention(q[0], keys, vals_t, scale)
-        vals = vals_t.transpose(1, 2)
-        gqa = group > 1 and self.tuned and not s.attn_softcap  # SDPA shares each kv head itself (no copies)
-        if group > 1 and not gqa:
-            keys, vals = keys.repeat_interleave(group, dim=0), vals.repeat_interleave(group, dim=0)
-        qpos = torch.arange(pos, S, device=self.device)[:, None]
-        kpos = torch.arange(lo, S, device=self.device)[None, :]
-        mask = kpos <= qpos
-        if window:
-            mask &= (qpos - kpos) < window
-        q = q.transpose(0, 1)
-        if s.attn_softcap:  # Gemma 2: cap * tanh(scores / cap) before the mask; SDPA has no soft-capping
-            scores = torch.tanh((q @ keys.transpose(1, 2)) * scale / s.attn_softcap) * s.attn_softcap
-            weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
-            out = weights.to(vals.dtype) @ vals
-        else:
-            out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        return out.transpose(0, 1).reshape(T, s.n_heads * s.head_dim)
-
-    @staticmethod
-    def _decode_attention(q: torch.Tensor, keys: torch.Tensor, vals_t: torch.Tensor, scale: float) -> torch.Tensor:
-        """One query token q [heads, head_dim] over head-major keys [kv heads, S, head_dim] and values
-        [kv heads, head_dim, S]: eager attention (scores in the compute dtype, softmax in float32) as two
-        batched matrix-vector products, each kv head's query group sharing its rows; [1, heads * head_dim]."""
-        kv_heads, head_dim = keys.shape[0], keys.shape[2]
-        qg = q.reshape(kv_heads, -1, head_dim)  # query head i reads kv head i // group
-        weights = torch.softmax((qg @ keys.transpose(1, 2)).float() * scale, dim=-1).to(vals_t.dtype)
-        return (vals_t @ weights.transpose(1, 2)).transpose(1, 2).reshape(1, -1)
-
-    def _qkv(self, p: str, h: torch.Tensor):
-        """(q, k, v, fused) of block prefix `p`: q, k, v [T, heads, head_dim]; where `fuse_resident` fused
-        the projections, one call whose [T, all heads, head_dim] output is `fused` (q, k, v are its
-        views), else three calls and fused None."""
-        s, T = self.spec, h.shape[0]
-        w = self.w.get(p + "qkv.weight")
-        if w is None:
-            return (*(self._linear(p + n, h).view(T, heads, s.head_dim)
-                      for n, heads in zip("qkv", (s.n_heads, s.n_kv_heads, s.n_kv_heads))), None)
-        fused = self.linear(h, w, self.w.get(p + "qkv.bias")).view(T, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
-        return (*fused.split((s.n_heads, s.n_kv_heads, s.n_kv_heads), dim=1), fused)
 
     def resident_empty(self, shape) -> torch.Tensor:
         """An uninitialised tensor of the compute dtype for a weight built at load (fused, packed): on the
@@ -516,111 +401,3 @@ def _device(device: str | None) -> str:
     if not (device == "cpu" or device.startswith("cuda")):
         raise FlashLLMError(f"device {device!r}: the torch backend supports cpu and cuda")
     return device
-
-
-class TorchRowStore:
-    """A neuron cache's preallocated matrix of bundle rows (plus per-row FFN biases) on a torch device.
-
-    When the device is the CPU and the compute dtype is the storage dtype, flash reads land in the
-    matrix itself; otherwise they land in the backend's staging ring (pinned on CUDA) and are copied.
-    """
-
-    def __init__(self, backend: TorchBackend, capacity: int, layout, biases: dict[str, torch.Tensor | None]):
-        from ..flashio import aligned_empty
-
-        storage_dtype = backend.storage_dtype
-        self.layout, self.storage_dtype, self.backend = layout, storage_dtype, backend
-        self.elems = len(layout.parts) * layout.d_model
-        if backend.reads_in_place():
-            self.raw = aligned_empty((capacity, layout.stride), np.uint8)
-            # quantized bundles stay bytes (QuantRows views) for the native kernels
-            self.matrix = None if layout.quant else torch.from_numpy(self.raw).view(storage_dtype)
-            self.staging = None
-        else:
-            self.raw = None
-            self.matrix = torch.empty(capacity, self.elems, dtype=backend.dtype, device=backend.device)
-            self.staging = backend.staging(layout.stride)
-        self.full_bias = {k: v for k, v in biases.items() if v is not None}
-        self.bias = {k: torch.empty(capacity, dtype=backend.dtype, device=backend.device) for k in self.full_bias}
-
-    def nbytes(self) -> int:
-        """Bytes of the matrix and per-row biases (the shared staging buffer is counted once, elsewhere)."""
-        held = self.raw.nbytes if self.matrix is None else self.backend.nbytes_of(self.matrix)
-        return held + sum(map(self.backend.nbytes_of, self.bias.values()))
-
-    def move(self, dst: np.ndarray, src: np.ndarray) -> None:
-        d = torch.from_numpy(dst).to(self.backend.device)
-        s = torch.from_numpy(src).to(self.backend.device)
-        if self.matrix is None:
-            self.raw[dst] = self.raw[src]
-        else:
-            self.matrix[d] = self.matrix[s]
-        for b in self.bias.values():
-            b[d] = b[s]
-
-    def fill(self, read, ids: np.ndarray, rows: np.ndarray, cost=None):
-        """Bundles of neurons `ids` into matrix rows `rows` via `read(ids, dest, dest_rows)`; returns the
-        IOStats. Reading is timed as `io_ms`, placing (staging copy, cast, bias scatter) as `mem_ms`."""
-        timed = cost.timed if cost is not None else untimed
-        if self.staging is None:
-            with timed("io_ms"):
-                io = read(ids, self.raw, rows)
-        else:
-            io, ring = None, self.staging
-            for k in range(0, len(ids), ring.rows):
-                chunk = ids[k:k + ring.rows]
-                with timed("io_ms"):
-                    b = ring.acquire()
-                    part = read(chunk, ring.buffers[b], np.arange(len(chunk)))
-                io = part if io is None else io + part
-                with timed("mem_ms"):
-                    values = bundle_values(self.layout, ring.buffers[b][:len(chunk)], self.storage_dtype)
-                    ring.copy_rows(b, values, self.matrix, rows[k:k + ring.rows])
-        if len(ids):
-            with timed("mem_ms"):
-                self._set_biases(ids, rows)
-        return io
-
-    def place(self, block: np.ndarray, src: np.ndarray, ids: np.ndarray, rows: np.ndarray, cost=None) -> None:
-        """Bundles already read into host rows block[src] (uint8) become matrix rows `rows` (neurons `ids`):
-        the placing half of `fill` (for reads that were started earlier), timed as `mem_ms`."""
-        if not len(ids):
-            return
-        with (cost.timed if cost is not None else untimed)("mem_ms"):
-            if self.staging is None:
-                width, r0 = self.raw.shape[1], int(rows[0])
-                if int(rows[-1]) - r0 + 1 == len(rows):  # consecutive free rows: one gather pass into them
-                    np.take(block[:, :width], src, axis=0, out=self.raw[r0:r0 + len(rows)], mode="clip")
-                else:
-                    self.raw[rows] = block[src, :width]
-            else:
-                values = bundle_values(self.layout, block[src], self.storage_dtype)
-                idx = torch.from_numpy(rows).to(self.backend.device)
-                self.matrix[idx] = values.to(device=self.backend.device, dtype=self.matrix.dtype)
-            self._set_biases(ids, rows)
-
-    def landing(self) -> np.ndarray | None:
-        """The host rows flash reads land in directly (uint8, one bundle per row), or None: reads go
-        through staging. A read started into them is made usable by `placed` once it has arrived."""
-        return self.raw
-
-    def placed(self, ids: np.ndarray, rows: np.ndarray, cost=None) -> None:
-        """Bundles read straight into `landing()` rows `rows` (a read started earlier) are neurons `ids`."""
-        if len(ids) and self.bias:
-            with (cost.timed if cost is not None else untimed)("mem_ms"):
-                self._set_biases(ids, rows)
-
-    def _set_biases(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        r = torch.from_numpy(rows).to(self.backend.device)
-        i = torch.from_numpy(ids).to(self.backend.device)
-        for key, b in self.bias.items():
-            b[r] = self.full_bias[key][i]
-
-    def views(self, n: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Per-part [n, d] weight views of rows :n, and per-row biases."""
-        lay = self.layout
-        if self.matrix is None:
-            rows = {p: QuantRows(self.raw[:n], lay.part_range(p).start, lay.quant, lay.d_model) for p in lay.parts}
-        else:
-            rows = {p: self.matrix[:n, lay.part_slice(p)] for p in lay.parts}
-        return rows, {k: b[:n] for k, b in self.bias.items()}

@@ -1,7 +1,9 @@
 """flashllm's native CPU kernels (kernels.c: a one-token mat-vec, the sparse FFN over cache rows, RMS norm and
-decode attention; int8/int4 mat-vec and sparse FFN over quantized bundle parts as stored), compiled on first use with the machine's C compiler into a per-user cache and loaded with ctypes (whose calls release
-the GIL). `library()` is None where there is no compiler, the build failed, or FLASHLLM_NATIVE=0: callers
-then take their torch path. No network: the source ships with the package."""
+decode attention; kernels_quant.c: int8/int4 mat-vec and sparse FFN over quantized bundle parts as stored;
+kernels_pool.c: their thread pool; kernels.h: what they share), compiled on first use into one library with
+the machine's C compiler into a per-user cache and loaded with ctypes (whose calls release the GIL).
+`library()` is None where there is no compiler, the build failed, or FLASHLLM_NATIVE=0: callers then take
+their torch path. No network: the source ships with the package."""
 
 from __future__ import annotations
 
@@ -9,13 +11,15 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
-DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # kernels.c's DT_* codes
+SOURCES = (SOURCE, SOURCE.with_name("kernels_quant.c"), SOURCE.with_name("kernels_pool.c"))  # one library
+DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # kernels.h's DT_* codes
 ACTIVATIONS = {"relu": 0, "relu2": 1, "fatrelu": 2, "silu": 3, "gelu": 4, "gelu_tanh": 5}  # its ACT_* codes
 BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
 _state: dict = {}  # "lib": the loaded kernels or None, "why": what `describe` says
@@ -71,27 +75,31 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
-def build(portable: bool = False, source: Path = SOURCE) -> Path:
-    """The library for this source, compiler, flags and CPU: from the cache, or compiled into it
-    (into a temporary file, then renamed, so concurrent builds never see a partial library); for the
-    machine's vector units (-march/-mcpu=native), else (or `portable`) for the compiler's default target.
-    `source`: another C file of the package (the io_uring engine, uring.c)."""
+def build(portable: bool = False, source: Path | tuple[Path, ...] = SOURCES) -> Path:
+    """The library for these sources (and the headers they include), compiler, flags and CPU: from the cache,
+    or compiled into it (into a temporary file, then renamed, so concurrent builds never see a partial
+    library); for the machine's vector units (-march/-mcpu=native), else (or `portable`) for the compiler's
+    default target. `source`: another C file of the package (the io_uring engine, uring.c)."""
+    sources = (source,) if isinstance(source, Path) else tuple(source)
+    texts = [s.read_text() for s in sources]
+    headers = sorted({h for t in texts for h in re.findall(r'^#include "([^"]+)"', t, re.MULTILINE)})
+    texts += [sources[0].with_name(h).read_text() for h in headers]
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     native = ["-mcpu=native"] if platform.machine() in ("arm64", "aarch64") else ["-march=native"]
     errors = []
     for flags in ([BASE_FLAGS] if portable else [[*BASE_FLAGS, *native], BASE_FLAGS]):
-        key = hashlib.sha256("\0".join([source.read_text(), cc, version, *flags, platform.machine(), _cpu_id()])
+        key = hashlib.sha256("\0".join([*texts, cc, version, *flags, platform.machine(), _cpu_id()])
                              .encode()).hexdigest()[:20]
-        path = cache_dir() / f"flashllm_{source.stem}_{key}.so"
+        path = cache_dir() / f"flashllm_{sources[0].stem}_{key}.so"
         if path.is_file():
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".build-", suffix=".so")
         os.close(fd)
         try:
-            done = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
-                                  timeout=300)
+            done = subprocess.run([cc, *flags, "-o", tmp, *map(str, sources), "-lm"], capture_output=True,
+                                  text=True, timeout=300)
             if done.returncode == 0:
                 os.replace(tmp, path)
                 return path
@@ -103,7 +111,8 @@ def build(portable: bool = False, source: Path = SOURCE) -> Path:
 
 
 class Kernels:
-    """ctypes signatures of kernels.c's entry points (pointers as integers; see kernels.c for the math)."""
+    """ctypes signatures of the kernels' entry points (pointers as integers; see kernels.c and kernels_quant.c for
+    the math)."""
 
     def __init__(self, lib: ctypes.CDLL):
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

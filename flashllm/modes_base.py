@@ -1,0 +1,72 @@
+"""The plan protocol (`Plan`, with a plan's defaults) and what the flash-reading plans share (`StreamingPlan`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .plan_context import PlanContext
+
+
+class Plan:
+    """The plan protocol, with the defaults of a plan that loads nothing around a layer."""
+
+    summary = ""  # one line for --help
+    predictor = None  # the sparse plans' predictor
+
+    def __init__(self, ctx: PlanContext):
+        self.ctx, self.lay, self.backend = ctx, ctx.layout, ctx.backend
+
+    def before_layer(self, layer: int, cost) -> None:
+        """Called before the layer's attention."""
+
+    def before_ffn(self, layer: int, residual, cost) -> None:
+        """Called before `ffn` with the residual stream the FFN input is normed from."""
+
+    def after_layer(self, layer: int) -> None:
+        """Called once the layer's output is complete (its post-FFN norm applied)."""
+
+    def ffn(self, layer: int, x, cost):
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """A new sequence starts (position 0)."""
+
+    def host_bytes(self) -> int:
+        """Host memory held: read buffers (counted against the DRAM budget on a GPU)."""
+        return 0
+
+    def device_bytes(self) -> int:
+        """Memory held beside the backend's resident weights and KV cache: FFN rows, caches, predictors."""
+        return 0
+
+    def describe(self) -> dict:
+        """What this plan adds to `Model.stats`."""
+        return {}
+
+
+class StreamingPlan(Plan):
+    """Shared by the flash-reading plans: the FFN reader and a dense read of neuron ranges."""
+
+    gap_filling = False  # scattered reads: read through small gaps (the disk profile's cost model)
+
+    def __init__(self, ctx: PlanContext):
+        super().__init__(ctx)
+        self.reader = ctx.ffn_reader(gap_filling=self.gap_filling, layout=getattr(self, "read_layout", None),
+                                     aio_depth=getattr(self, "aio_depth", None))
+        # dense plans: read layer l+1 while layer l computes (two buffers), never across tokens
+        self.buffers = 2 if ctx.options.prefetch is not False and ctx.spec.n_layers > 1 else 1
+        self._inflight: dict = {}  # layer -> reads started for it
+
+    def wait_rows(self, pending, buf: np.ndarray, n: int, cost) -> dict:
+        """The first `n` neuron rows of `buf` as backend rows, once the read `pending` has filled them."""
+        with cost.timed("io_ms"):
+            cost.add_io(pending.wait())
+        with cost.timed("mem_ms"):
+            return self.ctx.bundle_rows(buf[:n], keep_quantized=True)
+
+    def reset(self) -> None:
+        for reads in self._inflight.values():
+            for r in reads:
+                r.wait()
+        self._inflight.clear()
+

@@ -1,0 +1,301 @@
+"""The sparse mode: predicted neurons streamed from flash into per-layer sliding-window neuron caches."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+
+from . import budget as budget_mod
+from .errors import FlashLLMError
+from .modes_base import StreamingPlan
+from .modes_read_ahead import ReadAhead
+from .neuron_cache import NeuronCache, pinned_rows
+from .plan_context import PlanContext
+from .predictor import PREDICTOR_FILE, make_predictor, predict_scored, union
+from .st_io import SafetensorsFile
+
+
+class SparsePlan(ReadAhead, StreamingPlan):
+    """Predicted neurons streamed into per-layer sliding-window caches (paper §3.1-3.3)."""
+
+    summary = "predicted neurons streamed into sliding-window caches"
+    gap_filling = True
+
+    RANDOM_READ_PENALTY = 1.5  # a bundle read costs about this much more per byte than a sequential one
+    AIO_DEPTH = 2048  # native AIO reads in flight by default (a 7B layer's ~800 at once)
+
+    def __init__(self, ctx: PlanContext):
+        self.predictor = make_predictor(ctx.options.predictor, ctx)
+        # a predictor holding the gate rows resident: read and cache only the other parts of each bundle
+        self.resident_part = getattr(self.predictor, "resident_part", None)
+        self.read_layout = ctx.layout if self.resident_part is None else \
+            ctx.layout.only(tuple(p for p in ctx.layout.parts if p != self.resident_part))
+        options, in_place = ctx.options, ctx.backend.reads_in_place()
+        if options.aio_depth is None:  # native AIO: faster here than reader threads for sparse reads (with or
+            self.aio_depth = self.AIO_DEPTH  # without read-ahead: bench/results/io_runtime_7b.md, io_pipeline.md)
+        super().__init__(ctx)
+        self._want_read_ahead(in_place)
+        self.lay = self.read_layout
+        budget = ctx.budget
+        self.window, self.on_overflow = options.window, options.on_overflow
+        lay, L, B = self.lay, ctx.spec.n_layers, self.backend
+        need = getattr(self.predictor, "expected_fraction", lambda: None)()
+        base = ctx.charged(B.staging_bytes(lay.stride), B.nbytes() + self.predictor.nbytes())
+        row = ctx.row_bytes(lay)
+        avail = None if budget is None else budget - base
+        if avail is not None and avail < L * row:
+            raise ctx.too_small(base + L * row,
+                                "resident weights, KV cache, staging, predictors and one cached neuron per layer")
+        self.prefetch_rows = self._prefetch_rows(avail, row, need) if self.read_ahead and not self.ahead_in_place \
+            else 0
+        if avail is not None:
+            avail -= ctx.charged(self.prefetch_rows * lay.stride, 0)
+        self.capacities = budget_mod.sparse_capacities(avail, row, L, lay.d_ffn, need) if options.cache_rows is None \
+            else budget_mod.given_capacities(options.cache_rows, avail, row, L, lay.d_ffn)
+        self._start_read_ahead()
+        # overlap inside a layer: a decode layer's FFN over its held rows while its missing rows are read into
+        # the others (where reads land in cache rows and the backend computes row subsets without copying them)
+        self.split = options.prefetch is not False and in_place and B.ffn_index_in_place()
+        self._landing = None  # (neuron ids, cache rows, read in flight) of the layer being computed
+        if not getattr(self.predictor, "selective", True) and min(self.capacities) < lay.d_ffn:
+            raise FlashLLMError(
+                f"predictor {self.predictor.kind!r} marks every neuron of this {ctx.spec.activation} FFN active "
+                f"(a dense activation), but at this budget a layer's cache holds {min(self.capacities)} of "
+                f"{lay.d_ffn} neurons: sparse mode would silently drop most of the FFN. Use --mode hybrid or "
+                f"naive, an unlimited --dram-budget, or make the FFN sparse by calibrated thresholds whose cost is "
+                f"measured and stated (`flashllm predictors train MODEL --data TEXT --sparsity 0.4`)")
+        if avail is not None and need:
+            self._warn_if_short(base, row, need)
+        # calibrated thresholds (SiLU/GELU): cached neurons below their layer's threshold contribute zero
+        self.ffn_thresholds = ctx.sparsity.thresholds if ctx.sparsity else [None] * L
+        if ctx.sparsity:  # a principled drop, but a change of the result all the same: say so
+            warnings.warn(ctx.sparsity.describe(ctx.spec.activation), RuntimeWarning, stacklevel=4)
+        self.caches = []
+        for i, capacity in enumerate(self.capacities):
+            b = ctx.biases(i)
+            store = B.row_store(capacity, lay, {p: b[p] for p in ("up", "gate") if p in lay.parts})
+            self.caches.append(NeuronCache(capacity, lay.d_ffn, store, compact=not B.ffn_index_in_place()))
+        self._pin_hot()
+
+    def _pin_hot(self) -> None:
+        """PowerInfer's hot neurons: with `pin_hot` and the activation frequencies `predictors train` saved,
+        each cache holds its layer's most frequent neurons for good, as many as leave the window room
+        for its expected need (neuron_cache.pinned_rows); the window caches the rest."""
+        freqs = activation_frequencies(self.ctx) if self.ctx.options.pin_hot else None
+        if freqs is None:
+            return
+        for i, (cache, f) in enumerate(zip(self.caches, freqs)):
+            h = pinned_rows(f, cache.capacity, self.window)
+            if h:
+                cache.pin(np.argsort(-f, kind="stable")[:h], self.reader.reader_for(i))  # most frequent first
+
+    def _warn_if_short(self, base: int, row: int, need: list[float]) -> None:
+        """At load: caches smaller than their layer's mean predicted set per token drop predicted
+        neurons on most tokens, which costs quality; say so with the numbers and the budget that avoids it."""
+        want = [math.ceil(f * self.lay.d_ffn) for f in need]
+        short = [(i, c, w) for i, (c, w) in enumerate(zip(self.capacities, want)) if c < w]
+        if not short:
+            return
+        i, c, w = max(short, key=lambda s: s[2] - s[1])
+        option, budget, opts = self.ctx.budget_option, self.ctx.budget, self.ctx.options
+        enough = budget_mod.format_size(base + sum(want) * row)
+        over = sum(w - c for _, c, w in short)
+        if opts.batch_size > 1:  # a batch's union that does not fit is streamed through the rows, never dropped
+            then = "batch steps whose predicted neurons exceed a cache stream them through its rows (exact, slower)"
+        elif opts.on_overflow == "error":
+            then = f"tokens predicting more than a cache holds (about {over} neurons per token over) are refused"
+        else:
+            then = (f"about {over} predicted neurons per token will be dropped, at a quality cost that `flashllm "
+                    f"predictors eval MODEL --data TEXT {option} ...` measures")
+        warnings.warn(f"{option} {budget_mod.format_size(budget)}: {len(short)} of {len(want)} layer caches hold fewer "
+                      f"neurons than their predictors select per token on average (layer {i}: {c} for {w}), so "
+                      f"{then}; {option} {enough} avoids it", RuntimeWarning, stacklevel=4)
+
+    def describe(self) -> dict:
+        sparsity = self.ctx.sparsity
+        return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind,
+                "pinned_neurons": [c.pinned for c in self.caches],
+                "gap_bytes": self.reader.io.gap_bytes, "prefetch_rows": self.prefetch_rows,
+                "read_ahead": ("into cache rows" if self.ahead_in_place else "via a buffer") if self.read_ahead else "off",
+                "read_ahead_cut": [self._cut(i) for i in range(len(self.caches))],
+                "read_ahead_paused": [i for i in range(len(self.caches)) if self._cut(i) is None],
+                **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
+
+    @property
+    def capacity(self) -> int:
+        """The largest per-layer cache (all equal unless the predictor knows per-layer needs)."""
+        return max(self.capacities)
+
+    def reset(self) -> None:
+        self._drop_prefetch()
+        if self._landing is not None:  # a layer left before its read was waited for (an error)
+            self._landing[2].wait()
+            self._landing = None
+        for c in self.caches:
+            c.reset()
+
+    def _load(self, layer: int, active: np.ndarray, window: int, cost, split: bool = False) -> int:
+        """One cache step: evict outside the window, then read the missing bundles into free rows
+        (those the lookahead already read into cache rows are held by then; those it read into the
+        prefetch buffer are placed from there). `split`: only start that read, into the rows
+        themselves (`_compute_split` waits for it). Returns the needed neurons loaded, read ahead or now."""
+        cache = self.caches[layer]
+        ahead = self._finish_prefetch(layer, active, cost)
+        with cost.timed("mem_ms"):
+            missing, _, _ = cache.evict(active, window)
+        rest = self._use_prefetch(layer, missing, cost)
+        if split and len(rest):
+            rows = cache.free_rows(len(rest))
+            with cost.timed("io_ms"):  # building and submitting the requests is I/O
+                self._landing = (rest, rows, self.reader.submit(layer, rest, cache.store.landing(), rows))
+            return len(missing) + ahead
+        io = cache.insert(rest, self.reader.reader_for(layer), cost)
+        if io is not None:
+            cost.add_io(io)
+        return len(missing) + ahead
+
+    def _fit(self, layer: int, active: np.ndarray, scores: np.ndarray | None, cost) -> np.ndarray:
+        """The active set cut to the cache's capacity, keeping the highest-scored neurons; the dropped
+        count and score mass are recorded (or, with on_overflow "error", refused)."""
+        cache = self.caches[layer]
+        if scores is not None:
+            cost.predicted_mass += float(scores[active].sum())
+        while cache.pinned:  # pinned neurons need no row; the others must fit the rest, else unpin the last
+            rows = cache.row_of[active]
+            over = int(((rows < 0) | (rows >= cache.pinned)).sum()) - (cache.capacity - cache.pinned)
+            if over <= 0:
+                return active
+            cache.unpin(over)
+        capacity = cache.capacity
+        if len(active) <= capacity:
+            return active
+        if self.on_overflow == "error":
+            raise FlashLLMError(f"layer {layer}: {len(active)} neurons predicted active but its cache holds "
+                                f"{capacity}; raise --dram-budget or load with --on-overflow drop")
+        order = np.argsort(-scores[active], kind="stable") if scores is not None else np.arange(len(active))
+        keep, dropped = np.sort(active[order[:capacity]]), active[order[capacity:]]
+        cost.neurons_dropped += len(dropped)
+        if scores is not None:
+            cost.dropped_mass += float(scores[dropped].sum())
+        return keep
+
+    def _compute(self, layer: int, x, n: int, with_down_bias: bool, pre=None, first: int = 0):
+        """The FFN over cache rows first..n-1 (the down bias once, in the part that has it); `pre`: the
+        resident gate's pre-activations of every neuron."""
+        cache = self.caches[layer]
+        rows, bias = cache.store.views(n)
+        if first:
+            rows, bias = {k: v[first:] for k, v in rows.items()}, {k: v[first:] for k, v in bias.items()}
+        down_b = self.ctx.biases(layer)["down"] if with_down_bias else None
+        index = None if first or n != cache.num_used else cache.held_rows()  # rows emptied and not refilled
+        gate_pre = None if pre is None else self.backend.columns(pre, np.maximum(cache.pointer[first:n], 0))
+        return self.backend.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b, self.ffn_thresholds[layer],
+                                gate_pre=gate_pre, index=index)
+
+    def _compute_split(self, layer: int, x, pre, cost):
+        """The FFN over the cache rows while the layer's missing rows are read into the others (`_load`
+        with split): the rows held already, then, once the read has arrived, the new ones, summed in
+        float32 and rounded once (the result of `_compute` up to float32 summation order). A row in flight
+        is never read."""
+        (ids, rows, pending), self._landing = self._landing, None
+        cache, B = self.caches[layer], self.backend
+        n = max(cache.num_used, int(rows.max()) + 1)
+        held = np.flatnonzero(cache.pointer[:n] >= 0)
+        views, bias = cache.store.views(n)
+        gate_pre = None
+        if pre is not None:  # the resident gate's pre-activations of each row's neuron
+            neurons = np.maximum(cache.pointer[:n], 0)  # (rows left empty are not computed)
+            neurons[rows] = ids
+            gate_pre = B.columns(pre, neurons)
+        acc, part = B.ffn_acc(x), (bias.get("up"), bias.get("gate"), None, self.ffn_thresholds[layer], gate_pre)
+        B.ffn(x, views, *part, index=held, acc=acc)
+        with cost.timed("io_ms"):
+            cost.add_io(pending.wait())
+        cache.store.placed(ids, rows, cost)  # (sets the new rows' biases, seen through the views)
+        cache.append(ids)
+        B.ffn(x, views, *part, index=rows, acc=acc)
+        return B.ffn_result(acc, x, self.ctx.biases(layer)["down"])
+
+    def ffn(self, layer: int, x, cost):
+        with cost.timed("predictor_ms"):
+            pre = self.predictor.pre(layer, x) if self.resident_part else None
+            mask, scores = predict_scored(self.predictor, layer, x, pre)
+        self.ctx.hooks.emit("predict", layer, mask)
+        if mask.shape[0] == cost.batch and (cost.batch == 1 or mask.any(axis=0).sum() <= self.caches[layer].capacity):
+            # decode: one token, or one per sequence of a batch whose union fits the cache (a union that does
+            # not fit is streamed through the cache rows like a prompt: exact, never dropped for batching)
+            mask, scores = union(mask, scores)
+            active = self._fit(layer, np.flatnonzero(mask), scores, cost)
+            for per_layer in (cost.lookahead_found, cost.lookahead_active, cost.lookahead_named, cost.ahead_used):
+                per_layer.append(0)
+            cost.neurons_loaded.append(self._load(layer, active, self.window, cost, self.split and x.shape[0] == 1))
+            self._lookahead(layer + 1, cost)  # in flight while this layer and the next attention compute
+            y = self._compute_split(layer, x, pre, cost) if self._landing else \
+                self._compute(layer, x, self.caches[layer].num_used, True, pre)
+            cost.neurons_cached.append(self.caches[layer].held())
+            self._poll(cost)
+            return y
+        return self._prefill(layer, x, mask, scores, cost, pre)
+
+    def _prefill(self, layer: int, x, mask: np.ndarray, scores: np.ndarray | None, cost, pre=None):
+        """Several tokens at once: stream the predicted union (or the whole layer, if cheaper) through
+        the cache rows in chunks, then leave the cache as if the last `window` tokens were decoded (a
+        prompt; a batch step whose union did not fit leaves it empty)."""
+        cache, B = self.caches[layer], self.backend
+        self._drop_prefetch()  # a read ahead may still be landing in this cache's free rows
+        cache.reset()  # the window's rows serve as the read buffer below; pinned rows stay and are computed
+        h = cache.pinned
+        union = np.flatnonzero(mask.any(axis=0))
+        union = union[cache.row_of[union] < 0]
+        sparse_cost = len(union) * self.RANDOM_READ_PENALTY
+        ids, strategy = (union, "sparse-union") if sparse_cost < self.lay.d_ffn - h else \
+            (np.flatnonzero(cache.row_of < 0), "dense-stream")
+        cost.prefill_strategy = strategy
+        y = self._compute(layer, x, h, True, pre) if h else None
+        room = cache.capacity - h
+        for k in range(0, len(ids), room):  # the window's rows as a buffer: reset again below
+            chunk = ids[k:k + room]
+            cost.add_io(cache.store.fill(self.reader.reader_for(layer), chunk, h + np.arange(len(chunk)), cost))
+            cache.pointer[h:h + len(chunk)] = chunk  # the rows' neurons (the cache is reset below)
+            part = self._compute(layer, x, h + len(chunk), y is None, pre, first=h)
+            y = part if y is None else B.add(y, part)
+        cache.reset()
+        loaded = 0
+        replayed = len(mask) if cost.batch == 1 else 0  # a batch's rows are sequences, not a window of tokens
+        for t in range(max(0, replayed - self.window), replayed):
+            active = np.flatnonzero(mask[t])
+            if len(active) > cache.capacity:  # cache state only: the output above used every predicted neuron
+                active = active[np.argsort(-scores[t][active], kind="stable")[:cache.capacity]] \
+                    if scores is not None else active[:cache.capacity]
+            loaded += self._load(layer, np.sort(active), self.window, cost)
+        cost.neurons_streamed.append(len(ids))
+        cost.neurons_loaded.append(loaded)
+        cost.neurons_cached.append(cache.held())
+        if y is None:  # nothing predicted active: only the bias remains
+            y = B.zeros_like(x)
+            down_b = self.ctx.biases(layer)["down"]
+            if down_b is not None:
+                y = y + down_b
+        return y
+
+    def host_bytes(self) -> int:
+        return self.backend.staging_bytes(self.lay.stride) + self.prefetch_rows * self.lay.stride
+
+    def device_bytes(self) -> int:
+        return sum(c.store.nbytes() for c in self.caches) + self.predictor.nbytes()
+
+
+def activation_frequencies(ctx: PlanContext) -> list[np.ndarray] | None:
+    """Per layer, the share of calibration tokens each neuron was active on (`layers.{i}.freq` of the
+    trained predictors); None when the model directory has none."""
+    path = ctx.manifest.root / PREDICTOR_FILE
+    if not path.is_file():
+        return None
+    st = SafetensorsFile(path)
+    names = [f"layers.{i}.freq" for i in range(ctx.spec.n_layers)]
+    if not all(n in st.entries and st.shape(n) == (ctx.spec.d_ffn,) for n in names):
+        return None
+    return [st.read(n).astype(np.float64) for n in names]
+

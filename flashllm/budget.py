@@ -16,7 +16,7 @@ import ctypes
 import math
 import re
 
-from .errors import FlashLLMError
+from .errors import FlashLLMError, NamesOptions
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 MIN_BYTES = 4096
@@ -88,29 +88,35 @@ def format_size(nbytes: int) -> str:
     return str(max(nbytes, MIN_BYTES))
 
 
-class BudgetTooSmall(FlashLLMError):
-    """A budget below what a mode needs; the message names the smallest budget that works."""
+class BudgetTooSmall(NamesOptions, FlashLLMError):
+    """A budget below what a mode needs; the message names the smallest budget that works and the options
+    that lower it, as the Python API's keywords (`str()`) or the CLI's flags (`cli_message()`)."""
+
+    def __init__(self, template: str, needed: int | None = None):
+        super().__init__(template)
+        self.needed = needed  # the smallest budget, for callers that try several modes (flashllm plan)
 
 
-def too_small(budget: int, needed: int, what: str, model_bytes: int, hints: list[str], option: str = "--dram-budget"):
-    """The error for a budget below `needed` bytes, with the smallest budget and what lowers it."""
+def too_small(budget: int, needed: int, what: str, model_bytes: int, hints: list[str], option: str = "dram_budget"):
+    """The error for a budget below `needed` bytes, with the smallest budget and what lowers it. `option`
+    is the budget's LoadOptions field; `hints` are `errors.name_options` templates."""
     lower = f"; lower it with {' or '.join(hints)}" if hints else ""
-    error = BudgetTooSmall(f"{option} {format_size(budget)} is too small: {what} need {format_size(needed)}; "
-                          f"the smallest budget that works here is {option} {format_size(needed)} "
-                          f"({needed / model_bytes:.0%} of the model){lower}")
-    error.needed = needed  # the smallest budget, for callers that try several modes (flashllm plan)
-    return error
+    return BudgetTooSmall(f"{{{option}={format_size(budget)}}} is too small: {what} need {format_size(needed)}; "
+                          f"the smallest budget that works here is {{{option}={format_size(needed)}}} "
+                          f"({needed / model_bytes:.0%} of the model){lower}",
+                          needed)
 
 
 def lowering_hints(mode: str, itemsize: int, kv_bytes: int, needed: int) -> list[str]:
-    """Options that lower what a mode needs: a 2-byte compute dtype, a shorter context, a leaner mode."""
+    """Options that lower what a mode needs: a 2-byte compute dtype, a shorter context, a leaner mode
+    (`errors.name_options` templates)."""
     hints = []
     if itemsize > 2:
-        hints.append("--dtype bfloat16 (halves resident weights and caches)")
+        hints.append("{dtype=bfloat16} (halves resident weights and caches)")
     if kv_bytes > needed // 8:
-        hints.append("a smaller --context (the KV cache is sized by it)")
+        hints.append("a smaller {context} (the KV cache is sized by it)")
     if mode in ("dense", "hybrid"):
-        hints.append("--mode sparse or --mode naive")
+        hints.append("{mode=sparse} or {mode=naive}")
     return hints
 
 

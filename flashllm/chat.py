@@ -74,7 +74,7 @@ def run(args) -> None:
         except KeyboardInterrupt:
             print(" [stopped]", end="")
         except FlashLLMError as exc:
-            print(f"flashllm: error: {exc} (/reset starts a new conversation)", file=sys.stderr, flush=True)
+            print(f"flashllm: error: {exc.cli_message()} (/reset starts a new conversation)", file=sys.stderr, flush=True)
             continue
         print(flush=True)
         history = messages + [{"role": "assistant", "content": "".join(reply)}]

@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
     except FlashLLMError as exc:
-        print(f"flashllm: error: {exc}", file=sys.stderr)
+        print(f"flashllm: error: {exc.cli_message()}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `flashllm ... | head`: the reader left; stop quietly like other tools
         _discard_stdout()

@@ -10,6 +10,7 @@ import numpy as np
 
 from . import budget as budget_mod
 from . import format as fmt
+from .errors import cli_option
 from .ffn_reader import FFNReader, LayerChecksums
 from .hooks import Hooks
 from .options import LoadOptions
@@ -96,18 +97,24 @@ class PlanContext:
         return budget_mod.charged(host, device, self.backend.on_gpu)
 
     @property
+    def budget_field(self) -> str:
+        """The LoadOptions field of `budget`."""
+        return "gpu_budget" if self.backend.on_gpu else "dram_budget"
+
+    @property
     def budget_option(self) -> str:
-        return "--gpu-budget" if self.backend.on_gpu else "--dram-budget"
+        """The CLI flag of `budget`."""
+        return cli_option(self.budget_field)
 
     def too_small(self, needed: int, what: str):
         """The "budget too small" error, with the smallest budget and what would lower it."""
         B = self.backend
         hints = budget_mod.lowering_hints(self.mode, B.itemsize, B.kv_bytes(), needed)
         if self.options.quantize_resident != "int4":
-            hints.append("--quantize-resident int4 (attention, embeddings and lm_head at ~1/7 of float32)")
+            hints.append("{quantize_resident=int4} (attention, embeddings and lm_head at ~1/7 of float32)")
         if self.options.kv_bits == 16 and B.kv_bytes() > needed // 8:
-            hints.append("--kv-bits 8 (the KV cache in int8)")
-        return budget_mod.too_small(self.budget, needed, what, self.model_bytes, hints, self.budget_option)
+            hints.append("{kv_bits=8} (the KV cache in int8)")
+        return budget_mod.too_small(self.budget, needed, what, self.model_bytes, hints, self.budget_field)
 
     def check_fits(self, needed: int, what: str) -> None:
         """Refuse (BudgetTooSmall) when `needed` bytes exceed the budget."""

@@ -219,9 +219,9 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
                                                                          calibrate_seconds, CALIBRATE_WARM_PASSES))
         except BudgetTooSmall as exc:
             needs.append(getattr(exc, "needed", None))
-            notes.append(f"{what}: does not fit ({exc})")
+            notes.append(f"{what}: does not fit ({exc.cli_message()})")
         except FlashLLMError as exc:
-            notes.append(f"{what}: not measured, left out ({exc})")
+            notes.append(f"{what}: not measured, left out ({exc.cli_message()})")
         return None, None
 
     def add(parts: cm.Parts, plan: Plan, what: str, m=None) -> None:

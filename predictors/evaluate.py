@@ -182,7 +182,7 @@ def evaluate_load(model_dir, ref: Reference, options, progress: bool = True, pre
     try:
         sparse = flashllm.load(model_dir, options, mode="sparse", predictor=predictor)
     except FlashLLMError as exc:
-        return {"dram_budget": options.dram_budget, "refused": str(exc)}
+        return {"dram_budget": options.dram_budget, "refused": exc.cli_message()}  # for `predictors eval`
     counts, chunk_index = Counts(sparse.spec.n_layers), [0]
     observe, next_chunk = _computed_counts(sparse, ref, chunk_index, counts)
     nll, agree, tokens, sums = [], [], 0, {"bytes_read": 0.0, "neurons_dropped": 0.0, "total_ms": 0.0, "io_ms": 0.0}

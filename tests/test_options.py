@@ -71,11 +71,27 @@ def test_options_are_validated_and_frozen():
 
 @pytest.mark.parametrize("mode", ["dense", "naive", "hybrid", "sparse"])
 def test_budget_too_small_names_the_smallest_budget_that_works(tiny_models, mode):
+    """The Python API's error names the API's keywords (a caller of load() has no --flags)."""
     tiny = tiny_models("llama-relu")  # stored in float32: a 2-byte compute dtype would halve what is resident
     with pytest.raises(flashllm.FlashLLMError, match="too small") as exc:
         flashllm.load(tiny.model_dir, mode=mode, predictor="oracle", dram_budget=0.05)
     message = str(exc.value)
-    assert "--dtype bfloat16" in message
-    smallest = re.search(r"smallest budget that works here is --dram-budget (\S+)", message).group(1)
+    assert message.startswith("dram_budget='") and "dtype='bfloat16' (halves" in message, message
+    assert "--" not in message, message
+    smallest = re.search(r"smallest budget that works here is dram_budget='([^']+)'", message).group(1)
     model = flashllm.load(tiny.model_dir, mode=mode, predictor="oracle", dram_budget=smallest)
     assert model.dram_bytes() <= model.dram_budget
+
+
+def test_cli_budget_too_small_names_flags_in_one_line(tiny_models, capsys):
+    """The same error from the CLI names its flags, in the text it has always had."""
+    tiny = tiny_models("llama-relu")
+    capsys.readouterr()
+    assert main(["generate", str(tiny.model_dir), "--prompt", "x", "--mode", "sparse", "--predictor", "oracle",
+                 "--dram-budget", "5%"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert re.match(r"flashllm: error: --dram-budget \S+ is too small: .+ need \S+; the smallest budget that works "
+                    r"here is --dram-budget \S+ \(\d+% of the model\); lower it with --dtype bfloat16 \(halves "
+                    r"resident weights and caches\) or .*--quantize-resident int4 \(", err), err
+    assert "dram_budget=" not in err and "dtype=" not in err

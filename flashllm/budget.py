@@ -59,7 +59,8 @@ def parse_budget(value: str | float | int | None) -> float | int | None:
         raise FlashLLMError(f"budget {value!r}: must be positive ({FORMS})")
     if unit == "%":
         if number > 100:
-            raise FlashLLMError(f"budget {value!r}: a percentage of the model is at most 100%")
+            raise FlashLLMError(f"budget {value!r}: a percentage of the model is at most 100%; give a larger "
+                                f"budget as a size (6GiB, 700MiB, 20M)")
         return number / 100
     if unit == "" and number <= 1:
         return number
@@ -101,9 +102,11 @@ def too_small(budget: int, needed: int, what: str, model_bytes: int, hints: list
     """The error for a budget below `needed` bytes, with the smallest budget and what lowers it. `option`
     is the budget's LoadOptions field; `hints` are `errors.name_options` templates."""
     lower = f"; lower it with {' or '.join(hints)}" if hints else ""
+    share = f" ({needed / model_bytes:.0%} of the model)" if needed <= model_bytes else \
+        (f", more than the model's {format_size(model_bytes)} on flash: {what} fit in no share of the model "
+         f"(no fraction or percentage works, only a size)")  # a percentage above 100% is refused by parse_budget
     return BudgetTooSmall(f"{{{option}={format_size(budget)}}} is too small: {what} need {format_size(needed)}; "
-                          f"the smallest budget that works here is {{{option}={format_size(needed)}}} "
-                          f"({needed / model_bytes:.0%} of the model){lower}",
+                          f"the smallest budget that works here is {{{option}={format_size(needed)}}}{share}{lower}",
                           needed)
 
 

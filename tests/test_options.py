@@ -95,3 +95,24 @@ def test_cli_budget_too_small_names_flags_in_one_line(tiny_models, capsys):
                     r"here is --dram-budget \S+ \(\d+% of the model\); lower it with --dtype bfloat16 \(halves "
                     r"resident weights and caches\) or .*--quantize-resident int4 \(", err), err
     assert "dram_budget=" not in err and "dtype=" not in err
+
+
+def test_budget_above_the_model_is_named_as_a_size_the_parser_accepts(tiny_models, capsys):
+    """Dense float32 with its KV cache needs more than the model's own size: the smallest budget is given as
+    a size (a percentage above 100% is refused by the budget parser), and the message says no share fits."""
+    tiny = tiny_models("llama-relu")
+    with pytest.raises(flashllm.FlashLLMError, match="too small") as exc:
+        flashllm.load(tiny.model_dir, mode="dense", dram_budget=1.0)
+    message = str(exc.value)
+    assert exc.value.needed > flashllm.load(tiny.model_dir).model_bytes
+    assert not re.search(r"\d+%", message), message  # no percentage a user could pass back
+    assert "fit in no share of the model (no fraction or percentage works, only a size)" in message
+    smallest = re.search(r"smallest budget that works here is dram_budget='([^']+)'", message).group(1)
+    assert flashllm.load(tiny.model_dir, mode="dense", dram_budget=smallest).dram_budget >= exc.value.needed
+    capsys.readouterr()
+    assert main(["generate", str(tiny.model_dir), "--prompt", "x", "--mode", "dense", "--dram-budget", "100%"]) == 1
+    err = capsys.readouterr().err
+    smallest = re.search(r"smallest budget that works here is --dram-budget (\S+),", err).group(1)
+    parse_budget(smallest)  # a form the parser accepts
+    with pytest.raises(flashllm.FlashLLMError, match="give a larger budget as a size"):
+        parse_budget("130%")

@@ -466,8 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> str:
-    """Runtime warnings (dropped neurons, buffered I/O) as one `flashllm: warning:` line, no source line."""
-    return f"flashllm: warning: {message}\n"
+    """Runtime warnings (dropped neurons, buffered I/O) as one `flashllm: warning:` line, no source line; the
+    options a warning names are spelled as flags."""
+    return f"flashllm: warning: {message.cli_message() if hasattr(message, 'cli_message') else message}\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,3 +49,6 @@ class FlashLLMError(Exception):
         """The message as the CLI prints it (a `NamesOptions` error names its options as flags there)."""
         return str(self)
 
+
+class DroppedNeuronsWarning(NamesOptions, RuntimeWarning):
+    """Predicted FFN neurons that the neuron caches could not hold were dropped (lowest scores first)."""

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -14,7 +14,7 @@ from . import format as fmt
 from . import modes
 from .budget import budget_bytes, return_freed_memory, too_small
 from .chat_template import ChatTemplate
-from .errors import FlashLLMError
+from .errors import DroppedNeuronsWarning, FlashLLMError
 from .experts import MOE_PLANS
 from .ffn_reader import LayerChecksums
 from .hooks import Hooks
@@ -144,10 +144,11 @@ class Model:
         if cost.neurons_dropped and not self._warned_overflow:
             self._warned_overflow = True
             share = f"{cost.dropped_mass / cost.predicted_mass:.1%}" if cost.predicted_mass > 0 else "an unknown share"
-            print(f"flashllm: warning: the neuron caches could not hold every predicted neuron: "
-                  f"{cost.neurons_dropped} dropped on this token (lowest scores first; {share} of the predicted "
-                  f"score mass); raise --dram-budget, or --on-overflow error to refuse (shown once; --stats "
-                  f"reports the per-token average)", file=sys.stderr)
+            warnings.warn(DroppedNeuronsWarning(
+                f"the neuron caches could not hold every predicted neuron: {cost.neurons_dropped} dropped on this "
+                f"token (lowest scores first; {share} of the predicted score mass); raise "
+                f"{{{self.plan_context.budget_field}}}, or {{on_overflow=error}} to refuse (shown once; the stats "
+                f"report the per-token average)"), stacklevel=2)
         return logits
 
     def _ffn(self, layer: int, x, cost, residual):

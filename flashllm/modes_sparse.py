@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 
 from . import budget as budget_mod
-from .errors import FlashLLMError
+from .errors import DroppedNeuronsWarning, FlashLLMError
 from .modes_base import StreamingPlan
 from .modes_read_ahead import ReadAhead
 from .neuron_cache import NeuronCache, pinned_rows
@@ -111,7 +111,7 @@ class SparsePlan(ReadAhead, StreamingPlan):
                     f"predictors eval MODEL --data TEXT {option} ...` measures")
         warnings.warn(f"{option} {budget_mod.format_size(budget)}: {len(short)} of {len(want)} layer caches hold fewer "
                       f"neurons than their predictors select per token on average (layer {i}: {c} for {w}), so "
-                      f"{then}; {option} {enough} avoids it", RuntimeWarning, stacklevel=4)
+                      f"{then}; {option} {enough} avoids it", DroppedNeuronsWarning, stacklevel=4)
 
     def describe(self) -> dict:
         sparsity = self.ctx.sparsity

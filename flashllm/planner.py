@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from . import costmodel as cm
-from .errors import FlashLLMError
+from .errors import DroppedNeuronsWarning, FlashLLMError
 from .replay import Replays, sample_ids, sample_masks
 
 PLAN_FILE = "plan.json"
@@ -211,12 +211,20 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
         """(the runtime loaded with `plan`'s options, its measured costs or None when not calibrating);
         (None, None) with a note when it does not fit or cannot run."""
         try:
-            model = load(model_dir, **{**plan.load_options(), "context": context})
-            if not ids:
-                return model, None
-            log(f"measuring {what} ({calibrate_tokens} decode tokens, again until {calibrate_seconds:g} s)")
-            return model, calibration.typical(calibration.token_costs(model, ids, CALIBRATE_PREFILL, CALIBRATE_WARMUP,
-                                                                         calibrate_seconds, CALIBRATE_WARM_PASSES))
+            with warnings.catch_warnings():  # generate's advice on dropped neurons; the plan says it in its own words
+                warnings.simplefilter("ignore", DroppedNeuronsWarning)
+                model = load(model_dir, **{**plan.load_options(), "context": context})
+                if not ids:
+                    return model, None
+                log(f"measuring {what} ({calibrate_tokens} decode tokens, again until {calibrate_seconds:g} s)")
+                rows = calibration.token_costs(model, ids, CALIBRATE_PREFILL, CALIBRATE_WARMUP, calibrate_seconds,
+                                               CALIBRATE_WARM_PASSES)
+            dropped = [r["neurons_dropped"] for r in rows if r["neurons_dropped"]]
+            if dropped:
+                notes.append(f"{what}: its caches could not hold every predicted neuron on {len(dropped)} of "
+                             f"{len(rows)} calibration tokens ({np.mean(dropped):.1f} dropped on those, lowest "
+                             f"scores first)")
+            return model, calibration.typical(rows)
         except BudgetTooSmall as exc:
             needs.append(getattr(exc, "needed", None))
             notes.append(f"{what}: does not fit ({exc.cli_message()})")

@@ -116,3 +116,21 @@ def test_budget_above_the_model_is_named_as_a_size_the_parser_accepts(tiny_model
     parse_budget(smallest)  # a form the parser accepts
     with pytest.raises(flashllm.FlashLLMError, match="give a larger budget as a size"):
         parse_budget("130%")
+
+
+def test_dropped_neurons_warning_names_options_as_the_caller_passes_them(tiny_models, recwarn):
+    """The once-per-model warning about predicted neurons the caches could not hold: API keywords in Python,
+    flags in the CLI's one-line form."""
+    from flashllm import cli
+    from flashllm.errors import DroppedNeuronsWarning
+
+    tiny = tiny_models("llama-relu")
+    n_layers = flashllm.load(tiny.model_dir).spec.n_layers
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", cache_rows=(2,) * n_layers, context=64)
+    model.logits(list(range(3, 13)), prefill=1)
+    dropped = [w.message for w in recwarn if issubclass(w.category, DroppedNeuronsWarning)]
+    assert len(dropped) == 1, [str(w.message) for w in recwarn]  # once per loaded model
+    assert "raise dram_budget, or on_overflow='error' to refuse" in str(dropped[0]) and "--" not in str(dropped[0])
+    line = cli._one_line_warning(dropped[0], DroppedNeuronsWarning, "x.py", 1)
+    assert line.startswith("flashllm: warning: the neuron caches could not hold every predicted neuron: ")
+    assert "raise --dram-budget, or --on-overflow error to refuse" in line and line.count("\n") == 1

@@ -255,6 +255,29 @@ def test_a_budget_that_only_fits_by_dropping_says_so_and_max_dropped_plans_it(pl
     assert plan.mode == "sparse" and plan.predicted["dropped_share"] > 0
 
 
+def test_plan_output_carries_no_warnings_meant_for_generate(planned_model, cached_profiles, capsys, recwarn):
+    """Calibrating sparse mode at a budget whose caches drop predicted neurons: the runtime's warnings (which
+    advise generate's --on-overflow and a budget for the runtime's default caches) stay out of plan's output;
+    the plan says it in its own notes."""
+    import json
+
+    from flashllm.budget import BudgetTooSmall
+    from flashllm.cli import main
+    from flashllm.errors import DroppedNeuronsWarning
+
+    with pytest.raises(BudgetTooSmall) as small:
+        flashllm.load(planned_model, mode="sparse", predictor="lowrank", dram_budget="20KiB", context=64)
+    capsys.readouterr()
+    assert main(["plan", str(planned_model), "--dram-budget", str(small.value.needed), "--context", "64",
+                 "--max-dropped", "0.99", "--calibrate-tokens", "6", "--sample-tokens", "64", "--json",
+                 "--data", str(planned_model.parent / "sample.txt")]) == 0
+    out, err = capsys.readouterr()
+    assert "warning" not in err and "--on-overflow" not in err, err
+    assert not [w for w in recwarn if issubclass(w.category, DroppedNeuronsWarning)], [str(w.message) for w in recwarn]
+    notes = json.loads(out)["notes"]
+    assert any("could not hold every predicted neuron on" in n and "calibration tokens" in n for n in notes), notes
+
+
 def test_plan_weighs_the_gate_predictor_against_lowrank(tiny_models, tmp_path):
     """A gated FFN with a sparse activation can run the low-rank predictors or its resident gate rows: the
     plan costs both (the gate's rows charged to the budget, its reads up and down rows only) and the

@@ -8,6 +8,7 @@ import pytest
 
 import flashllm
 from flashllm.cli import format_stats
+from flashllm.errors import DroppedNeuronsWarning
 
 IDS = [1, 5, 9, 12, 7, 3, 20, 4, 8, 11]
 
@@ -36,11 +37,11 @@ def small_cache_model(tiny, capacity, **kw):
     return flashllm.load(tiny.model_dir, mode="sparse", predictor=ScriptedPredictor, dram_budget=budget, window=1, **kw)
 
 
-def test_overflow_keeps_the_highest_scored_neurons(tiny_models, capsys):
+def test_overflow_keeps_the_highest_scored_neurons(tiny_models, recwarn):
     tiny = tiny_models("opt")
     model = small_cache_model(tiny, capacity=40)
     d = model.spec.d_ffn
-    capsys.readouterr()
+    recwarn.clear()
     model.logits(IDS, prefill=3)
     for cache in model.plan.caches:
         held = np.sort(cache.pointer[:cache.num_used])
@@ -48,8 +49,8 @@ def test_overflow_keeps_the_highest_scored_neurons(tiny_models, capsys):
     stats = model.stats
     assert stats["neurons_dropped"] == 2 * (d - 40)  # per decode token, both layers
     assert stats["dropped_mass_share"] == pytest.approx(2 * sum(range(1, d - 40 + 1)) / (2 * sum(range(1, d + 1))))
-    err = capsys.readouterr().err
-    assert err.count("warning") == 1 and f"{2 * (d - 40)} dropped" in err and "% of the predicted" in err
+    warned = [str(w.message) for w in recwarn if issubclass(w.category, DroppedNeuronsWarning)]
+    assert len(warned) == 1 and f"{2 * (d - 40)} dropped" in warned[0] and "% of the predicted" in warned[0]
     assert "neurons dropped per token: 176" in format_stats(stats)
 
 
@@ -59,12 +60,13 @@ def test_overflow_error_option_refuses(tiny_models):
         model.logits(IDS, prefill=3)
 
 
-def test_no_drop_no_mention(tiny_models, capsys):
+def test_no_drop_no_mention(tiny_models, capsys, recwarn):
     model = flashllm.load(tiny_models("opt").model_dir, mode="sparse", predictor="oracle")
     capsys.readouterr()
     model.logits(IDS, prefill=3)
     assert model.stats["neurons_dropped"] == 0 and "dropped" not in format_stats(model.stats)
     assert "warning" not in capsys.readouterr().err
+    assert not [w for w in recwarn if issubclass(w.category, DroppedNeuronsWarning)]
 
 
 def test_oracle_on_a_dense_activation_refuses_to_drop(tiny_models):

@@ -205,6 +205,7 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
     ids = sample_ids(model_dir, data, CALIBRATE_PREFILL + CALIBRATE_WARMUP + calibrate_tokens) if calibrate_tokens else None
     options, notes, reference, defaults, noise, needs = [], [], [], None, 0.0, []
     dropping = False  # sparse mode loads at the budget but would drop more predicted neurons than allowed
+    least_sparse = []  # where sparse mode does not load at the budget: the runtime's least (it drops most there)
     dtypes = dtypes or [default_compute_dtype(None, manifest.dtype, True, quantized_ffn=manifest.layout.quant is not None)]
 
     def loaded(plan: Plan, what: str):
@@ -258,9 +259,10 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
                 try:
                     with warnings.catch_warnings():  # the runtime's warnings about a budget the user did not give
                         warnings.simplefilter("ignore")
-                        model = load(model_dir, **{**plan.load_options(), "dram_budget": needs.pop(), "context": context})
+                        model = load(model_dir, **{**plan.load_options(), "dram_budget": needs[-1], "context": context})
                 except FlashLLMError:
                     continue
+                least_sparse.append(needs.pop())
             if model is not None:
                 sparse.append((dtype, plan_sparse.probe(model), m, kind == "auto" and dtype == dtypes[0], fits))
                 del model
@@ -347,8 +349,12 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
         smallest = min((n for n in needs if n), default=None)
         hint = f"the smallest budget that works is --dram-budget {format_size(smallest)}" if smallest else \
             "see `flashllm generate --help` for the smallest budget each mode needs"
+        drop_from = min(least_sparse, default=None)  # below `smallest` only by dropping (--max-dropped)
         wider = (["--max-dropped SHARE (sparse mode runs here by dropping predicted neurons: a quality cost)"]
-                 if dropping else []) + ([f"--dtypes {dtypes[0]},bfloat16"] if set(dtypes) == {"float32"} else []) \
+                 if dropping else
+                 [f"--max-dropped SHARE (sparse mode loads from --dram-budget {format_size(drop_from)}, dropping more "
+                  f"predicted neurons the smaller its caches: a quality cost)"] if drop_from is not None and drop_from < (smallest or 0) else
+                 []) + ([f"--dtypes {dtypes[0]},bfloat16"] if set(dtypes) == {"float32"} else []) \
             + ["a smaller --context"]
         raise NothingFits(f"{model_dir}: nothing fits --dram-budget {format_size(nbudget)} with --max-dropped "
                             f"{max_dropped:g} and --dtypes {','.join(dtypes)} (to let the plan choose from more: "

@@ -9,6 +9,7 @@ import pytest
 import flashllm
 from flashllm import format as fmt
 from flashllm import plan_sparse, planner
+from flashllm.budget import parse_budget
 from flashllm.replay import replay
 from flashllm.errors import FlashLLMError
 from flashllm.profile import MachineProfile
@@ -218,10 +219,14 @@ def test_plan_errors_are_one_line(planned_model, cached_profiles, capsys, recwar
         meta_file.write_text(saved)
     err = capsys.readouterr().err
     assert err.startswith("flashllm: error:") and "nothing fits" in err and len(err.strip().splitlines()) == 1
-    assert "--dtypes float32,bfloat16" in err and "--max-dropped SHARE" not in err  # nothing loads at 20 KiB
+    assert "--dtypes float32,bfloat16" in err and "a smaller --context" in err
+    # nothing loads at 20 KiB, but dropping predicted neurons lowers what sparse mode needs: --max-dropped is named
+    # with the least budget sparse mode loads at, below the smallest budget of a plan that drops nothing
+    loads_from = err.split("--max-dropped SHARE (sparse mode loads from --dram-budget ")[1].split(",")[0]
     # the runtime's warning about the plan's own load at its least budget (not the user's) is not shown
     assert not [w for w in recwarn if "--dram-budget" in str(w.message)], [str(w.message) for w in recwarn]
     smallest = err.split("the smallest budget that works is --dram-budget ")[1].split()[0]  # names a budget that works
+    assert parse_budget(loads_from) < parse_budget(smallest)
     assert main(["plan", str(planned_model), "--dram-budget", smallest, "--context", "64", "--quiet",
                  "--sample-tokens", "64", "--calibrate-tokens", "0"]) == 0
 

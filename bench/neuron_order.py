@@ -134,7 +134,7 @@ def ship(cal_tokens: int, window: int, workdir: Path) -> dict:
     base = demo.prepare(workdir / "converter", order=False)
     train = workdir / "train.txt"
     stdlib_corpus.write_text("train", train, max_bytes=16 * cal_tokens)
-    info = order_model(base, train, max_tokens=cal_tokens, window=window, progress=True)
+    info = order_model(base, train, max_tokens=cal_tokens, window=window)
     dest = demo.EMBEDDED_PREDICTORS / demo.ORDER_FILE
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     shutil.copyfile(base / demo.ORDER_FILE, tmp)

@@ -10,10 +10,9 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
-
 from flashllm import format as fmt
 from flashllm.errors import FlashLLMError
+from flashllm.progress import progress_bar
 from flashllm.quant import DEFAULT_GROUP, DEFAULT_SCHEME, QuantScheme
 from flashllm.spec import ArchSpec
 from flashllm.st_io import storage_bytes, write_safetensors
@@ -61,7 +60,7 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
         copied = [f for f in fmt.TOKENIZER_FILES if (ckpt.root / f).is_file()]
         _check_space(tmp, sum(np.prod(s, dtype=np.int64) for s in shapes.values()) * fmt.STORAGE_DTYPES[dtype_name]
                      + layout.file_size + sum((ckpt.root / f).stat().st_size for f in copied))
-        with tqdm(total=spec.n_layers + 1, desc=f"convert {ckpt.root.name}", unit="layer", disable=None if progress is None else not progress) as bar:
+        with progress_bar(progress, total=spec.n_layers + 1, desc=f"convert {ckpt.root.name}", unit="layer") as bar:
             write_safetensors(tmp / fmt.RESIDENT_FILE, [(n, dtype_name, s) for n, s in shapes.items()],
                               lambda n: family.tensor(ckpt, spec, n, shapes[n]), metadata={"format": fmt.FORMAT_NAME})
             bar.update(1)

@@ -165,7 +165,7 @@ def cmd_train(args) -> None:
     quiet = args.quiet or args.json
     meta = train_predictors(args.model_dir, args.data, settings, max_tokens=args.max_tokens, seq_len=args.seq_len,
                             target=target, low_memory=args.low_memory,
-                            dtype=args.dtype, workdir=args.workdir, progress=not quiet,
+                            dtype=args.dtype, workdir=args.workdir, progress=False if quiet else None,
                             log=None if quiet else lambda m: print(m, file=sys.stderr, flush=True))
     if args.order == "coactivation":
         from .order import order_model
@@ -176,7 +176,8 @@ def cmd_train(args) -> None:
 
         order_model(args.model_dir, args.data, max_tokens=min(args.max_tokens, ORDER_TOKENS), seq_len=args.seq_len,
                     low_memory=args.low_memory, dtype=args.dtype, device=args.device, window=args.window,
-                    progress=not quiet, log=None if quiet else lambda m: print(m, file=sys.stderr, flush=True))
+                    progress=False if quiet else None,
+                    log=None if quiet else lambda m: print(m, file=sys.stderr, flush=True))
         meta = json.loads((Path(args.model_dir) / PREDICTOR_META).read_text())
     if args.json:
         print(json.dumps(meta))
@@ -199,7 +200,8 @@ def cmd_order(args) -> None:
     quiet = args.quiet or args.json
     info = order_model(args.model_dir, args.data, max_tokens=args.max_tokens, window=args.window,
                        statistic=args.statistic, neighbours=args.neighbours, seq_len=args.seq_len,
-                       low_memory=args.low_memory, dtype=args.dtype, device=args.device, progress=not quiet,
+                       low_memory=args.low_memory, dtype=args.dtype, device=args.device,
+                       progress=False if quiet else None,
                        log=None if quiet else lambda m: print(m, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(info))
@@ -220,7 +222,7 @@ def cmd_eval(args) -> None:
     options = load_options(args)
     results = [evaluate(args.model_dir, args.data, options.replace(dtype=dtype), budgets=args.sweep_budget,
                         max_tokens=args.max_tokens, gen_tokens=args.gen_tokens, prompt_tokens=args.prompt_tokens,
-                        seq_len=args.seq_len, progress=not (args.quiet or args.json))
+                        seq_len=args.seq_len, progress=False if args.quiet or args.json else None)
                for dtype in (args.sweep_dtype or [options.dtype])]
     if args.out:
         paths = write_sweep(results, args.out, "flashllm " + " ".join(sys.argv[1:]))

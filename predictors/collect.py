@@ -279,9 +279,9 @@ def recording(model, rule: ActivationRule, sink):
 
 
 def collect(model, chunks: list[list[int]], rule: ActivationRule, workdir: str | Path | None = None,
-            progress: bool = True) -> Calibration:
+            progress: bool | None = None) -> Calibration:
     """Prefill every chunk densely (from position 0), writing each layer's (x, mask) to its shard."""
-    from tqdm import tqdm
+    from flashllm.progress import progress_bar
 
     s = model.spec
     root = Path(tempfile.mkdtemp(prefix="flashllm-calib-", dir=workdir))
@@ -295,7 +295,7 @@ def collect(model, chunks: list[list[int]], rule: ActivationRule, workdir: str |
 
     try:
         with recording(model, rule, sink), \
-                tqdm(total=sum(map(len, chunks)), unit="tok", desc="collect", disable=not progress, leave=False) as bar:
+                progress_bar(progress, total=sum(map(len, chunks)), unit="tok", desc="collect", leave=False) as bar:
             for chunk in chunks:
                 model.plan.reset()
                 model.forward(chunk, 0)

@@ -102,11 +102,11 @@ def _compute_options(options):
 
 
 def dense_reference(model_dir, data, options, max_tokens: int | None, gen_tokens: int, prompt_tokens: int,
-                    seq_len: int | None, progress: bool) -> Reference:
+                    seq_len: int | None, progress: bool | None) -> Reference:
     """One dense pass over the held-out text (in the evaluated dtype) plus the greedy continuation."""
     import flashllm
     from flashllm.predictor import LowRankPredictor
-    from tqdm import tqdm
+    from flashllm.progress import progress_bar
 
     if gen_tokens < 1 or prompt_tokens < 1:
         raise FlashLLMError("--gen-tokens and the prompt length must be at least 1")
@@ -128,8 +128,8 @@ def dense_reference(model_dir, data, options, max_tokens: int | None, gen_tokens
 
     nll, argmax, true_masks = [], [], []
     with col.recording(dense, rule, sink), \
-            tqdm(total=sum(map(len, chunks)), desc=f"dense {dense.backend.dtype}", unit="tok", disable=not progress,
-                 leave=False) as bar:
+            progress_bar(progress, total=sum(map(len, chunks)), desc=f"dense {dense.backend.dtype}", unit="tok",
+                         leave=False) as bar:
         for chunk in chunks:
             rows = dense.logits(chunk)[start:len(chunk) - 1]  # one prefill: the same math as token by token
             nll.append(_nll(rows, chunk[start + 1:]))
@@ -173,11 +173,11 @@ def _computed_counts(model, ref: Reference, chunk_index: list, counts: Counts):
     return observe, next_chunk
 
 
-def evaluate_load(model_dir, ref: Reference, options, progress: bool = True, predictor: str = "lowrank") -> dict:
+def evaluate_load(model_dir, ref: Reference, options, progress: bool | None = None, predictor: str = "lowrank") -> dict:
     """Quality, drops, bytes and latency of the sparse model loaded with `options` (one budget) and
     `predictor` (the trained ones; "auto" what the runtime picks, "oracle" or "gate" exact predictors)."""
     import flashllm
-    from tqdm import tqdm
+    from flashllm.progress import progress_bar
 
     try:
         sparse = flashllm.load(model_dir, options, mode="sparse", predictor=predictor)
@@ -186,8 +186,9 @@ def evaluate_load(model_dir, ref: Reference, options, progress: bool = True, pre
     counts, chunk_index = Counts(sparse.spec.n_layers), [0]
     observe, next_chunk = _computed_counts(sparse, ref, chunk_index, counts)
     nll, agree, tokens, sums = [], [], 0, {"bytes_read": 0.0, "neurons_dropped": 0.0, "total_ms": 0.0, "io_ms": 0.0}
-    with sparse.hooks.observing("ffn_output", observe), tqdm(total=sum(map(len, ref.chunks)), desc=f"sparse {options.dram_budget}", unit="tok",
-              disable=not progress, leave=False) as bar:
+    with sparse.hooks.observing("ffn_output", observe), \
+            progress_bar(progress, total=sum(map(len, ref.chunks)), desc=f"sparse {options.dram_budget}", unit="tok",
+                         leave=False) as bar:
         for i, (chunk, d_argmax) in enumerate(zip(ref.chunks, ref.argmax)):
             chunk_index[0] = i
             next_chunk()
@@ -237,7 +238,7 @@ def naive_bytes(model_dir, ref: Reference, options) -> float | None:
 
 def evaluate(model_dir: str | Path, data: str | Path, options=None, budgets: list | None = None,
              max_tokens: int | None = 2048, gen_tokens: int = 256, prompt_tokens: int = 32,
-             seq_len: int | None = None, progress: bool = True) -> dict:
+             seq_len: int | None = None, progress: bool | None = None) -> dict:
     """Evaluate sparse mode with the trained predictors of `model_dir` on the held-out text `data`, loaded
     with `options` (a flashllm.LoadOptions; mode sparse, its predictor: auto by default) at each DRAM budget
     of `budgets` (default: the options' own). The top-level keys describe the first budget;

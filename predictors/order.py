@@ -48,9 +48,9 @@ def orders_from_counts(counts: list[co.CoCounts], neighbours: int = co.DEFAULT_N
     return perms, {"layers": layers, "runs_per_token_before": round(before, 2), "runs_per_token_after": round(after, 2)}
 
 
-def _masks_of(model, chunks, predictor, progress: bool) -> list[list[np.ndarray]]:
+def _masks_of(model, chunks, predictor, progress: bool | None) -> list[list[np.ndarray]]:
     """Per layer, per sequence: the predicted (or, with no predictor, true) masks of every token."""
-    from tqdm import tqdm
+    from flashllm.progress import progress_bar
 
     from .collect import activation_rule, recording
 
@@ -59,8 +59,8 @@ def _masks_of(model, chunks, predictor, progress: bool) -> list[list[np.ndarray]
         watch = model.hooks.observing("ffn_input", lambda layer, x: per_layer[layer].append(predictor.predict(layer, x)))
     else:
         watch = recording(model, activation_rule(model.spec), lambda layer, x, mask: per_layer[layer].append(mask))
-    with watch, tqdm(total=sum(map(len, chunks)), unit="tok", desc="order: collect",
-                                            disable=not progress, leave=False) as bar:
+    with watch, progress_bar(progress, total=sum(map(len, chunks)), unit="tok", desc="order: collect",
+                             leave=False) as bar:
         for chunk in chunks:
             model.plan.reset()
             model.forward(chunk, 0)
@@ -71,7 +71,7 @@ def _masks_of(model, chunks, predictor, progress: bool) -> list[list[np.ndarray]
 def order_model(model_dir: str | Path, data: str | Path, max_tokens: int = DEFAULT_MAX_TOKENS,
                 window: int = DEFAULT_WINDOW, statistic: str = "loads", neighbours: int = co.DEFAULT_NEIGHBOURS,
                 seq_len: int | None = None, low_memory: bool = False, dtype: str | None = None,
-                device: str = "cpu", progress: bool = True, log=None) -> dict:
+                device: str = "cpu", progress: bool | None = None, log=None) -> dict:
     """Order every layer's neurons by co-activation on `data` and rewrite `model_dir` in that order.
     Returns the manifest's new "neuron_order" entry."""
     from flashllm.predictor import PREDICTOR_META, LowRankPredictor

@@ -109,10 +109,10 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def apply_order(model_dir: str | Path, perms: list[np.ndarray], info: dict, progress: bool = True) -> dict:
+def apply_order(model_dir: str | Path, perms: list[np.ndarray], info: dict, progress: bool | None = None) -> dict:
     """Put layer i's neuron perms[i][j] (in the directory's current order) at position j everywhere;
     record `info` (method, settings, measured effect) in the manifest. Returns the new manifest's data."""
-    from tqdm import tqdm
+    from flashllm.progress import progress_bar
 
     manifest = fmt.read_manifest(model_dir, verify=False)
     spec, root = manifest.spec, manifest.root
@@ -134,7 +134,7 @@ def apply_order(model_dir: str | Path, perms: list[np.ndarray], info: dict, prog
         targets["predictors"] = root / PREDICTOR_FILE
     tmps = {k: _tmp(p) for k, p in targets.items()}
     try:
-        with tqdm(total=spec.n_layers, desc="reorder ffn.bin", unit="layer", disable=not progress, leave=False) as bar:
+        with progress_bar(progress, total=spec.n_layers, desc="reorder ffn.bin", unit="layer", leave=False) as bar:
             layer_sha = _write_ffn(manifest, perms, tmps["ffn"], bar.update)
         _write_resident(manifest, perms, tmps["resident"])
         write_safetensors(str(tmps["order"]), [(f"layers.{i}.perm", np.dtype(np.int32), (spec.d_ffn,))

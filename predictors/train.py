@@ -383,11 +383,11 @@ def write_predictors(model_dir: str | Path, results: list[LayerResult], freqs: l
 def train_predictors(model_dir: str | Path, data: str | Path, settings: TrainSettings = TrainSettings(),
                      max_tokens: int | None = DEFAULT_MAX_TOKENS, seq_len: int | None = None,
                      target: Target | None = None, low_memory: bool = False, dtype: str | None = None,
-                     workdir: str | Path | None = None, progress: bool = True, log=None) -> dict:
+                     workdir: str | Path | None = None, progress: bool | None = None, log=None) -> dict:
     """Collect calibration data over `data`, train every layer's predictor, write them into
     `model_dir`; for a dense activation, first calibrate per-layer thresholds for `target` (a
     calibrate.Target) and write them too (sparsity.json). Returns the metadata written to predictors.json."""
-    from tqdm import tqdm
+    from flashllm.progress import progress_bar
 
     settings.check()
     log = log or (lambda msg: None)
@@ -426,7 +426,7 @@ def train_predictors(model_dir: str | Path, data: str | Path, settings: TrainSet
         log(f"collected in {t1 - t0:.1f} s; shards {cal.disk_bytes() / 2**20:.1f} MiB on disk; training "
             f"{'rank ' + str(settings.rank) if settings.rank else 'ranks from ' + str(list(settings.rank_ladder))}")
         results, freqs = [], []
-        bar = tqdm(range(spec.n_layers), desc="train", unit="layer", disable=not progress, leave=False)
+        bar = progress_bar(progress, iterable=range(spec.n_layers), desc="train", unit="layer", leave=False)
         for layer in bar:
             x, packed = cal.load(layer)
             r = train_layer(x, packed, spec.d_ffn, settings, layer, cal.lengths, row_elems)

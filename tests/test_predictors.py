@@ -440,3 +440,27 @@ def test_inspect_lists_trained_predictors_and_verify_checks_them(tiny_models, tm
     assert run_cli(capsys, "inspect", model_dir)[0] == 0  # without --verify: small files of the manifest only
     code, out, err = run_cli(capsys, "inspect", model_dir, "--verify")
     assert code == 1 and err == f"flashllm: error: {model_dir / PREDICTOR_FILE}: checksum mismatch (train the predictors again)\n"
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_progress_bars_only_on_a_terminal(tiny_models, texts, capsys, tmp_path, monkeypatch, terminal):
+    """`2>log`: the commands log their steps in lines, without tqdm's carriage-return updates; on a
+    terminal the bars show (convert, predictors train with --order coactivation, predictors eval)."""
+    import sys
+
+    model_dir = own_copy(tiny_models, "opt", tmp_path)
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)  # capsys's stderr is not a terminal
+    errs = []
+    for argv in (["convert", tiny_models("opt").ckpt, tmp_path / "converted"],
+                 ["predictors", "train", model_dir, "--data", texts["train"], "--rank", 4, "--max-tokens", 300,
+                  "--epochs", 1, "--order", "coactivation"],
+                 ["predictors", "eval", model_dir, "--data", texts["heldout"], "--max-tokens", 60, "--gen-tokens", 2]):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 0, err
+        errs.append(err)
+    if terminal:
+        assert all("\r" in err for err in errs), errs
+    else:
+        assert not any("\r" in err for err in errs), errs
+        assert "layer 0: rank 4" in errs[1]  # the log lines stay

@@ -1,0 +1,12 @@
+"""Progress bars on stderr that stay out of logs."""
+
+from __future__ import annotations
+
+
+def progress_bar(progress: bool | None = None, **kwargs):
+    """A tqdm bar on stderr (`kwargs` go to tqdm). `progress`: True shows it, False hides it, None (the
+    default of every command) shows it only where stderr is a terminal: redirected to a file (`2>log`) its
+    carriage-return updates would fill the log, and the commands log their steps in lines anyway."""
+    from tqdm import tqdm
+
+    return tqdm(disable=None if progress is None else not progress, **kwargs)

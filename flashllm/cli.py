@@ -284,10 +284,13 @@ def cmd_generate(args) -> None:
         print(json.dumps({"text": text, "token_ids": run.token_ids, "stop_reason": run.stop_reason,
                           "stats": model.stats}))
         return
+    global _text_line_open
     try:
         for piece in pieces:
             print(piece, end="", flush=True)
+            _text_line_open = _text_line_open if not piece else not piece.endswith("\n")
     finally:
+        _text_line_open = False
         print()  # the text's line ends before anything else is written, an error included
     if model.last_stop_reason == "context":
         further = "the model has no more positions" if model.context >= model.spec.context_limit else \
@@ -465,10 +468,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_text_line_open = False  # generate has streamed text whose line is not ended yet
+
+
+def _same_terminal() -> bool:
+    """stdout and stderr are the one terminal (where a warning would be glued to the streamed text)."""
+    try:
+        return sys.stdout.isatty() and sys.stderr.isatty() and os.path.samestat(os.fstat(1), os.fstat(2))
+    except (OSError, ValueError):
+        return False
+
+
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> str:
-    """Runtime warnings (dropped neurons, buffered I/O) as one `flashllm: warning:` line, no source line; the
-    options a warning names are spelled as flags."""
-    return f"flashllm: warning: {message.cli_message() if hasattr(message, 'cli_message') else message}\n"
+    """Runtime warnings (dropped neurons, buffered I/O) as one `flashllm: warning:` line, no source line, on a
+    line of its own in a terminal that shows streamed text too; the options a warning names are spelled as flags."""
+    lead = "\n" if _text_line_open and _same_terminal() else ""
+    return f"{lead}flashllm: warning: {message.cli_message() if hasattr(message, 'cli_message') else message}\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -205,3 +205,32 @@ def test_an_error_after_streamed_text_starts_on_its_own_line(capsys, flash, monk
     monkeypatch.setattr(Model, "stream", fail_midway)
     code, out, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--max-new-tokens", 4)
     assert code == 1 and out == "partial\n" and err == "flashllm: error: layer 0: refused\n"
+
+
+@pytest.mark.parametrize("same_terminal", [True, False])
+def test_a_warning_while_text_streams_starts_on_its_own_line_in_a_terminal(capsys, flash, monkeypatch, same_terminal):
+    """A runtime warning raised mid-stream (e.g. dropped neurons) gets a line of its own where stdout and stderr
+    are one terminal (it was glued to the streamed text); redirected output is left as it is."""
+    import warnings
+
+    from flashllm import cli
+    from flashllm.model import Model
+
+    def warn_midway(self, *a, **k):
+        yield "partial"
+        warnings.warn("caches too small", RuntimeWarning)
+        yield " more\n"
+        warnings.warn("again at a line start", UserWarning)
+        yield "end"
+
+    monkeypatch.setattr(Model, "stream", warn_midway)
+    monkeypatch.setattr(cli, "_same_terminal", lambda: same_terminal)
+    # shown as outside pytest (which records warnings instead of writing them)
+    monkeypatch.setattr(warnings, "showwarning", lambda m, c, f, n, file=None, line=None:
+                        sys.stderr.write(warnings.formatwarning(m, c, f, n, line)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        code, out, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--max-new-tokens", 4)
+    lead = "\n" if same_terminal else ""
+    assert code == 0 and out == "partial more\nend\n"
+    assert err == f"{lead}flashllm: warning: caches too small\nflashllm: warning: again at a line start\n"

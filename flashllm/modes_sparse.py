@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 
 from . import budget as budget_mod
-from .errors import DroppedNeuronsWarning, FlashLLMError
+from .errors import DroppedNeuronsWarning, FlashLLMError, cli_option
 from .modes_base import StreamingPlan
 from .modes_read_ahead import ReadAhead
 from .neuron_cache import NeuronCache, pinned_rows
@@ -99,7 +99,7 @@ class SparsePlan(ReadAhead, StreamingPlan):
         if not short:
             return
         i, c, w = max(short, key=lambda s: s[2] - s[1])
-        option, budget, opts = self.ctx.budget_option, self.ctx.budget, self.ctx.options
+        field, budget, opts = self.ctx.budget_field, self.ctx.budget, self.ctx.options
         enough = budget_mod.format_size(base + sum(want) * row)
         over = sum(w - c for _, c, w in short)
         if opts.batch_size > 1:  # a batch's union that does not fit is streamed through the rows, never dropped
@@ -108,10 +108,12 @@ class SparsePlan(ReadAhead, StreamingPlan):
             then = f"tokens predicting more than a cache holds (about {over} neurons per token over) are refused"
         else:
             then = (f"about {over} predicted neurons per token will be dropped, at a quality cost that `flashllm "
-                    f"predictors eval MODEL --data TEXT {option} ...` measures")
-        warnings.warn(f"{option} {budget_mod.format_size(budget)}: {len(short)} of {len(want)} layer caches hold fewer "
-                      f"neurons than their predictors select per token on average (layer {i}: {c} for {w}), so "
-                      f"{then}; {option} {enough} avoids it", DroppedNeuronsWarning, stacklevel=4)
+                    f"predictors eval MODEL --data TEXT {cli_option(field)} ...` measures")
+        # a template (errors.NamesOptions): the budget named as flashllm.load's keyword, or the CLI's flag
+        warnings.warn(DroppedNeuronsWarning(
+            f"{{{field}={budget_mod.format_size(budget)}}}: {len(short)} of {len(want)} layer caches hold fewer "
+            f"neurons than their predictors select per token on average (layer {i}: {c} for {w}), so "
+            f"{then}; {{{field}={enough}}} avoids it"), stacklevel=4)
 
     def describe(self) -> dict:
         sparsity = self.ctx.sparsity

@@ -325,7 +325,8 @@ def test_budget_below_the_predicted_sets_warns_at_load_with_the_numbers(tiny_mod
         with pytest.warns(RuntimeWarning, match="hold fewer neurons") as w2:  # said as it will happen
             flashllm.load(model_dir, mode="sparse", **{"dram_budget": 1.0, **kw})
         assert then in str(w2[0].message) and "dropped" not in str(w2[0].message)
-    enough = re.search(r"--dram-budget (\S+) avoids it", str(w[0].message)).group(1)
+    # named as flashllm.load takes it (the CLI's one line says --dram-budget: test_quality_guards)
+    enough = re.search(r"dram_budget='(\S+)' avoids it", str(w[0].message)).group(1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the suggested budget holds every layer's mean predicted set
         model = flashllm.load(model_dir, mode="sparse", dram_budget=enough)

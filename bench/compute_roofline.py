@@ -515,6 +515,9 @@ def main(argv=None) -> int:
         for config in args.configs:
             print(f"round {r + 1}/{args.rounds}: {config} ...", file=sys.stderr)
             runs.append(run_child(args, config))
+            # each run's numbers as soon as it ends: a run killed before its report keeps the finished ones
+            print(json.dumps({k: runs[-1].get(k) for k in ("config", "compute_ms", "total_ms", "io_ms", "beside_gbps",
+                                                           "parts", "load")}), file=sys.stderr, flush=True)
     text = report(meta, roof, survey, runs)
     if args.json:
         meta.pop("spec")

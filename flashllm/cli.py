@@ -373,6 +373,9 @@ def cmd_inspect(args) -> None:
 def cmd_demo(args) -> None:
     from . import demo
 
+    if args.max_new_tokens < 2:  # the first new token comes from the prompt's forward: no decode token to compare
+        raise FlashLLMError(f"--max-new-tokens {args.max_new_tokens}: the demo compares decode tokens, so it needs at "
+                            "least 2 (the first new token comes from the prompt)")
     if args.moe:
         result = demo.run_moe(max_new_tokens=args.max_new_tokens)
         print(json.dumps(result) if args.json else demo.report_moe(result))
@@ -442,8 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Convert the embedded small ReLU model (into $FLASHLLM_CACHE or "
                        "~/.cache/flashllm), generate in sparse mode at a DRAM budget of 50% of the model, "
                        "and compare bytes read and latency per token with naive mode.")
-    d.add_argument("--max-new-tokens", type=_count, default=48, help="tokens to generate in sparse mode "
-                   "(default: %(default)s)")
+    d.add_argument("--max-new-tokens", type=_count, default=48, help="tokens to generate in sparse mode, at "
+                   "least 2 (default: %(default)s)")
     d.add_argument("--json", action="store_true", help="print one JSON object: model_dir, text, stats "
                    "(default: off)")
     which = d.add_mutually_exclusive_group()

@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from flashllm.cli import main
 
 
@@ -78,3 +80,16 @@ def test_demo_model_is_prepared_in_the_shipped_neuron_order(tmp_path):
         reads.append(m.stats["reads"])
     assert reads[0] < 0.9 * reads[1]
     assert demo.prepare(plain) == plain and fmt.read_manifest(plain).data["neuron_order"]["shipped_sha256"] == sha
+
+
+@pytest.mark.parametrize("variant", [[], ["--moe"], ["--swiglu"]])
+@pytest.mark.parametrize("tokens", ["0", "1"])
+def test_demo_needs_a_decode_token_to_compare(capsys, variant, tokens):
+    """0 or 1 new tokens leave no decode token: one clear line (it crashed on --moe, and printed ratios of
+    zeros otherwise), before anything is converted."""
+    from flashllm.cli import main
+
+    assert main(["demo", "--max-new-tokens", tokens, *variant]) == 1
+    err = capsys.readouterr().err
+    assert err == f"flashllm: error: --max-new-tokens {tokens}: the demo compares decode tokens, so it needs at " \
+                  "least 2 (the first new token comes from the prompt)\n"

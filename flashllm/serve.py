@@ -85,7 +85,8 @@ class Server:
             job.emit("error", APIError(400, str(exc)))
             return
         run = model.last_generation
-        reason = run.stop_reason if req.max_tokens is not None or run.stop_reason != "length" else "context"
+        capped = req.max_tokens is None or req.max_tokens > context_left  # the context, not the client, set `budget`
+        reason = "context" if run.stop_reason == "length" and capped else run.stop_reason
         job.emit("done", {"finish_reason": FINISH_REASON.get(reason, "stop"),
                           "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(run.token_ids),
                                     "total_tokens": len(req.prompt_ids) + len(run.token_ids)},

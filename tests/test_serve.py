@@ -396,3 +396,20 @@ def test_a_port_in_use_is_a_one_line_error_before_the_model_loads(tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith(f"flashllm: error: cannot listen on 127.0.0.1:{port}: ") and err.count("\n") == 1, err
     assert "in use" in err, err
+
+
+@pytest.mark.parametrize("max_tokens", [50, None])
+def test_a_reply_cut_by_the_context_says_context_not_length(served, reference, max_tokens):
+    """A prompt that fits but leaves less room than max_tokens (or than no limit): the reply ends at the context,
+    and the server says so (stop_reason context; finish_reason length, as OpenAI's API names it). It said
+    "length", as if the client's max_tokens had ended it."""
+    room = 10
+    ids = (reference.tokenizer.encode("the quick brown fox ") * reference.context)[:reference.context - room]
+    resp = served.client().completions.create(model="tiny", prompt=ids, temperature=0,
+                                              **({} if max_tokens is None else {"max_tokens": max_tokens}))
+    if max_tokens is None:  # the completions API's default is 16: more than the room left here
+        assert room < 16
+    assert resp.usage.completion_tokens == room and resp.choices[0].finish_reason == "length"
+    assert resp.model_extra["flashllm"]["stop_reason"] == "context"
+    limited = served.client().completions.create(model="tiny", prompt=ids, temperature=0, max_tokens=room - 1)
+    assert limited.model_extra["flashllm"]["stop_reason"] == "length"  # the client's limit came first

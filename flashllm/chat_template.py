@@ -89,7 +89,8 @@ class ChatTemplate:
             if found is None:
                 raise FlashLLMError(f"{root}: this model has no chat template (neither {TEMPLATE_FILE} nor "
                                     f"tokenizer_config.json's chat_template); pass one with --chat-template FILE "
-                                    f"(API: chat_template=...), use --chat-template plain for a base model, or "
+                                    f"(Python: model.chat_template = FILE), use --chat-template plain "
+                                    f"(model.chat_template = 'plain') for a base model, or "
                                     f"send plain text to the completion endpoint instead")
             return found
         tokens = special_tokens(_read_json(root / "tokenizer_config.json"), _read_json(root / "special_tokens_map.json"))

@@ -98,8 +98,9 @@ def test_converter_carries_both_template_sources(templated, tmp_path):
 
 def test_model_without_template_says_what_to_do(tiny_models, tmp_path):
     model = flashllm.load(tiny_models("opt").model_dir)
-    with pytest.raises(FlashLLMError, match="no chat template.*--chat-template"):
+    with pytest.raises(FlashLLMError, match="no chat template.*--chat-template") as err:
         model.chat([{"role": "user", "content": "hi"}])
+    assert "model.chat_template = FILE" in str(err.value)  # what Python takes (it named a chat_template= argument)
     model.chat_template = "plain"
     assert model.chat_template.render([{"role": "user", "content": "hi"}]) == "User: hi\n\nAssistant:"
     path = tmp_path / "t.jinja"

@@ -16,7 +16,7 @@ import ctypes
 import math
 import re
 
-from .errors import FlashLLMError, NamesOptions
+from .errors import FlashLLMError, OptionsError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 MIN_BYTES = 4096
@@ -89,7 +89,7 @@ def format_size(nbytes: int) -> str:
     return str(max(nbytes, MIN_BYTES))
 
 
-class BudgetTooSmall(NamesOptions, FlashLLMError):
+class BudgetTooSmall(OptionsError):
     """A budget below what a mode needs; the message names the smallest budget that works and the options
     that lower it, as the Python API's keywords (`str()`) or the CLI's flags (`cli_message()`)."""
 

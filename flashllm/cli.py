@@ -460,7 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Predictors decide which FFN neurons each token needs (sparse mode).")
     from .predictors.cli import add_parsers as add_predictor_parsers  # train, eval and their handlers
 
-    add_predictor_parsers(pr.add_subparsers(dest="predictors_command", required=True))
+    commands = pr.add_subparsers(dest="predictors_command", required=True)
+    add_predictor_parsers(commands)
+    commands.metavar = "{" + ",".join(commands.choices) + "}"  # named so in "required" errors, not by its dest
     from . import chat, serve  # each adds its subcommand
     from . import plan_cli  # profile and plan
 

@@ -50,5 +50,9 @@ class FlashLLMError(Exception):
         return str(self)
 
 
+class OptionsError(NamesOptions, FlashLLMError):
+    """A user-facing error whose message names load options (a `name_options` template)."""
+
+
 class DroppedNeuronsWarning(NamesOptions, RuntimeWarning):
     """Predicted FFN neurons that the neuron caches could not hold were dropped (lowest scores first)."""

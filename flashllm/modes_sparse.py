@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 
 from . import budget as budget_mod
-from .errors import DroppedNeuronsWarning, FlashLLMError, cli_option
+from .errors import DroppedNeuronsWarning, FlashLLMError, OptionsError, cli_option
 from .modes_base import StreamingPlan
 from .modes_read_ahead import ReadAhead
 from .neuron_cache import NeuronCache, pinned_rows
@@ -174,8 +174,8 @@ class SparsePlan(ReadAhead, StreamingPlan):
         if len(active) <= capacity:
             return active
         if self.on_overflow == "error":
-            raise FlashLLMError(f"layer {layer}: {len(active)} neurons predicted active but its cache holds "
-                                f"{capacity}; raise --dram-budget or load with --on-overflow drop")
+            raise OptionsError(f"layer {layer}: {len(active)} neurons predicted active but its cache holds "
+                               f"{capacity}; raise {{{self.ctx.budget_field}}} or load with {{on_overflow=drop}}")
         order = np.argsort(-scores[active], kind="stable") if scores is not None else np.arange(len(active))
         keep, dropped = np.sort(active[order[:capacity]]), active[order[capacity:]]
         cost.neurons_dropped += len(dropped)

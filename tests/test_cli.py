@@ -234,3 +234,11 @@ def test_a_warning_while_text_streams_starts_on_its_own_line_in_a_terminal(capsy
     lead = "\n" if same_terminal else ""
     assert code == 0 and out == "partial more\nend\n"
     assert err == f"{lead}flashllm: warning: caches too small\nflashllm: warning: again at a line start\n"
+
+
+def test_a_missing_predictors_subcommand_is_named_by_its_choices(capsys):
+    """`flashllm predictors` alone names the subcommands it needs (it said `predictors_command`, a dest)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["predictors"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "required: {train,order,eval}" in err and "predictors_command" not in err

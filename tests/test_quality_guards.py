@@ -56,8 +56,11 @@ def test_overflow_keeps_the_highest_scored_neurons(tiny_models, recwarn):
 
 def test_overflow_error_option_refuses(tiny_models):
     model = small_cache_model(tiny_models("opt"), capacity=40, on_overflow="error")
-    with pytest.raises(flashllm.FlashLLMError, match="cache holds 40"):
+    with pytest.raises(flashllm.FlashLLMError, match="cache holds 40") as err:
         model.logits(IDS, prefill=3)
+    # named as the caller passes them: Python keywords here, the CLI's flags in its one line
+    assert "raise dram_budget or load with on_overflow='drop'" in str(err.value)
+    assert "raise --dram-budget or load with --on-overflow drop" in err.value.cli_message()
 
 
 def test_no_drop_no_mention(tiny_models, capsys, recwarn):

@@ -288,7 +288,8 @@ def cmd_generate(args) -> None:
     try:
         for piece in pieces:
             print(piece, end="", flush=True)
-            _text_line_open = _text_line_open if not piece else not piece.endswith("\n")
+            if piece:
+                _text_line_open = not piece.endswith("\n")
     finally:
         _text_line_open = False
         print()  # the text's line ends before anything else is written, an error included

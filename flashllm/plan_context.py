@@ -10,7 +10,6 @@ import numpy as np
 
 from . import budget as budget_mod
 from . import format as fmt
-from .errors import cli_option
 from .ffn_reader import FFNReader, LayerChecksums
 from .hooks import Hooks
 from .options import LoadOptions
@@ -100,11 +99,6 @@ class PlanContext:
     def budget_field(self) -> str:
         """The LoadOptions field of `budget`."""
         return "gpu_budget" if self.backend.on_gpu else "dram_budget"
-
-    @property
-    def budget_option(self) -> str:
-        """The CLI flag of `budget`."""
-        return cli_option(self.budget_field)
 
     def too_small(self, needed: int, what: str):
         """The "budget too small" error, with the smallest budget and what would lower it."""

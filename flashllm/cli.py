@@ -336,7 +336,7 @@ def cmd_inspect(args) -> None:
     from .predictor import PREDICTOR_FILE, PREDICTOR_META, verify_predictor_files
     from .sparsity import read_sparsity
 
-    manifest = fmt.read_manifest(args.model_dir, verify=args.verify)
+    manifest = fmt.read_manifest(args.model_dir, verify=True if args.verify else None)  # None: what load checks
     sparsity = read_sparsity(manifest)
     data = manifest.data
     sizes = {key: entry["size"] for key, entry in data["files"].items()}
@@ -349,7 +349,8 @@ def cmd_inspect(args) -> None:
             "quantization": data.get("quantization", "none"), **({"quantization_params": data["ffn"]["quantization"]}
                                                                   if manifest.layout.quant else {}),
             "spec": data["spec"], "files": sizes, "bundle_bytes": manifest.layout.bundle_bytes,
-            "bundle_stride": manifest.layout.stride, "checksums_verified": "all" if args.verify else "small files",
+            "bundle_stride": manifest.layout.stride, "checksums_verified": "all" if args.verify else
+            f"files up to {fmt.VERIFY_AUTO_LIMIT >> 20} MiB",
             **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
     if args.json:
         print(json.dumps(info))
@@ -435,7 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("inspect", help="describe a model directory", description="Validate a model directory "
-                       "(sizes; checksums of small files, or of all with --verify) and describe it.")
+                       "(sizes; checksums of the files load checks, up to 256 MiB each, or of all with --verify) and "
+                       "describe it.")
     add_model_dir(i)
     i.add_argument("--verify", action="store_true", help="checksum every file (reads the whole model) "
                    "(default: off)")

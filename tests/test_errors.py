@@ -112,12 +112,15 @@ def test_truncated_ffn_file(capsys, flash):
     assert code != 0 and "ffn.bin" in err and "Traceback" not in err
 
 
-def test_corrupt_ffn_file_fails_checksum(flash):
+def test_corrupt_ffn_file_fails_checksum_in_load_and_inspect(capsys, flash):
+    """`inspect` without --verify checks what load checks: it never passes a model that load refuses."""
     with open(flash / "ffn.bin", "r+b") as f:
         f.seek(100)
         f.write(b"\xff\xff")
-    with pytest.raises(flashllm.FlashLLMError, match="checksum"):
+    with pytest.raises(flashllm.FlashLLMError, match="checksum") as refused:
         flashllm.load(flash)
+    code, err = run_cli(capsys, "inspect", flash)
+    assert code == 1 and err == f"flashllm: error: {refused.value}\n"
 
 
 def test_prompt_longer_than_context(capsys, flash):

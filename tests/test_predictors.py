@@ -438,7 +438,7 @@ def test_inspect_lists_trained_predictors_and_verify_checks_them(tiny_models, tm
     raw = bytearray((model_dir / PREDICTOR_FILE).read_bytes())
     raw[-1] ^= 0xFF
     (model_dir / PREDICTOR_FILE).write_bytes(bytes(raw))
-    assert run_cli(capsys, "inspect", model_dir)[0] == 0  # without --verify: small files of the manifest only
+    assert run_cli(capsys, "inspect", model_dir)[0] == 0  # without --verify: what load checks (the manifest's files)
     code, out, err = run_cli(capsys, "inspect", model_dir, "--verify")
     assert code == 1 and err == f"flashllm: error: {model_dir / PREDICTOR_FILE}: checksum mismatch (train the predictors again)\n"
 

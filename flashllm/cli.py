@@ -130,7 +130,8 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                    help="DRAM for weights, caches and KV: a fraction of the model (0.5 or 50%%), a size (6GiB, "
                    "700MiB, 20M) or bytes (default: unlimited, as in the Python API)")
     g.add_argument("--gpu-budget", type=_budget, default=d.gpu_budget, metavar="BUDGET",
-                   help="on a GPU: device memory for weights, KV and caches, same forms (default: unlimited)")
+                   help="with --device cuda: device memory for weights, KV and caches, same forms; refused off a GPU "
+                   "(default: unlimited)")
     g.add_argument("--window", type=_positive, default=d.window,
                    help="sparse mode: keep neurons active in the last K tokens (default: %(default)s)")
     g.add_argument("--pin-hot", action=argparse.BooleanOptionalAction, default=d.pin_hot,

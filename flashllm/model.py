@@ -14,7 +14,7 @@ from . import format as fmt
 from . import modes
 from .budget import budget_bytes, return_freed_memory, too_small
 from .chat_template import ChatTemplate
-from .errors import DroppedNeuronsWarning, FlashLLMError
+from .errors import DroppedNeuronsWarning, FlashLLMError, OptionsError
 from .experts import MOE_PLANS
 from .ffn_reader import LayerChecksums
 from .hooks import Hooks
@@ -61,6 +61,12 @@ class Model:
         self.backend = make_backend(opts.backend, self.spec, opts.device, opts.dtype, self.manifest.dtype, self.context,
                                     self.manifest.data.get("quantization", "none") != "none", opts.kv_bits, opts.kernels,
                                     opts.compute_threads)
+        if opts.gpu_budget is not None and not self.backend.on_gpu:  # nothing would read it: refused, not ignored
+            where = "MLX (its GPU shares DRAM)" if opts.backend == "mlx" else \
+                "the CPU" if (opts.device or "cpu") == "cpu" else f"device {opts.device}"
+            raise OptionsError(f"{{gpu_budget}} sizes CUDA device memory, but this model runs on {where}, where "
+                               f"{{dram_budget}} bounds all memory; drop {{gpu_budget}}, or run on a GPU with "
+                               f"{{device=cuda}}")
         self.backend.set_sequences(opts.batch_size)  # before the plans: every KV cache counts against the budget
         self._tokenizer = None
         self._chat_template = None

@@ -97,6 +97,20 @@ def test_cli_budget_too_small_names_flags_in_one_line(tiny_models, capsys):
     assert "dram_budget=" not in err and "dtype=" not in err
 
 
+def test_gpu_budget_off_a_gpu_is_refused_not_ignored(tiny_models, capsys):
+    """A GPU budget on a CPU run would bound nothing: one line naming the option (API keyword, CLI flag)."""
+    tiny = tiny_models("llama-relu")
+    with pytest.raises(flashllm.FlashLLMError) as exc:
+        flashllm.load(tiny.model_dir, gpu_budget=0.5)
+    assert str(exc.value).startswith("gpu_budget sizes CUDA device memory, but this model runs on the CPU")
+    assert "device='cuda'" in str(exc.value)
+    capsys.readouterr()
+    assert main(["generate", str(tiny.model_dir), "--prompt", "x", "--gpu-budget", "50%"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("flashllm: error: --gpu-budget sizes CUDA device memory, but this model runs on the CPU, where "
+                   "--dram-budget bounds all memory; drop --gpu-budget, or run on a GPU with --device cuda\n"), err
+
+
 def test_budget_above_the_model_is_named_as_a_size_the_parser_accepts(tiny_models, capsys):
     """Dense float32 with its KV cache needs more than the model's own size: the smallest budget is given as
     a size (a percentage above 100% is refused by the budget parser), and the message says no share fits."""

@@ -162,10 +162,22 @@ def converted_after(edit, tiny_models, tmp_path):
 
 
 def test_missing_tokenizer_says_how_to_proceed(capsys, tiny_models, tmp_path):
-    flash = converted_after(lambda ckpt: (ckpt / "tokenizer.json").unlink(), tiny_models, tmp_path)
+    """convert says at its end that no tokenizer came along and what follows; generate then says what to do."""
+    ckpt = tmp_path / "hf"
+    shutil.copytree(tiny_models("llama").ckpt, ckpt)
+    code, _, err = run_cli(capsys, "convert", ckpt, tmp_path / "with")
+    assert code == 0 and err == ""  # a checkpoint with its tokenizer: no note
+    (ckpt / "tokenizer.json").unlink()
+    flash = tmp_path / "flash"
+    code, out, err = run_cli(capsys, "convert", ckpt, flash)
+    assert code == 0 and out == f"wrote {flash}\n"
+    assert err == (f"flashllm: note: no tokenizer.json in {ckpt}, so none was copied: text prompts (generate, chat, "
+                   f"serve) will fail until the model's tokenizer.json (and tokenizer_config.json) is copied into "
+                   f"{flash}; without it, give token ids from Python (Model.generate_ids)\n"), err
     code, _, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT)
     assert code == 1
     one_line_error(err, "tokenizer.json", "copy", "generate_ids")
+    assert list(flashllm.load(flash).generate_ids([1, 5, 7], max_new_tokens=2))  # token ids work without it
 
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]"])

@@ -93,3 +93,21 @@ def test_demo_needs_a_decode_token_to_compare(capsys, variant, tokens):
     err = capsys.readouterr().err
     assert err == f"flashllm: error: --max-new-tokens {tokens}: the demo compares decode tokens, so it needs at " \
                   "least 2 (the first new token comes from the prompt)\n"
+
+
+def test_readme_python_snippet_runs_on_the_embedded_model(tmp_path, monkeypatch, capsys):
+    """The README's first Python block, run as written, with "./model" the embedded model (at the demo's
+    settings: its float32 model needs a 2-byte compute dtype to fit half its size)."""
+    import re
+
+    import flashllm
+    from flashllm import demo
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    assert 'flashllm.load("./model"' in snippet
+    model_dir, load = demo.prepare(tmp_path / "tiny-opt"), flashllm.load
+    monkeypatch.setattr(flashllm, "load", lambda path, **kw: load(model_dir if path == "./model" else path,
+                                                                  **{**demo.SETTINGS, **kw}))
+    exec(compile(snippet, "README.md", "exec"), {})
+    assert "bytes_read" in capsys.readouterr().out

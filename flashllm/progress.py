@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def progress_bar(progress: bool | None = None, **kwargs):
     """A tqdm bar on stderr (`kwargs` go to tqdm). `progress`: True shows it, False hides it, None (the
@@ -10,3 +12,12 @@ def progress_bar(progress: bool | None = None, **kwargs):
     from tqdm import tqdm
 
     return tqdm(disable=None if progress is None else not progress, **kwargs)
+
+
+def log_line(message: str) -> None:
+    """One log line on stderr, written above a live progress bar (tqdm.write clears and redraws it) rather
+    than onto the bar's line; the same plain line where no bar shows (`2>log`)."""
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+    sys.stderr.flush()

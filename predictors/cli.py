@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from flashllm.progress import log_line
+
 TRAIN_DESCRIPTION = """\
 Run the model densely over the calibration text, record per layer the FFN input and the true
 activation mask (spilled to zstd-compressed per-layer shards in a temporary directory), then train
@@ -166,7 +168,7 @@ def cmd_train(args) -> None:
     meta = train_predictors(args.model_dir, args.data, settings, max_tokens=args.max_tokens, seq_len=args.seq_len,
                             target=target, low_memory=args.low_memory,
                             dtype=args.dtype, workdir=args.workdir, progress=False if quiet else None,
-                            log=None if quiet else lambda m: print(m, file=sys.stderr, flush=True))
+                            log=None if quiet else log_line)
     if args.order == "coactivation":
         from .order import order_model
 
@@ -177,7 +179,7 @@ def cmd_train(args) -> None:
         order_model(args.model_dir, args.data, max_tokens=min(args.max_tokens, ORDER_TOKENS), seq_len=args.seq_len,
                     low_memory=args.low_memory, dtype=args.dtype, device=args.device, window=args.window,
                     progress=False if quiet else None,
-                    log=None if quiet else lambda m: print(m, file=sys.stderr, flush=True))
+                    log=None if quiet else log_line)
         meta = json.loads((Path(args.model_dir) / PREDICTOR_META).read_text())
     if args.json:
         print(json.dumps(meta))
@@ -202,7 +204,7 @@ def cmd_order(args) -> None:
                        statistic=args.statistic, neighbours=args.neighbours, seq_len=args.seq_len,
                        low_memory=args.low_memory, dtype=args.dtype, device=args.device,
                        progress=False if quiet else None,
-                       log=None if quiet else lambda m: print(m, file=sys.stderr, flush=True))
+                       log=None if quiet else log_line)
     if args.json:
         print(json.dumps(info))
         return

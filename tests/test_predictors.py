@@ -462,6 +462,9 @@ def test_progress_bars_only_on_a_terminal(tiny_models, texts, capsys, tmp_path, 
         errs.append(err)
     if terminal:
         assert all("\r" in err for err in errs), errs
+        logged = [line for line in errs[1].split("\n") if "layer 0: rank 4" in line]
+        # written above the live train bar, not onto its line: nothing of the bar before it after the last \r
+        assert logged and all(line.split("\r")[-1].startswith("layer 0: rank 4") for line in logged), logged
     else:
         assert not any("\r" in err for err in errs), errs
         assert "layer 0: rank 4" in errs[1]  # the log lines stay

@@ -62,9 +62,10 @@ def reference_ffn(x, rows, act, up_bias=None, gate_bias=None, gate_pre=None, thr
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matvec_matches_float32_over_strided_rows(dtype):
-    w_store = store(301, 200, 1, dtype)  # row stride 224 elements, 200 used
-    w, x = w_store[:, :200], torch.randn(1, 200).to(dtype)
+@pytest.mark.parametrize("cols", [200, 30011])  # rows one at a time (x stays in L1 beside a row); four at a time
+def test_matvec_matches_float32_over_strided_rows(dtype, cols):
+    w_store = store(301, cols, 1, dtype)  # row stride cols + 24 elements, cols used
+    w, x = w_store[:, :cols], torch.randn(1, cols).to(dtype)
     bias = torch.randn(301).to(dtype)
     ref = (x.float() @ w.float().t() + bias.float()).to(dtype)
     for name, lib in kernel_sets():
@@ -73,7 +74,7 @@ def test_matvec_matches_float32_over_strided_rows(dtype):
             # one rounding of a float32 sum: at most one unit in the last place apart from torch's
             np.testing.assert_allclose(y.float(), ref.float(), rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10,
                                        atol=1e-6, err_msg=f"{name} {threads} threads")
-            assert not torch.equal(y, (x.float() @ w_store[:, 1:201].float().t()).to(dtype))
+            assert not torch.equal(y, (x.float() @ w_store[:, 1:cols + 1].float().t()).to(dtype))
 
 
 def _ffn(lib, x, rows, act, threads=2, **kw):

@@ -43,15 +43,40 @@ static float dot(int dt, const void *w, const float *x, int64_t n) {
     return s;
 }
 
-/* four rows' dot products with x, sharing each load of x (the mat-vec's inner loop) */
-static void dot4(int dt, const void *w, int64_t ld, const float *x, int64_t n, float *out) {
+/* w . x with x of dtype dt too (the mat-vec's x as the caller passes it: no float32 copy, half the bytes in L1) */
+static float dotx(int dt, const void *w, const void *x, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
 #if FL_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_fmadd_ps(load8(dt, w, i), load8(dt, x, i), a0);
+        a1 = _mm256_fmadd_ps(load8(dt, w, i + 8), load8(dt, x, i + 8), a1);
+        a2 = _mm256_fmadd_ps(load8(dt, w, i + 16), load8(dt, x, i + 16), a2);
+        a3 = _mm256_fmadd_ps(load8(dt, w, i + 24), load8(dt, x, i + 24), a3);
+    }
+    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load8(dt, w, i), load8(dt, x, i), a0);
+    s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+    float part[8] = {0};
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) part[k] += load1(dt, w, i + k) * load1(dt, x, i + k);
+    for (int k = 0; k < 8; k++) s += part[k];
+#endif
+    for (; i < n; i++) s += load1(dt, w, i) * load1(dt, x, i);
+    return s;
+}
+
+/* four rows' dot products with x (dtype dt), sharing each load of x: the mat-vec's inner loop where x does not
+ * stay in L1 beside a streamed row */
+static void dot4(int dt, const void *w, int64_t ld, const void *x, int64_t n, float *out) {
     size_t es = dt == DT_F32 ? 4 : 2;
+#if FL_AVX2
     const char *r0 = w, *r1 = r0 + ld * es, *r2 = r1 + ld * es, *r3 = r2 + ld * es;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        __m256 x0 = load8(dt, x, i), x1 = load8(dt, x, i + 8);
         a0 = _mm256_fmadd_ps(load8(dt, r0, i), x0, a0);
         a1 = _mm256_fmadd_ps(load8(dt, r1, i), x0, a1);
         a2 = _mm256_fmadd_ps(load8(dt, r2, i), x0, a2);
@@ -66,25 +91,25 @@ static void dot4(int dt, const void *w, int64_t ld, const float *x, int64_t n, f
     out[2] = hsum(_mm256_add_ps(a2, b2));
     out[3] = hsum(_mm256_add_ps(a3, b3));
     for (; i < n; i++) {
-        out[0] += load1(dt, r0, i) * x[i];
-        out[1] += load1(dt, r1, i) * x[i];
-        out[2] += load1(dt, r2, i) * x[i];
-        out[3] += load1(dt, r3, i) * x[i];
+        float xi = load1(dt, x, i);
+        out[0] += load1(dt, r0, i) * xi;
+        out[1] += load1(dt, r1, i) * xi;
+        out[2] += load1(dt, r2, i) * xi;
+        out[3] += load1(dt, r3, i) * xi;
     }
 #else
-    size_t es = dt == DT_F32 ? 4 : 2;
-    for (int k = 0; k < 4; k++) out[k] = dot(dt, (const char *)w + k * ld * es, x, n);
+    for (int k = 0; k < 4; k++) out[k] = dotx(dt, (const char *)w + k * ld * es, x, n);
 #endif
 }
 
 /* (a . x, b . x): two rows' dot products sharing each load of x (a row's up and gate parts) */
-static void dot2(int dt, const void *a, const void *b, const float *x, int64_t n, float *out) {
+static void dot2(int dt, const void *a, const void *b, const void *x, int64_t n, float *out) {
     int64_t i = 0;
     float sa = 0.0f, sb = 0.0f;
 #if FL_AVX2
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     for (; i + 16 <= n; i += 16) {
-        __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        __m256 x0 = load8(dt, x, i), x1 = load8(dt, x, i + 8);
         a0 = _mm256_fmadd_ps(load8(dt, a, i), x0, a0);
         b0 = _mm256_fmadd_ps(load8(dt, b, i), x0, b0);
         a1 = _mm256_fmadd_ps(load8(dt, a, i + 8), x1, a1);
@@ -94,22 +119,22 @@ static void dot2(int dt, const void *a, const void *b, const float *x, int64_t n
     sb = hsum(_mm256_add_ps(b0, b1));
 #endif
     for (; i < n; i++) {
-        sa += load1(dt, a, i) * x[i];
-        sb += load1(dt, b, i) * x[i];
+        sa += load1(dt, a, i) * load1(dt, x, i);
+        sb += load1(dt, b, i) * load1(dt, x, i);
     }
     out[0] = sa;
     out[1] = sb;
 }
 
 /* w[k] . x for four rows anywhere (two cache rows' up and gate parts), sharing each load of x */
-static void dot4p(int dt, const void *const *w, const float *x, int64_t n, float *out) {
+static void dot4p(int dt, const void *const *w, const void *x, int64_t n, float *out) {
     int64_t i = 0;
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #if FL_AVX2
     __m256 a[4][2];
     for (int k = 0; k < 4; k++) a[k][0] = a[k][1] = _mm256_setzero_ps();
     for (; i + 16 <= n; i += 16) {
-        __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        __m256 x0 = load8(dt, x, i), x1 = load8(dt, x, i + 8);
         for (int k = 0; k < 4; k++) {
             a[k][0] = _mm256_fmadd_ps(load8(dt, w[k], i), x0, a[k][0]);
             a[k][1] = _mm256_fmadd_ps(load8(dt, w[k], i + 8), x1, a[k][1]);
@@ -118,7 +143,7 @@ static void dot4p(int dt, const void *const *w, const float *x, int64_t n, float
     for (int k = 0; k < 4; k++) s[k] = hsum(_mm256_add_ps(a[k][0], a[k][1]));
 #endif
     for (; i < n; i++)
-        for (int k = 0; k < 4; k++) s[k] += load1(dt, w[k], i) * x[i];
+        for (int k = 0; k < 4; k++) s[k] += load1(dt, w[k], i) * load1(dt, x, i);
     for (int k = 0; k < 4; k++) out[k] = s[k];
 }
 
@@ -178,15 +203,29 @@ typedef struct {
     int dt;
     const void *w;
     int64_t rows, cols, ld;
-    const float *x;
+    const void *x;  /* [cols] of dtype dt */
     const void *bias;
     void *y;
     int64_t chunk;  /* output rows per chunk */
+    int one_row;    /* x stays in L1 beside one streamed row: rows one at a time (else four sharing x's loads) */
 } matvec_job;
 
 /* output rows per chunk: 64, or for short rows as many as make MATVEC_CHUNK_BYTES of weights (a 16 KB chunk of a
  * predictor's 128-wide rows is too short a stream: 1024 of them measured 16% faster), a multiple of 4 */
 #define MATVEC_CHUNK_BYTES (256 << 10)
+
+/* the L1 data cache's size in bytes (32 KiB where the system does not say) */
+static int64_t l1_bytes(void) {
+    static int64_t size;
+    if (!size) {
+        long v = -1;
+#ifdef _SC_LEVEL1_DCACHE_SIZE
+        v = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+#endif
+        size = v > 0 ? v : 32 << 10;
+    }
+    return size;
+}
 
 static void matvec_chunk(void *p, int64_t c, int slot) {
     (void)slot;
@@ -194,26 +233,28 @@ static void matvec_chunk(void *p, int64_t c, int slot) {
     size_t es = j->dt == DT_F32 ? 4 : 2;
     int64_t o = c * j->chunk, hi = o + j->chunk < j->rows ? o + j->chunk : j->rows;
     float s[4];
-    for (; o + 4 <= hi; o += 4) {
+    for (; !j->one_row && o + 4 <= hi; o += 4) {
         dot4(j->dt, (const char *)j->w + o * j->ld * es, j->ld, j->x, j->cols, s);
         for (int k = 0; k < 4; k++)
             store1(j->dt, j->y, o + k, s[k] + (j->bias ? load1(j->dt, j->bias, o + k) : 0.0f));
     }
     for (; o < hi; o++) {
-        float v = dot(j->dt, (const char *)j->w + o * j->ld * es, j->x, j->cols);
+        float v = dotx(j->dt, (const char *)j->w + o * j->ld * es, j->x, j->cols);
         store1(j->dt, j->y, o, v + (j->bias ? load1(j->dt, j->bias, o) : 0.0f));
     }
 }
 
-/* w [rows, cols] (row stride ld elements), x [cols], bias [rows] or NULL, y [rows]: all of dtype dt */
+/* w [rows, cols] (row stride ld elements), x [cols], bias [rows] or NULL, y [rows]: all of dtype dt. Rows are taken
+ * one at a time (one sequential stream) where x and a row fit in 3/4 of L1, so that x is not evicted by the row:
+ * on the 7B shape, rows of 4096 float16 streamed 1.14-1.19x faster on 2 threads (1.5x on one) than four at a time;
+ * rows of 8192 or 11008 float16 were 8-24% slower one at a time (bench/results/compute_roofline.md, session 10). */
 int fl_matvec(int dt, const void *w, int64_t rows, int64_t cols, int64_t ld, const void *x, const void *bias,
               void *y, int threads) {
-    float *xf = as_f32(dt, x, cols);
-    if (!xf) return -1;
-    int64_t chunk = MATVEC_CHUNK_BYTES / ((cols > 0 ? cols : 1) * (dt == DT_F32 ? 4 : 2)) / 4 * 4;
-    matvec_job j = {dt, w, rows, cols, ld, xf, bias, y, chunk > MATVEC_CHUNK ? chunk : MATVEC_CHUNK};
+    int64_t es = dt == DT_F32 ? 4 : 2;
+    int64_t chunk = MATVEC_CHUNK_BYTES / ((cols > 0 ? cols : 1) * es) / 4 * 4;
+    matvec_job j = {dt, w, rows, cols, ld, x, bias, y, chunk > MATVEC_CHUNK ? chunk : MATVEC_CHUNK,
+                    2 * cols * es <= l1_bytes() * 3 / 4};
     run_chunks(matvec_chunk, &j, (rows + j.chunk - 1) / j.chunk, rows * cols < (1 << 17) ? 1 : threads);
-    free(xf);
     return 0;
 }
 
@@ -226,8 +267,8 @@ static void hidden2(const ffn_job *j, int64_t r0, int64_t r1, float *h) {
     const char *u0 = (const char *)j->up + r0 * j->ld * es;
     if (r1 < 0) {
         float s[2] = {0.0f, 0.0f};
-        if (own_gate) dot2(j->dt, u0, (const char *)j->gate + r0 * j->ld * es, j->x, j->d, s);
-        else s[0] = dot(j->dt, u0, j->x, j->d);
+        if (own_gate) dot2(j->dt, u0, (const char *)j->gate + r0 * j->ld * es, j->xr, j->d, s);
+        else s[0] = dotx(j->dt, u0, j->xr, j->d);
         h[0] = hidden_of(j, r0, s[0], s[1]);
         return;
     }
@@ -235,9 +276,9 @@ static void hidden2(const ffn_job *j, int64_t r0, int64_t r1, float *h) {
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (own_gate) {
         const void *w[4] = {u0, (const char *)j->gate + r0 * j->ld * es, u1, (const char *)j->gate + r1 * j->ld * es};
-        dot4p(j->dt, w, j->x, j->d, s);
+        dot4p(j->dt, w, j->xr, j->d, s);
     } else {
-        dot2(j->dt, u0, u1, j->x, j->d, s);
+        dot2(j->dt, u0, u1, j->xr, j->d, s);
         s[2] = s[1];
         s[1] = 0.0f;
     }
@@ -280,24 +321,22 @@ static void ffn_chunk(void *p, int64_t c, int slot) {
 
 /* acc [d] (float32) += sum over rows r (index[0..n-1], or 0..n-1) of h_r * down_r, h_r = act(gate_r.x + gate_bias[r])
  * * (up_r.x + up_bias[r]) (gated) or act(up_r.x + up_bias[r]); gate_pre[r] replaces gate_r.x + gate_bias[r].
- * x [d] and per-row arrays are of dtype dt. Returns 0, or -1 when out of memory. */
+ * x [d] and per-row arrays are of dtype dt; the dots load x as passed (no float32 copy: half the bytes beside the
+ * float32 sum in L1). Returns 0. */
 int fl_ffn(int dt, const void *up, const void *gate, const void *down, int64_t ld, int64_t d, const int64_t *index,
            int64_t n, const void *x, const void *up_bias, const void *gate_bias, const void *gate_pre, int gated,
            int act, float act_param, int has_threshold, float threshold, float *acc, int threads) {
-    float *xf = as_f32(dt, x, d);
-    if (!xf) return -1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads < 1 || n < 2 * FFN_CHUNK) threads = 1;
     float *scratch = threads > 1 ? malloc((size_t)(threads - 1) * (size_t)d * sizeof(float)) : NULL;
     if (threads > 1 && !scratch) threads = 1;
-    ffn_job j = {dt, up, gate, down, ld, d, index, n, xf, up_bias, gate_bias, gate_pre, act, gated,
-                 has_threshold, act_param, threshold, acc, scratch, {0}};
+    ffn_job j = {dt, up, gate, down, ld, d, index, n, NULL, up_bias, gate_bias, gate_pre, act, gated,
+                 has_threshold, act_param, threshold, acc, scratch, {0}, x};
     run_chunks(ffn_chunk, &j, (n + FFN_CHUNK - 1) / FFN_CHUNK, threads);
     for (int t = 1; t < threads; t++)
         if (j.used[t])
             for (int64_t i = 0; i < d; i++) acc[i] += scratch[(int64_t)(t - 1) * d + i];
     free(scratch);
-    free(xf);
     return 0;
 }
 

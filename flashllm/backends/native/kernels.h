@@ -127,6 +127,7 @@ typedef struct {
     float *acc;                    /* [d] accumulated into by the caller's chunks */
     float *scratch;                /* [threads - 1, d]: each worker's own sum */
     char used[MAX_THREADS];        /* which workers' sums hold chunks */
+    const void *xr;                /* x as passed, of dtype dt (the float kernels' dots; x: the quantized ones' float32 copy) */
 } ffn_job;
 
 static inline float activate(int act, float v, float param) {

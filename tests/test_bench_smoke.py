@@ -256,3 +256,21 @@ def test_cpu_overhead_times_the_runtime_functions_per_token(tiny_random, tiny_mo
         assert calls["SparsePlan.ffn"] == 8 and calls["NeuronCache.evict"] == 8  # 8 layers, once per token
         assert r["compute_ms"] == pytest.approx(r["total_ms"] - r["io_ms"] - r["mem_ms"] - r["predictor_ms"])
         assert r["other_ms"] == pytest.approx(r["compute_ms"] - r["math_ms"])
+
+
+def test_matvec_ab_builds_two_revisions_and_times_them_side_by_side(capsys):
+    """bench/matvec_ab.py: the native kernels of two git revisions built apart, timed on the same weights."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from flashllm.backends import native
+
+    root = Path(__file__).resolve().parents[1]
+    if native.library() is None or shutil.which("git") is None or subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("needs the native kernels and a git checkout")
+    assert bench("matvec_ab").main(["--base", "HEAD", "--head", "HEAD", "--shapes", "64x256", "--rounds", "1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[64, 256]")]
+    assert [line.split(" ")[2] for line in lines] == ["1", "2"]  # one line per thread count
+    assert all("base/head time" in line for line in lines)

@@ -246,8 +246,9 @@ static void matvec_chunk(void *p, int64_t c, int slot) {
 
 /* w [rows, cols] (row stride ld elements), x [cols], bias [rows] or NULL, y [rows]: all of dtype dt. Rows are taken
  * one at a time (one sequential stream) where x and a row fit in 3/4 of L1, so that x is not evicted by the row:
- * on the 7B shape, rows of 4096 float16 streamed 1.14-1.19x faster on 2 threads (1.5x on one) than four at a time;
- * rows of 8192 or 11008 float16 were 8-24% slower one at a time (bench/results/compute_roofline.md, session 10). */
+ * on the 7B shape, rows of 4096 float16 streamed 1.14-1.30x faster on 2 threads (1.5-1.6x on one) than four at a
+ * time; rows of 8192 float16 were up to 19% slower one at a time, of 11008 15-24% (bench/results/compute_roofline.md,
+ * session 10). */
 int fl_matvec(int dt, const void *w, int64_t rows, int64_t cols, int64_t ld, const void *x, const void *bias,
               void *y, int threads) {
     int64_t es = dt == DT_F32 ? 4 : 2;

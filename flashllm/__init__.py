@@ -9,7 +9,7 @@ import os
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-from .errors import DroppedNeuronsWarning, FlashLLMError
+from .errors import DroppedNeuronsWarning, FlashLLMError, OptionsWarning
 from .model import Model
 from .options import LoadOptions
 
@@ -22,4 +22,4 @@ def load(model_dir, options: LoadOptions | None = None, **changes) -> Model:
     return Model(model_dir, options, **changes)
 
 
-__all__ = ["DroppedNeuronsWarning", "FlashLLMError", "LoadOptions", "Model", "load", "__version__"]
+__all__ = ["DroppedNeuronsWarning", "FlashLLMError", "LoadOptions", "Model", "OptionsWarning", "load", "__version__"]

@@ -54,5 +54,10 @@ class OptionsError(NamesOptions, FlashLLMError):
     """A user-facing error whose message names load options (a `name_options` template)."""
 
 
-class DroppedNeuronsWarning(NamesOptions, RuntimeWarning):
+class OptionsWarning(NamesOptions, RuntimeWarning):
+    """A runtime warning whose message names load options (a `name_options` template), e.g. caches too small
+    for the predicted sets where nothing is dropped (a batch streams them exactly; `on_overflow='error'` refuses)."""
+
+
+class DroppedNeuronsWarning(OptionsWarning):
     """Predicted FFN neurons that the neuron caches could not hold were dropped (lowest scores first)."""

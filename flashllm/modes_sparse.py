@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 
 from . import budget as budget_mod
-from .errors import DroppedNeuronsWarning, FlashLLMError, OptionsError, cli_option
+from .errors import DroppedNeuronsWarning, FlashLLMError, OptionsError, OptionsWarning, cli_option
 from .modes_base import StreamingPlan
 from .modes_read_ahead import ReadAhead
 from .neuron_cache import NeuronCache, pinned_rows
@@ -102,15 +102,17 @@ class SparsePlan(ReadAhead, StreamingPlan):
         field, budget, opts = self.ctx.budget_field, self.ctx.budget, self.ctx.options
         enough = budget_mod.format_size(base + sum(want) * row)
         over = sum(w - c for _, c, w in short)
+        category = OptionsWarning  # DroppedNeuronsWarning only where neurons will be dropped (users filter on it)
         if opts.batch_size > 1:  # a batch's union that does not fit is streamed through the rows, never dropped
             then = "batch steps whose predicted neurons exceed a cache stream them through its rows (exact, slower)"
         elif opts.on_overflow == "error":
             then = f"tokens predicting more than a cache holds (about {over} neurons per token over) are refused"
         else:
+            category = DroppedNeuronsWarning
             then = (f"about {over} predicted neurons per token will be dropped, at a quality cost that `flashllm "
                     f"predictors eval MODEL --data TEXT {cli_option(field)} ...` measures")
         # a template (errors.NamesOptions): the budget named as flashllm.load's keyword, or the CLI's flag
-        warnings.warn(DroppedNeuronsWarning(
+        warnings.warn(category(
             f"{{{field}={budget_mod.format_size(budget)}}}: {len(short)} of {len(want)} layer caches hold fewer "
             f"neurons than their predictors select per token on average (layer {i}: {c} for {w}), so "
             f"{then}; {{{field}={enough}}} avoids it"), stacklevel=4)

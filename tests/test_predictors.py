@@ -320,11 +320,14 @@ def test_budget_below_the_predicted_sets_warns_at_load_with_the_numbers(tiny_mod
     with pytest.warns(RuntimeWarning, match=r"2 of 2 layer caches hold fewer neurons .* \(layer \d: \d+ for 96\)") as w:
         model = flashllm.load(model_dir, mode="sparse", dram_budget=1.0)  # the resident part is most of it
     assert all(c < 96 for c in model.plan.capacities) and "will be dropped" in str(w[0].message)
+    assert w[0].category is flashllm.DroppedNeuronsWarning
     for kw, then in ((dict(on_overflow="error"), "are refused"), (dict(batch_size=2, dram_budget="330KiB"),
                                                                   "(exact, slower)")):
         with pytest.warns(RuntimeWarning, match="hold fewer neurons") as w2:  # said as it will happen
             flashllm.load(model_dir, mode="sparse", **{"dram_budget": 1.0, **kw})
         assert then in str(w2[0].message) and "dropped" not in str(w2[0].message)
+        # nothing is dropped: not the class users filter drops on, but the options warning it derives from
+        assert w2[0].category is flashllm.OptionsWarning, (kw, w2[0].category)
     # named as flashllm.load takes it (the CLI's one line says --dram-budget: test_quality_guards)
     enough = re.search(r"dram_budget='(\S+)' avoids it", str(w[0].message)).group(1)
     with warnings.catch_warnings():

@@ -347,7 +347,7 @@ def cmd_inspect(args) -> None:
     sizes = {key: entry["size"] for key, entry in data["files"].items()}
     trained = {name: path.stat().st_size for name in (PREDICTOR_META, PREDICTOR_FILE)
                if (path := manifest.root / name).is_file()}
-    if trained and args.verify:  # trained beside the model: listed, and checked in full with --verify
+    if trained:  # trained beside the model: listed, and checked as a sparse load with them checks them (in full)
         verify_predictor_files(manifest)
     sizes.update(trained)
     info = {"model_dir": str(manifest.root), "format_version": data["format_version"], "dtype": data["dtype"],
@@ -355,7 +355,7 @@ def cmd_inspect(args) -> None:
                                                                   if manifest.layout.quant else {}),
             "spec": data["spec"], "files": sizes, "bundle_bytes": manifest.layout.bundle_bytes,
             "bundle_stride": manifest.layout.stride, "checksums_verified": "all" if args.verify else
-            f"files up to {fmt.VERIFY_AUTO_LIMIT >> 20} MiB",
+            f"files up to {fmt.VERIFY_AUTO_LIMIT >> 20} MiB" + (f", {PREDICTOR_FILE}" if trained else ""),
             **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
     if args.json:
         print(json.dumps(info))

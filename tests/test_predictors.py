@@ -426,8 +426,9 @@ def test_eval_checks_its_out_directory_before_evaluating(tiny_models, texts, tmp
     assert code == 1 and err == f"flashllm: error: --out {out}: directory {out.parent} does not exist\n", err
 
 
-def test_inspect_lists_trained_predictors_and_verify_checks_them(tiny_models, tmp_path, capsys):
-    """`inspect --verify` checks every file in full, the trained predictors beside the model included."""
+def test_inspect_lists_trained_predictors_and_checks_them_as_load_does(tiny_models, tmp_path, capsys):
+    """`inspect` checks the trained predictors beside the model as a sparse load with them does (their sha256
+    in full, with or without --verify): it never passes predictors that load refuses."""
     from flashllm import format as fmt
     from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_META
 
@@ -438,12 +439,17 @@ def test_inspect_lists_trained_predictors_and_verify_checks_them(tiny_models, tm
     (model_dir / PREDICTOR_META).write_text(json.dumps(meta))
     code, out, _ = run_cli(capsys, "inspect", model_dir, "--verify")
     assert code == 0 and PREDICTOR_FILE in out and PREDICTOR_META in out and "checksums verified: all" in out
+    code, out, _ = run_cli(capsys, "inspect", model_dir)
+    assert code == 0 and f"checksums verified: files up to 256 MiB, {PREDICTOR_FILE}" in out
     raw = bytearray((model_dir / PREDICTOR_FILE).read_bytes())
     raw[-1] ^= 0xFF
     (model_dir / PREDICTOR_FILE).write_bytes(bytes(raw))
-    assert run_cli(capsys, "inspect", model_dir)[0] == 0  # without --verify: what load checks (the manifest's files)
-    code, out, err = run_cli(capsys, "inspect", model_dir, "--verify")
-    assert code == 1 and err == f"flashllm: error: {model_dir / PREDICTOR_FILE}: checksum mismatch (train the predictors again)\n"
+    with pytest.raises(flashllm.FlashLLMError, match="checksum mismatch") as refused:
+        flashllm.load(model_dir, mode="sparse")  # the trained predictors are the default where they are
+    for verify in ([], ["--verify"]):
+        code, out, err = run_cli(capsys, "inspect", model_dir, *verify)
+        assert code == 1 and err == f"flashllm: error: {refused.value}\n", (verify, err)
+    assert str(refused.value) == f"{model_dir / PREDICTOR_FILE}: checksum mismatch (train the predictors again)"
 
 
 @pytest.mark.parametrize("terminal", [False, True])

@@ -96,8 +96,8 @@ def test_demo_needs_a_decode_token_to_compare(capsys, variant, tokens):
 
 
 def test_readme_python_snippet_runs_on_the_embedded_model(tmp_path, monkeypatch, capsys):
-    """The README's first Python block, run as written, with "./model" the embedded model (at the demo's
-    settings: its float32 model needs a 2-byte compute dtype to fit half its size)."""
+    """The README's first Python block, run as written (the demo's settings stated in it: the float32
+    embedded model needs a 2-byte compute dtype to fit half its size), with "./model" the embedded model."""
     import re
 
     import flashllm
@@ -107,7 +107,6 @@ def test_readme_python_snippet_runs_on_the_embedded_model(tmp_path, monkeypatch,
     snippet = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
     assert 'flashllm.load("./model"' in snippet
     model_dir, load = demo.prepare(tmp_path / "tiny-opt"), flashllm.load
-    monkeypatch.setattr(flashllm, "load", lambda path, **kw: load(model_dir if path == "./model" else path,
-                                                                  **{**demo.SETTINGS, **kw}))
+    monkeypatch.setattr(flashllm, "load", lambda path, **kw: load(model_dir if path == "./model" else path, **kw))
     exec(compile(snippet, "README.md", "exec"), {})
     assert "bytes_read" in capsys.readouterr().out

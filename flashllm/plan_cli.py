@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from .errors import FlashLLMError
 
@@ -135,10 +136,13 @@ def cmd_plan(args) -> None:
 
 def auto_options(model_dir, options):
     """`--plan auto`: the saved plan when it was made for this model, predictors, machine, budget and
-    context; else a new one (saved). Returns `options` with the plan's settings."""
+    context, or for a larger context (what it holds fits: the KV cache only shrinks, and a line says so);
+    else a new one (saved; where the saved plan differs only in its context, a line says that too).
+    Returns `options` with the plan's settings."""
     from . import format as fmt
     from . import planner, profile
 
+    log = _log(False)
     saved = planner.saved_plan(model_dir)
     if saved is not None:
         try:
@@ -146,11 +150,20 @@ def auto_options(model_dir, options):
             machine = profile.profile()
             disk = _disk(model_dir, False, None)
             context = min(options.context or 4096, manifest.spec.context_limit)
-            if saved.key == planner._key(manifest, machine, disk, options.dram_budget, context):
+            key = planner._key(manifest, machine, disk, options.dram_budget, context)
+            if saved.key == key:
                 return options.replace(**saved.load_options())
+            made_for, path = saved.key.get("context"), Path(model_dir) / planner.PLAN_FILE
+            if isinstance(made_for, int) and saved.key == {**key, "context": made_for}:  # only the context differs
+                if context < made_for:
+                    log(f"--plan auto: using {path}, made for --context {made_for}, at --context {context} (a "
+                        f"smaller KV cache: it still fits its budget)")
+                    return options.replace(**saved.load_options())
+                log(f"--plan auto: {path} was made for --context {made_for}, not {context} (too little room for "
+                    f"this KV cache): planning again for --context {context}, which replaces it (`flashllm plan "
+                    f"{model_dir} --context {context}` with your other plan options to choose them)")
         except FlashLLMError:
             pass
-    log = _log(False)
     try:
         plan = plan_for(model_dir, options.dram_budget, [options.dtype] if options.dtype else None, options.context,
                         log=log)

@@ -231,6 +231,33 @@ def test_plan_errors_are_one_line(planned_model, cached_profiles, capsys, recwar
                  "--sample-tokens", "64", "--calibrate-tokens", "0"]) == 0
 
 
+def test_plan_auto_at_another_context_says_whether_it_uses_the_saved_plan(planned_model, cached_profiles, capsys):
+    """A plan made for --context 32 serves --plan auto at a smaller context (its KV cache only shrinks) and
+    says so; at a larger one a line says the saved plan is not used, and why, before planning again."""
+    import json
+
+    from flashllm.cli import main
+
+    (planned_model / planner.PLAN_FILE).unlink(missing_ok=True)
+    assert main(["plan", str(planned_model), "--dram-budget", "345KiB", "--context", "32", "--json", "--data",
+                 str(planned_model.parent / "sample.txt"), "--sample-tokens", "128"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    path = planned_model / planner.PLAN_FILE
+    run = ["generate", str(planned_model), "--prompt", "def main", "--max-new-tokens", "2", "--plan", "auto",
+           "--dram-budget", "345KiB", "--json", "--context"]
+    assert main(run + ["16"]) == 0
+    out = capsys.readouterr()
+    assert out.err == f"flashllm: --plan auto: using {path}, made for --context 32, at --context 16 (a smaller " \
+                      f"KV cache: it still fits its budget)\n", out.err
+    stats = json.loads(out.out)["stats"]
+    assert stats["mode"] == plan["mode"] and (plan["mode"] != "sparse" or stats["cache_capacity"] == plan["cache_rows"])
+    assert main(run + ["64"]) == 0  # planned again, for the tiny model's whole context
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"flashllm: --plan auto: {path} was made for --context 32, not 64 (too little room for this KV " \
+                     f"cache): planning again for --context 64, which replaces it (`flashllm plan {planned_model} " \
+                     f"--context 64` with your other plan options to choose them)", err
+
+
 def test_plan_auto_that_finds_nothing_says_how_to_plan_over_more(planned_model, cached_profiles, capsys):
     """generate has no --dtypes/--max-dropped: a --plan auto refusal points to `flashllm plan`, which has them."""
     from flashllm.cli import main

@@ -9,7 +9,7 @@
  * C loops below (which the compiler may vectorize). */
 #include "kernels.h"
 
-/* ---- vector loops: dot(w, x) and acc += h * w, w in dt, x and acc float32 ---- */
+/* ---- vector loops: dot(w, x) and acc += h * w, w in dt, x in float32 or dt, acc float32 ---- */
 #if FL_AVX2
 static inline __m256 load8(int dt, const void *p, int64_t i) {
     if (dt == DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
@@ -20,52 +20,35 @@ static inline __m256 load8(int dt, const void *p, int64_t i) {
 }
 #endif
 
-static float dot(int dt, const void *w, const float *x, int64_t n) {
+/* w . x, w of dtype wdt and x of dtype xdt (each converted to float32 as it is loaded) */
+static inline float dot_of(int wdt, const void *w, int xdt, const void *x, int64_t n) {
     int64_t i = 0;
     float s = 0.0f;
 #if FL_AVX2
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (; i + 32 <= n; i += 32) {
-        a0 = _mm256_fmadd_ps(load8(dt, w, i), _mm256_loadu_ps(x + i), a0);
-        a1 = _mm256_fmadd_ps(load8(dt, w, i + 8), _mm256_loadu_ps(x + i + 8), a1);
-        a2 = _mm256_fmadd_ps(load8(dt, w, i + 16), _mm256_loadu_ps(x + i + 16), a2);
-        a3 = _mm256_fmadd_ps(load8(dt, w, i + 24), _mm256_loadu_ps(x + i + 24), a3);
+        a0 = _mm256_fmadd_ps(load8(wdt, w, i), load8(xdt, x, i), a0);
+        a1 = _mm256_fmadd_ps(load8(wdt, w, i + 8), load8(xdt, x, i + 8), a1);
+        a2 = _mm256_fmadd_ps(load8(wdt, w, i + 16), load8(xdt, x, i + 16), a2);
+        a3 = _mm256_fmadd_ps(load8(wdt, w, i + 24), load8(xdt, x, i + 24), a3);
     }
-    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load8(dt, w, i), _mm256_loadu_ps(x + i), a0);
+    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load8(wdt, w, i), load8(xdt, x, i), a0);
     s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 #else
     float part[8] = {0};
     for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++) part[k] += load1(dt, w, i + k) * x[i + k];
+        for (int k = 0; k < 8; k++) part[k] += load1(wdt, w, i + k) * load1(xdt, x, i + k);
     for (int k = 0; k < 8; k++) s += part[k];
 #endif
-    for (; i < n; i++) s += load1(dt, w, i) * x[i];
+    for (; i < n; i++) s += load1(wdt, w, i) * load1(xdt, x, i);
     return s;
 }
 
+/* w . x with x float32 (attention's rotated query and softmax weights) */
+static float dot(int dt, const void *w, const float *x, int64_t n) { return dot_of(dt, w, DT_F32, x, n); }
+
 /* w . x with x of dtype dt too (the mat-vec's x as the caller passes it: no float32 copy, half the bytes in L1) */
-static float dotx(int dt, const void *w, const void *x, int64_t n) {
-    int64_t i = 0;
-    float s = 0.0f;
-#if FL_AVX2
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (; i + 32 <= n; i += 32) {
-        a0 = _mm256_fmadd_ps(load8(dt, w, i), load8(dt, x, i), a0);
-        a1 = _mm256_fmadd_ps(load8(dt, w, i + 8), load8(dt, x, i + 8), a1);
-        a2 = _mm256_fmadd_ps(load8(dt, w, i + 16), load8(dt, x, i + 16), a2);
-        a3 = _mm256_fmadd_ps(load8(dt, w, i + 24), load8(dt, x, i + 24), a3);
-    }
-    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load8(dt, w, i), load8(dt, x, i), a0);
-    s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-#else
-    float part[8] = {0};
-    for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++) part[k] += load1(dt, w, i + k) * load1(dt, x, i + k);
-    for (int k = 0; k < 8; k++) s += part[k];
-#endif
-    for (; i < n; i++) s += load1(dt, w, i) * load1(dt, x, i);
-    return s;
-}
+static float dotx(int dt, const void *w, const void *x, int64_t n) { return dot_of(dt, w, dt, x, n); }
 
 /* four rows' dot products with x (dtype dt), sharing each load of x: the mat-vec's inner loop where x does not
  * stay in L1 beside a streamed row */

@@ -350,12 +350,15 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
         hint = f"the smallest budget that works is --dram-budget {format_size(smallest)}" if smallest else \
             "see `flashllm generate --help` for the smallest budget each mode needs"
         drop_from = min(least_sparse, default=None)  # below `smallest` only by dropping (--max-dropped)
-        wider = (["--max-dropped SHARE (sparse mode runs here by dropping predicted neurons: a quality cost)"]
-                 if dropping else
-                 [f"--max-dropped SHARE (sparse mode loads from --dram-budget {format_size(drop_from)}, dropping more "
-                  f"predicted neurons the smaller its caches: a quality cost)"] if drop_from is not None and drop_from < (smallest or 0) else
-                 []) + ([f"--dtypes {dtypes[0]},bfloat16"] if set(dtypes) == {"float32"} else []) \
-            + ["a smaller --context"]
+        wider = []
+        if dropping:
+            wider.append("--max-dropped SHARE (sparse mode runs here by dropping predicted neurons: a quality cost)")
+        elif drop_from is not None and drop_from < (smallest or 0):
+            wider.append(f"--max-dropped SHARE (sparse mode loads from --dram-budget {format_size(drop_from)}, "
+                         f"dropping more predicted neurons the smaller its caches: a quality cost)")
+        if set(dtypes) == {"float32"}:
+            wider.append(f"--dtypes {dtypes[0]},bfloat16")
+        wider.append("a smaller --context")
         raise NothingFits(f"{model_dir}: nothing fits --dram-budget {format_size(nbudget)} with --max-dropped "
                             f"{max_dropped:g} and --dtypes {','.join(dtypes)} (to let the plan choose from more: "
                             f"{', '.join(wider)}); {hint}")

@@ -155,6 +155,14 @@ def add_parsers(sub) -> None:
     e.set_defaults(func=cmd_eval)
 
 
+def _chatter(args) -> dict:
+    """`progress` and `log` for a long command: nothing with --quiet or --json; else a bar where stderr is a
+    terminal, and log lines written above it."""
+    if args.quiet or args.json:
+        return {"progress": False, "log": None}
+    return {"progress": None, "log": log_line}
+
+
 def cmd_train(args) -> None:
     from .calibrate import Target
     from .train import TrainSettings, train_predictors
@@ -164,11 +172,10 @@ def cmd_train(args) -> None:
     settings = TrainSettings(rank=args.rank, recall_target=args.recall_target,
                              window=args.window, epochs=args.epochs,
                              batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=args.device)
-    quiet = args.quiet or args.json
+    chatter = _chatter(args)
     meta = train_predictors(args.model_dir, args.data, settings, max_tokens=args.max_tokens, seq_len=args.seq_len,
                             target=target, low_memory=args.low_memory,
-                            dtype=args.dtype, workdir=args.workdir, progress=False if quiet else None,
-                            log=None if quiet else log_line)
+                            dtype=args.dtype, workdir=args.workdir, **chatter)
     if args.order == "coactivation":
         from .order import order_model
 
@@ -178,8 +185,7 @@ def cmd_train(args) -> None:
 
         order_model(args.model_dir, args.data, max_tokens=min(args.max_tokens, ORDER_TOKENS), seq_len=args.seq_len,
                     low_memory=args.low_memory, dtype=args.dtype, device=args.device, window=args.window,
-                    progress=False if quiet else None,
-                    log=None if quiet else log_line)
+                    **chatter)
         meta = json.loads((Path(args.model_dir) / PREDICTOR_META).read_text())
     if args.json:
         print(json.dumps(meta))
@@ -199,12 +205,9 @@ def cmd_train(args) -> None:
 def cmd_order(args) -> None:
     from .order import order_model
 
-    quiet = args.quiet or args.json
     info = order_model(args.model_dir, args.data, max_tokens=args.max_tokens, window=args.window,
                        statistic=args.statistic, neighbours=args.neighbours, seq_len=args.seq_len,
-                       low_memory=args.low_memory, dtype=args.dtype, device=args.device,
-                       progress=False if quiet else None,
-                       log=None if quiet else log_line)
+                       low_memory=args.low_memory, dtype=args.dtype, device=args.device, **_chatter(args))
     if args.json:
         print(json.dumps(info))
         return
@@ -224,7 +227,7 @@ def cmd_eval(args) -> None:
     options = load_options(args)
     results = [evaluate(args.model_dir, args.data, options.replace(dtype=dtype), budgets=args.sweep_budget,
                         max_tokens=args.max_tokens, gen_tokens=args.gen_tokens, prompt_tokens=args.prompt_tokens,
-                        seq_len=args.seq_len, progress=False if args.quiet or args.json else None)
+                        seq_len=args.seq_len, progress=_chatter(args)["progress"])
                for dtype in (args.sweep_dtype or [options.dtype])]
     if args.out:
         paths = write_sweep(results, args.out, "flashllm " + " ".join(sys.argv[1:]))

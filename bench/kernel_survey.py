@@ -197,12 +197,12 @@ def attention_survey(spec, dtypes, rounds: int, llc: int, lengths=(256, 2048)) -
             copies = _copies(nbytes, llc)
             q = torch.randn(1, H, hd).to(dt)
             seq = [(torch.randn(S, Hk, hd).to(dt), torch.randn(S, Hk, hd).to(dt)) for _ in range(copies)]
-            head = [(k.transpose(0, 1).contiguous(), v.permute(1, 2, 0).contiguous()) for k, v in seq]
+            head = [(k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()) for k, v in seq]
             cases = {
                 "SDPA, sequence-major cache (session 3)": (seq, lambda kv: F.scaled_dot_product_attention(
                     q.transpose(0, 1), kv[0].transpose(0, 1), kv[1].transpose(0, 1), scale=scale, enable_gqa=gqa)),
                 "SDPA, head-major cache": (head, lambda kv: F.scaled_dot_product_attention(
-                    q.transpose(0, 1), kv[0], kv[1].transpose(1, 2), scale=scale, enable_gqa=gqa)),
+                    q.transpose(0, 1), kv[0], kv[1], scale=scale, enable_gqa=gqa)),
                 "batched products, head-major (runtime)": (head, lambda kv: TorchBackend._decode_attention(
                     q[0], kv[0], kv[1], scale)),
             }

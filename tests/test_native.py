@@ -289,6 +289,29 @@ def test_compute_roofline_bench_on_an_int4_model(tiny_models, tmp_path, monkeypa
 
 
 @needs_native
+@pytest.mark.parametrize("hd, kvh, pos, lo", [(128, 2, 5, 0), (128, 1, 40, 9), (160, 2, 19, 0), (64, 2, 3, 1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_kernel_at_real_head_dims(hd, kvh, pos, lo, dtype):
+    """The attention kernel called directly at head dims of real models (128: the vector path's 128 columns in
+    registers; 160: those plus the rest; 64: the rest only), GQA, a window from `lo`, machine and portable builds:
+    the new key and value land at `pos` and the output is attention over keys lo..pos, each to its dtype's rounding."""
+    g = torch.Generator().manual_seed(hd + pos)
+    heads, ctx = 2 * kvh, 48
+    q, k, v = (torch.randn(1, n, hd, generator=g).to(dtype) for n in (heads, kvh, kvh))
+    for name, lib in kernel_sets():
+        kc, vc = (torch.randn(kvh, ctx, hd, generator=g).to(dtype) for _ in range(2))
+        out = torch.empty(1, heads * hd, dtype=dtype)
+        assert lib.attend(native.DTYPES[str(dtype).removeprefix("torch.")], q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                          kc.data_ptr(), vc.data_ptr(), ctx, pos, lo, heads, kvh, hd, 0, None, None, 0.25,
+                          out.data_ptr(), 1) == 0
+        assert torch.equal(kc[:, pos], k[0]) and torch.equal(vc[:, pos], v[0]), name
+        keys, vals = kc[:, lo:pos + 1].float(), vc[:, lo:pos + 1].float()
+        scores = (q[0].float().reshape(kvh, 2, hd) @ keys.transpose(1, 2)).to(dtype).float() * 0.25
+        want = (torch.softmax(scores, dim=-1).to(dtype).float() @ vals).reshape(1, -1)
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2, msg=name)
+
+
+@needs_native
 @pytest.mark.parametrize("family", ["llama", "opt", "mistral", "phi", "persimmon", "qwen3", "gemma3", "falcon-mq"])
 def test_decode_attention_kernel_matches_the_torch_path(tiny_models, tmp_path, family):
     """The native decode attention (rotary, KV write, scores, softmax, values: GQA, sliding windows, partial

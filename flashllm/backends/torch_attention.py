@@ -89,11 +89,10 @@ class TorchAttention:
             q, k = qk[:, :s.n_heads], qk[:, s.n_heads:]
         elif s.positional == "rotary":
             q, k = self._rope(q, self.ropes[layer], pos), self._rope(k, self.ropes[layer], pos)
-        keys, vals_t = kv.update(layer, pos, k, v, lo)  # [kv heads, keys, head_dim], [kv heads, head_dim, keys]
+        keys, vals = kv.update(layer, pos, k, v, lo)  # [kv heads, keys, head_dim] each
         group = s.n_heads // s.n_kv_heads
         if T == 1 and self.tuned and not s.attn_softcap:  # one new token sees every key from lo on
-            return self._decode_attention(q[0], keys, vals_t, scale)
-        vals = vals_t.transpose(1, 2)
+            return self._decode_attention(q[0], keys, vals, scale)
         gqa = group > 1 and self.tuned and not s.attn_softcap  # SDPA shares each kv head itself (no copies)
         if group > 1 and not gqa:
             keys, vals = keys.repeat_interleave(group, dim=0), vals.repeat_interleave(group, dim=0)
@@ -112,14 +111,14 @@ class TorchAttention:
         return out.transpose(0, 1).reshape(T, s.n_heads * s.head_dim)
 
     @staticmethod
-    def _decode_attention(q: torch.Tensor, keys: torch.Tensor, vals_t: torch.Tensor, scale: float) -> torch.Tensor:
-        """One query token q [heads, head_dim] over head-major keys [kv heads, S, head_dim] and values
-        [kv heads, head_dim, S]: eager attention (scores in the compute dtype, softmax in float32) as two
-        batched matrix-vector products, each kv head's query group sharing its rows; [1, heads * head_dim]."""
+    def _decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query token q [heads, head_dim] over head-major keys and values [kv heads, S, head_dim]: eager
+        attention (scores in the compute dtype, softmax in float32) as two batched matrix-vector products,
+        each kv head's query group sharing its rows; [1, heads * head_dim]."""
         kv_heads, head_dim = keys.shape[0], keys.shape[2]
         qg = q.reshape(kv_heads, -1, head_dim)  # query head i reads kv head i // group
-        weights = torch.softmax((qg @ keys.transpose(1, 2)).float() * scale, dim=-1).to(vals_t.dtype)
-        return (vals_t @ weights.transpose(1, 2)).transpose(1, 2).reshape(1, -1)
+        weights = torch.softmax((qg @ keys.transpose(1, 2)).float() * scale, dim=-1).to(vals.dtype)
+        return (weights @ vals).reshape(1, -1)
 
     def _qkv(self, p: str, h: torch.Tensor):
         """(q, k, v, fused) of block prefix `p`: q, k, v [T, heads, head_dim]; where `fuse_resident` fused

@@ -58,7 +58,7 @@ class NativeKernels:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                pos: int, lo: int, scale: float, cos_sin) -> torch.Tensor | None:
         """One token's rotary (`cos_sin`: float32 [rope dim] tables for `pos`, or None), KV write at `pos` into one
-        layer's caches (K [kv heads, ctx, hd], V [kv heads, hd, ctx]) and attention over keys lo..pos, as
+        layer's caches (K and V [kv heads, ctx, hd]) and attention over keys lo..pos, as
         [1, heads * hd]; q [1, heads, hd], k and v [1, kv heads, hd]. None where the kernel does not apply."""
         dt = NATIVE_DTYPES.get(q.dtype)
         heads, hd = q.shape[1], q.shape[2]
@@ -66,7 +66,7 @@ class NativeKernels:
         if dt is None or q.shape[0] != 1 or not all(self._plain(t, q.dtype) and t.is_contiguous()
                                                     for t in (q, k, v, k_cache, v_cache)) \
                 or k.shape != (1, kvh, hd) or v.shape != k.shape or heads % kvh or k_cache.shape[0] != kvh \
-                or k_cache.shape[2] != hd or v_cache.shape != (kvh, hd, k_cache.shape[1]) \
+                or k_cache.shape[2] != hd or v_cache.shape != k_cache.shape \
                 or not 0 <= lo <= pos < k_cache.shape[1]:
             return None
         cos, sin = cos_sin if cos_sin is not None else (None, None)

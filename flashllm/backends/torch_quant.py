@@ -203,17 +203,18 @@ class QuantMatrix:
 class KVCache:
     """The static K and V cache of every layer, in the compute dtype or int8 groups along the head dim.
 
-    16-bit caches are head-major, K as [layers, kv heads, context, head dim] and V transposed as
-    [layers, kv heads, head dim, context]: a decode token's scores (q . keys) and output (values . weights)
-    are then batched matrix-vector products over contiguous rows of each head, written in place
-    (bench/results/compute_roofline.md: 12-25x faster than torch's CPU SDPA at 256 float16 keys, 1.4-12x at 2048).
+    16-bit caches are head-major, K and V as [layers, kv heads, context, head dim]: a decode token's scores
+    (q . keys) and output (weights . values) are then batched matrix-vector products over contiguous rows of each
+    head, written in place (bench/results/compute_roofline.md: 12-25x faster than torch's CPU SDPA at 256 float16
+    keys, 1.4-12x at 2048), and a short window's keys and values are a few cache lines per head (V as
+    [head dim, context] made them one line per value: 1.3-1.7x slower at 5-64 keys, session 11).
     """
 
     def __init__(self, spec, context: int, dtype: torch.dtype, device, bits: int = 16):
         self.bits, self.dtype = bits, dtype
         if bits == 16:
             self.k = torch.zeros((spec.n_layers, spec.n_kv_heads, context, spec.head_dim), dtype=dtype, device=device)
-            self.v = torch.zeros((spec.n_layers, spec.n_kv_heads, spec.head_dim, context), dtype=dtype, device=device)
+            self.v = torch.zeros_like(self.k)
             return
         shape = (spec.n_layers, context, spec.n_kv_heads, spec.head_dim)
         hd = spec.head_dim
@@ -227,20 +228,19 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in held)
 
     def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor, lo: int):
-        """Store k, v ([T, kv heads, head dim]) at pos..; return the keys [kv heads, S, head dim] and the
-        values transposed [kv heads, head dim, S] of positions lo..pos+T (S of them)."""
+        """Store k, v ([T, kv heads, head dim]) at pos..; return the keys and values [kv heads, S, head dim] of
+        positions lo..pos+T (S of them)."""
         end = pos + k.shape[0]
         if self.bits == 16:
-            self.k[layer, :, pos:end] = k.transpose(0, 1)
-            self.v[layer, :, :, pos:end] = v.permute(1, 2, 0)
-            return self.k[layer, :, lo:end], self.v[layer, :, :, lo:end]
+            self.k[layer, :, pos:end], self.v[layer, :, pos:end] = k.transpose(0, 1), v.transpose(0, 1)
+            return self.k[layer, :, lo:end], self.v[layer, :, lo:end]
         for new, codes, sm in ((k, self.k, self.k_sm), (v, self.v, self.v_sm)):
             T, h, d = new.shape
             c, s, m = _minmax_codes(new.reshape(T * h, d), self.group, 255)
             codes[layer, pos:end] = c.reshape(T, h, d)
             sm[layer, pos:end] = torch.stack((s, m), 2).reshape(T, h, -1, 2)
         keys, vals = (self._values(c, sm, layer, lo, end) for c, sm in ((self.k, self.k_sm), (self.v, self.v_sm)))
-        return keys.transpose(0, 1), vals.permute(1, 2, 0)
+        return keys.transpose(0, 1), vals.transpose(0, 1)
 
     def _values(self, codes, sm, layer: int, lo: int, end: int) -> torch.Tensor:
         c, s = codes[layer, lo:end], sm[layer, lo:end]

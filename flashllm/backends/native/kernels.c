@@ -181,6 +181,28 @@ static void axpy(int dt, float h, const void *w, float *acc, int64_t n) {
     for (; i < n; i++) acc[i] += h * load1(dt, w, i);
 }
 
+/* acc[0..n) = sum_s w[s] rows[s][0..n) over S contiguous rows of n values (dtype dt): attention's output over
+ * its values in one pass, 128 columns at a time held in sixteen float32 registers */
+static void weighted_rows(int dt, const void *rows, int64_t n, const float *w, int64_t S, float *acc) {
+    size_t es = dt == DT_F32 ? 4 : 2;
+    int64_t c = 0;
+#if FL_AVX2
+    for (; c + 128 <= n; c += 128) {
+        __m256 a[16];
+        for (int k = 0; k < 16; k++) a[k] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < S; s++) {
+            const char *r = (const char *)rows + (size_t)(s * n + c) * es;
+            __m256 ws = _mm256_set1_ps(w[s]);
+            for (int k = 0; k < 16; k++) a[k] = _mm256_fmadd_ps(load8(dt, r, 8 * k), ws, a[k]);
+        }
+        for (int k = 0; k < 16; k++) _mm256_storeu_ps(acc + c + 8 * k, a[k]);
+    }
+#endif
+    for (int64_t i = c; i < n; i++) acc[i] = 0.0f;
+    if (c < n)
+        for (int64_t s = 0; s < S; s++) axpy(dt, w[s], (const char *)rows + (size_t)(s * n + c) * es, acc + c, n - c);
+}
+
 /* ---- dense mat-vec: y[o] = round(sum_i w[o, i] x[i] + bias[o]) ---- */
 typedef struct {
     int dt;
@@ -363,9 +385,9 @@ int fl_rmsnorm(int dt, const void *x, const void *w, int64_t rows, int64_t n, fl
 
 /* ---- one decode token's attention over a head-major KV cache ----
  * The torch backend's decode path as one call: rotary on q and the new k (float32 products, rounded to dt),
- * k and v written at `pos` into the layer's caches K [kv heads, ctx, hd] and V [kv heads, hd, ctx], then per
- * query head the scores q . K[lo..pos] rounded to dt, times `scale`, a float32 softmax whose weights are
- * rounded to dt, and the output sum_s w[s] V[:, s] rounded to dt: the same roundings as torch's
+ * k and v written at `pos` into the layer's caches K and V [kv heads, ctx, hd], then per query head the
+ * scores q . K[lo..pos] rounded to dt, times `scale`, a float32 softmax whose weights are rounded to dt, and
+ * the output sum_s w[s] V[s] rounded to dt (weighted_rows): the same roundings as torch's
  * (bmm in dt, softmax in float32), summed in float32. Chunks are kv heads (a group's query heads share one). */
 typedef struct {
     int dt;
@@ -375,7 +397,7 @@ typedef struct {
     const float *cos, *sin;         /* [rd] for position pos (halves repeated), or NULL: no rotary */
     float scale;
     void *out;                      /* [heads, hd] (dt) */
-    float *scratch;                 /* per slot: hd + (pos - lo + 1) floats */
+    float *scratch;                 /* per slot: 2 hd + (pos - lo + 1) floats */
 } attn_job;
 
 /* x [hd] (dt) rotated over its first rd values (rotate_half convention), rounded to dt, as float32 */
@@ -396,13 +418,13 @@ static void attn_chunk(void *p, int64_t g, int slot) {
     attn_job *j = p;
     int64_t hd = j->hd, S = j->pos - j->lo + 1, group = j->heads / j->kvh;
     size_t es = j->dt == DT_F32 ? 4 : 2;
-    float *qf = j->scratch + (size_t)slot * (size_t)(hd + S), *w = qf + hd;
-    char *kc = (char *)j->kc + (size_t)(g * j->ctx) * hd * es, *vc = (char *)j->vc + (size_t)(g * hd) * j->ctx * es;
+    float *qf = j->scratch + (size_t)slot * (size_t)(2 * hd + S), *w = qf + hd, *acc = w + S;
+    char *kc = (char *)j->kc + (size_t)(g * j->ctx) * hd * es, *vc = (char *)j->vc + (size_t)(g * j->ctx) * hd * es;
     const char *kn = (const char *)j->k + (size_t)(g * hd) * es, *vn = (const char *)j->v + (size_t)(g * hd) * es;
     if (j->cos) rotary(j, kn, qf);
     for (int64_t i = 0; i < hd; i++) {
         store1(j->dt, kc + (size_t)j->pos * hd * es, i, j->cos ? qf[i] : load1(j->dt, kn, i));
-        store1(j->dt, vc + (size_t)i * j->ctx * es, j->pos, load1(j->dt, vn, i));
+        store1(j->dt, vc + (size_t)j->pos * hd * es, i, load1(j->dt, vn, i));
     }
     for (int64_t h = g * group; h < (g + 1) * group; h++) {
         const char *qh = (const char *)j->q + (size_t)(h * hd) * es;
@@ -416,8 +438,8 @@ static void attn_chunk(void *p, int64_t g, int slot) {
         for (int64_t s = 0; s < S; s++) sum += (w[s] = expf(w[s] - top));
         float inv = 1.0f / sum;
         for (int64_t s = 0; s < S; s++) w[s] = round_to(j->dt, w[s] * inv);
-        for (int64_t i = 0; i < hd; i++)
-            store1(j->dt, j->out, h * hd + i, dot(j->dt, vc + ((size_t)i * j->ctx + j->lo) * es, w, S));
+        weighted_rows(j->dt, vc + (size_t)j->lo * hd * es, hd, w, S, acc);
+        for (int64_t i = 0; i < hd; i++) store1(j->dt, j->out, h * hd + i, acc[i]);
     }
 }
 
@@ -427,7 +449,7 @@ int fl_attend(int dt, const void *q, const void *k, const void *v, void *kc, voi
     int64_t S = pos - lo + 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads < 1 || kvh < 2 || heads * S * hd < (1 << 17)) threads = 1;  /* a short context: one thread */
-    float *scratch = malloc((size_t)threads * (size_t)(hd + S) * sizeof(float));
+    float *scratch = malloc((size_t)threads * (size_t)(2 * hd + S) * sizeof(float));
     if (!scratch) return -1;
     attn_job j = {dt, q, k, v, kc, vc, ctx, pos, lo, heads, kvh, hd, rd, cos, sin, scale, out, scratch};
     run_chunks(attn_chunk, &j, kvh, threads);

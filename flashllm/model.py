@@ -131,17 +131,18 @@ class Model:
             self.plan.reset()
         for layer in range(s.n_layers):
             self.plan.before_layer(layer, cost)
-            attn, h = B.attention(layer, x, pos, slot)
             if s.parallel_attn:  # attention and FFN both read the block's input
+                attn, h = B.attention(layer, x, pos, slot)
                 f_in = B.norm(f"layers.{layer}.ffn_norm", x) if s.ffn_norm else h
                 x = x + attn + self._ffn(layer, f_in, cost, x)
             elif s.post_norms:  # Gemma 2/3: each sublayer's output is normed before its residual add
+                attn, _ = B.attention(layer, x, pos, slot)
                 x = x + B.norm(f"layers.{layer}.post_attn_norm", attn)
                 y = self._ffn(layer, B.norm(f"layers.{layer}.ffn_norm", x), cost, x)
                 x = x + B.norm(f"layers.{layer}.post_ffn_norm", y)
             else:
-                x = x + attn
-                x = x + self._ffn(layer, B.norm(f"layers.{layer}.ffn_norm", x), cost, x)
+                x, f_in = B.attention_residual(layer, x, pos, slot)
+                x = x + self._ffn(layer, f_in, cost, x)
             self.plan.after_layer(layer)
         logits = B.logits(x)
         cost.total_ms = (time.perf_counter() - t0) * 1e3

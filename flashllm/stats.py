@@ -84,7 +84,11 @@ class PartTimer:
 
     def add(self, part: str, t0: float, out) -> None:
         self.sync(out)
-        self.ms[part] += (time.perf_counter() - t0) * 1e3
+        self.add_ms(part, (time.perf_counter() - t0) * 1e3)
+
+    def add_ms(self, part: str, ms: float) -> None:
+        """Charge `ms` measured elsewhere (a native call's own clock, per step) to `part`."""
+        self.ms[part] += ms
         self.calls[part] += 1
 
 

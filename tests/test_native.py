@@ -312,6 +312,29 @@ def test_decode_attention_kernel_at_real_head_dims(hd, kvh, pos, lo, dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("family", ["llama", "opt", "mistral", "phi", "gemma3", "falcon-mq"])
+def test_attention_block_in_one_call_is_the_separate_calls_exactly(tiny_models, family):
+    """A decode token's attention block in one native call (norm, fused q/k/v, attention, o) gives bit for bit
+    the logits and KV caches of the same kernels called one by one, float16 and bfloat16, past a sliding window;
+    families it does not fit (OPT's layer norm, Gemma 3's q/k norms) take the separate calls."""
+    ids = IDS + [3, 70, 9, 41, 66, 2, 58]
+    for dtype in ("float16", "bfloat16"):
+        model = flashllm.load(tiny_models(family).model_dir, mode="dense", dtype=dtype)
+        nk = model.backend.native
+        got = model.logits(ids, prefill=2)
+        kv_block = [(kv.k.clone(), kv.v.clone()) for kv in model.backend.kvs]
+        blocks = nk.calls["block"]
+        fits = model.spec.norm != "layernorm" and not model.spec.qk_norm
+        assert blocks == (fits and (len(ids) - 2) * model.spec.n_layers), (family, blocks)
+        nk.attn_block = lambda *a: None  # the separate calls
+        want = model.logits(ids, prefill=2)
+        assert nk.calls["block"] == blocks and nk.calls["attend"] >= (len(ids) - 2) * model.spec.n_layers
+        np.testing.assert_array_equal(got, want)
+        for (k, v), kv in zip(kv_block, model.backend.kvs):
+            assert torch.equal(k, kv.k) and torch.equal(v, kv.v)
+
+
+@needs_native
 @pytest.mark.parametrize("family", ["llama", "opt", "mistral", "phi", "persimmon", "qwen3", "gemma3", "falcon-mq"])
 def test_decode_attention_kernel_matches_the_torch_path(tiny_models, tmp_path, family):
     """The native decode attention (rotary, KV write, scores, softmax, values: GQA, sliding windows, partial
@@ -321,9 +344,9 @@ def test_decode_attention_kernel_matches_the_torch_path(tiny_models, tmp_path, f
     for dtype in ("float16", "bfloat16"):
         model = flashllm.load(tiny_models(family).model_dir, mode="dense", dtype=dtype)
         got = model.logits(ids, prefill=2)
-        calls = model.backend.native.calls["attend"]
+        calls = model.backend.native.calls["attend"] + model.backend.native.calls["block"]
         k_native = [kv.k.clone() for kv in model.backend.kvs]
-        model.backend.native.attend = lambda *a: None  # the torch path
+        model.backend.native_attention = False  # the torch path
         want = model.logits(ids, prefill=2)
         assert calls >= (len(ids) - 2) * model.spec.n_layers, calls
         np.testing.assert_allclose(got, want, atol=1e-2, rtol=0)  # equal here; a 1% error in scale gives 0.06

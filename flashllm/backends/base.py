@@ -176,6 +176,13 @@ class Backend:
         slot[i] at position pos[i]."""
         raise NotImplementedError
 
+    def attention_residual(self, layer: int, x, pos, slot=0):
+        """(x + attention output, that sum's FFN norm): the first half of a block whose sublayers add to the
+        residual stream in turn (neither parallel nor post-normed); a backend may compute it in fewer calls."""
+        attn, _ = self.attention(layer, x, pos, slot)
+        x = x + attn
+        return x, self.norm(f"layers.{layer}.ffn_norm", x)
+
     def ffn(self, x, rows: dict, up_bias, gate_bias, down_bias, threshold: float | None = None, gate_pre=None,
             index=None, acc=None):
         """FFN over the neurons whose bundle parts are rows[part] ([n, d] each; down rows = columns);

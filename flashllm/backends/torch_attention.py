@@ -43,6 +43,10 @@ class TorchAttention:
         """Self-attention of block `layer` for one sequence's tokens at positions pos.. in KV cache
         `slot`, or (lists `pos`, `slot`) one token per sequence; returns (output, normed input)."""
         s, p, T = self.spec, f"layers.{layer}.", x.shape[0]
+        if T == 1 and isinstance(pos, int):
+            block = self._attention_block(layer, x, pos, self.kvs[slot])
+            if block is not None:
+                return block
         h = self.norm(p + "attn_norm", x)
         t0 = self._tic()
         q, k, v, fused = self._toc("attn_proj", t0, self._qkv(p, h))  # [T, heads, head_dim] each
@@ -69,6 +73,61 @@ class TorchAttention:
         out = self._toc("attention", t0, out)
         t0 = self._tic()
         return self._toc("attn_proj", t0, self._linear(p + "o", out)), h
+
+    def attention_residual(self, layer: int, x: torch.Tensor, pos, slot=0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + attention, its FFN norm): for one decode token in the same native call as the attention block
+        where it applies, else as `Backend.attention_residual` computes it."""
+        if x.shape[0] == 1 and isinstance(pos, int):
+            block = self._attention_block(layer, x, pos, self.kvs[slot], residual=True)
+            if block is not None:
+                return block
+        return super().attention_residual(layer, x, pos, slot)
+
+    def _attention_block(self, layer: int, x: torch.Tensor, pos: int, kv: KVCache, residual: bool = False):
+        """(output, normed input) of one decode token's attention block in one native call (norm, fused q/k/v,
+        `NativeKernels.attend`, o: the calls `attention` makes one by one, so the same result), or with `residual`
+        (x + output, its FFN norm), where the kernels load and the layer fits them (RMS norm, fused q/k/v, 16-bit
+        KV, no q/k norms or soft-capping); else None. Where the parts are timed, each step is charged to its part
+        by the call's own clock (the residual's add with its norm)."""
+        args = self._block_args.get(layer)
+        if args is None:
+            args = self._block_args[layer] = self._block_of(layer) or False
+        if not args or not self.native_attention or kv.bits != 16:
+            return None
+        s = self.spec
+        window, timed = s.window(layer), self.parts is not None
+        out = self.native.attn_block(x, args, kv, layer, pos, max(0, pos - window + 1) if window else 0,
+                                     self._rope_ptrs(layer, pos), timed, residual)
+        if out is not None and timed:
+            steps = ("norms", "attn_proj", "attention", "attn_proj", "norms")[:5 if residual else 4]
+            for part, seconds in zip(steps, self.native.block_times):
+                self.parts.add_ms(part, seconds * 1e3)
+        return out
+
+    def _rope_ptrs(self, layer: int, pos: int) -> tuple:
+        """(values, cos address, sin address) of layer `layer`'s rotary tables at `pos` (one token), looked up
+        once per forward call and rope (`rope_tables` holds the tensors); (0, None, None) without rotary."""
+        if self.spec.positional != "rotary":
+            return 0, None, None
+        rope = self.ropes[layer]
+        tables, addr = self._rope_addr.get(rope, (None, None))
+        if tables is None or tables is not self._rope_rows.get(rope) or tables[:2] != (pos, 1):
+            cos, sin = self.rope_tables(rope, pos, 1)
+            tables, addr = self._rope_rows[rope], (cos.numel(), cos.data_ptr(), sin.data_ptr())
+            self._rope_addr[rope] = tables, addr
+        return addr
+
+    def _block_of(self, layer: int) -> tuple | None:
+        """Layer `layer`'s fixed arguments of the one-call attention block (`NativeKernels.block_args`), or None
+        where the block does not apply to it."""
+        s, p = self.spec, f"layers.{layer}."
+        if self.native is None or s.norm == "layernorm" or s.qk_norm or s.attn_softcap \
+                or self.w.get(p + "qkv.weight") is None:
+            return None
+        weights = (self.w.get(p + n) for n in ("attn_norm.weight", "qkv.weight", "qkv.bias", "o.weight", "o.bias",
+                                                 "ffn_norm.weight"))
+        return self.native.block_args(*weights, s.n_heads, s.n_kv_heads, s.head_dim, s.norm_eps,
+                                      s.attn_scale or s.head_dim ** -0.5)
 
     def _attend(self, layer: int, q, k, v, pos: int, kv: KVCache, qk=None) -> torch.Tensor:
         """Rotary, KV cache update and attention of one sequence's new tokens ([T, heads, head_dim]);

@@ -68,6 +68,8 @@ class TorchBackend(TorchAttention, Backend):
         # one decode token's mat-vecs and sparse FFN in C (backends/native) where it builds; torch otherwise
         lib = native.library() if self.device.type == "cpu" and self.tuned else None
         self.native = NativeKernels(lib, self.threads) if lib is not None else None
+        self._block_args: dict[int, tuple | bool] = {}  # layer -> its one-call attention block's fixed arguments
+        self._rope_addr: dict = {}  # rope -> (its _rope_rows entry, (values, cos address, sin address))
         self.w: dict[str, torch.Tensor] = {}
         self.kv_bits = kv_bits
         self.kvs = [self.new_kv()]  # one KV cache per sequence decoded together (set_sequences)

@@ -4,6 +4,8 @@ non-CPU tensor, another dtype or activation): the caller then takes its torch pa
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -19,7 +21,8 @@ class NativeKernels:
 
     def __init__(self, lib: native.Kernels, threads: int):
         self.lib, self.threads = lib, threads
-        self.calls = {"linear": 0, "ffn": 0, "norm": 0, "attend": 0, "qlinear": 0, "qffn": 0}  # kernel calls made (tests check the path)
+        self.calls = {"linear": 0, "ffn": 0, "norm": 0, "attend": 0, "block": 0, "qlinear": 0, "qffn": 0}  # kernel calls made (tests check the path)
+        self.block_times = (ctypes.c_double * 5)()  # attn_block's seconds per step, where the parts are timed
 
     @staticmethod
     def _plain(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
@@ -63,16 +66,12 @@ class NativeKernels:
         dt = NATIVE_DTYPES.get(q.dtype)
         heads, hd = q.shape[1], q.shape[2]
         kvh = k.shape[1]
-        if dt is None or q.shape[0] != 1 or not all(self._plain(t, q.dtype) and t.is_contiguous()
-                                                    for t in (q, k, v, k_cache, v_cache)) \
-                or k.shape != (1, kvh, hd) or v.shape != k.shape or heads % kvh or k_cache.shape[0] != kvh \
-                or k_cache.shape[2] != hd or v_cache.shape != k_cache.shape \
-                or not 0 <= lo <= pos < k_cache.shape[1]:
+        if dt is None or q.shape[0] != 1 or not all(self._plain(t, q.dtype) and t.is_contiguous() for t in (q, k, v)) \
+                or k.shape != (1, kvh, hd) or v.shape != k.shape or heads % kvh \
+                or not self._caches_fit(k_cache, v_cache, q.dtype, pos, lo) or k_cache.shape[::2] != (kvh, hd) \
+                or not self._rotary_fits(cos_sin, hd):
             return None
         cos, sin = cos_sin if cos_sin is not None else (None, None)
-        if cos is not None and not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
-                                    and sin.is_contiguous() and cos.numel() == sin.numel() <= hd):
-            return None
         out = torch.empty(1, heads * hd, dtype=q.dtype)
         rc = self.lib.attend(native.DTYPES[dt], q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
                              v_cache.data_ptr(), k_cache.shape[1], pos, lo, heads, kvh, hd,
@@ -82,6 +81,66 @@ class NativeKernels:
             raise MemoryError("native attention: out of memory")
         self.calls["attend"] += 1
         return out
+
+    def block_args(self, norm_w, wqkv, bqkv, wo, bo, ffn_w, heads: int, kvh: int, hd: int, eps: float, scale: float):
+        """One layer's fixed arguments of `attn_block`, checked once (resident weights do not change after load), or
+        None where its weights do not fit: plain CPU tensors of one native dtype, the norm's [d], q/k/v fused as
+        [(heads + 2 kv heads) * hd, d], the output projection [d_out, heads * hd], rows of unit stride, biases (or
+        None) one per row; the FFN norm's weight `ffn_w` [d] (with d_out == d; else, or None, no residual form)."""
+        dt = norm_w.dtype
+        d, rows = norm_w.numel(), (heads + 2 * kvh) * hd
+        if dt not in NATIVE_DTYPES or not all(self._plain(t, dt) for t in (norm_w, wqkv, bqkv, wo, bo)) \
+                or norm_w.dim() != 1 or not norm_w.is_contiguous() or wqkv.dim() != 2 or wo.dim() != 2 \
+                or wqkv.shape != (rows, d) or wo.shape[1] != heads * hd or wqkv.stride(1) != 1 or wo.stride(1) != 1 \
+                or (bqkv is not None and (bqkv.shape != (rows,) or not bqkv.is_contiguous())) \
+                or (bo is not None and (bo.shape != wo.shape[:1] or not bo.is_contiguous())) or heads % kvh:
+            return None
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        ffn_ok = ffn_w is not None and self._plain(ffn_w, dt) and ffn_w.shape == (d,) and ffn_w.is_contiguous() \
+            and wo.shape[0] == d
+        return (native.DTYPES[NATIVE_DTYPES[dt]], dt, d, wo.shape[0], hd,
+                (norm_w.data_ptr(), float(eps), d, wqkv.data_ptr(), wqkv.stride(0), ptr(bqkv), wo.data_ptr(),
+                 wo.stride(0), ptr(bo), wo.shape[0]), (heads, kvh, hd), float(scale), ffn_w.data_ptr() if ffn_ok else None)
+
+    def attn_block(self, x: torch.Tensor, args: tuple, kv, layer: int, pos: int, lo: int, rope: tuple,
+                   timed: bool, residual: bool = False) -> tuple | None:
+        """One decode token's attention block (norm, fused q/k/v projection, `attend`, output projection) in one
+        call with a layer's `block_args`, over 16-bit KV cache `kv` (K and V [layers, kv heads, ctx, hd],
+        contiguous, `layer_ptrs`) and the rotary tables for `pos` as `rope` = (values, cos address, sin address):
+        float32 [values] each, or (0, None, None): (output [1, d_out], normed input [1, d]); `residual`: (x + output,
+        its FFN norm) instead, where `block_args` found the FFN norm; None where x or the caches do not fit (or
+        no FFN norm). `timed`: the seconds of each step are left in `block_times`. Everything fixed is checked and
+        looked up once: each tensor op here costs ~10 us on caches the weight streams flushed."""
+        code, dt, d, d_out, hd, weights, heads_kvh_hd, scale, ffn_w = args
+        if x.dtype != dt or x.shape != (1, d) or not x.is_contiguous() or kv.dtype != dt \
+                or not 0 <= lo <= pos < kv.context or (residual and ffn_w is None):
+            return None
+        a, b = torch.empty_like(x), torch.empty(1, d_out, dtype=dt)  # (h, y), or (x_out, ffn_in)
+        # the C call's (h, y, ffn_w, x_out, ffn_in)
+        outputs = (None, None, ffn_w, a.data_ptr(), b.data_ptr()) if residual else (a.data_ptr(), b.data_ptr(), None,
+                                                                                     None, None)
+        rc = self.lib.attn_block(code, x.data_ptr(), *weights, *kv.layer_ptrs[layer], kv.context, pos, lo,
+                                 *heads_kvh_hd, *rope, scale, *outputs, self.threads,
+                                 self.block_times if timed else None)
+        if rc:
+            raise MemoryError("native attention block: out of memory")
+        self.calls["block"] += 1
+        return (a, b) if residual else (b, a)
+
+    def _caches_fit(self, k_cache, v_cache, dtype, pos: int, lo: int) -> bool:
+        """One layer's K and V caches ([kv heads, ctx, hd], contiguous, of `dtype`) hold position `pos`, keys from `lo`."""
+        return self._plain(k_cache, dtype) and self._plain(v_cache, dtype) and k_cache.is_contiguous() \
+            and v_cache.is_contiguous() and k_cache.dim() == 3 and v_cache.shape == k_cache.shape \
+            and 0 <= lo <= pos < k_cache.shape[1]
+
+    @staticmethod
+    def _rotary_fits(cos_sin, hd: int) -> bool:
+        """No rotary (None), or float32 contiguous cos and sin tables of at most `hd` values each."""
+        if cos_sin is None:
+            return True
+        cos, sin = cos_sin
+        return cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() \
+            and cos.numel() == sin.numel() <= hd
 
     def qlinear(self, x: torch.Tensor, w: QuantRows, b: torch.Tensor | None) -> torch.Tensor | None:
         """x [1, d] @ w.T + b over quantized rows kept as stored, as [1, rows] of x's dtype; None: not for it."""

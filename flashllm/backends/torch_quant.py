@@ -211,10 +211,12 @@ class KVCache:
     """
 
     def __init__(self, spec, context: int, dtype: torch.dtype, device, bits: int = 16):
-        self.bits, self.dtype = bits, dtype
+        self.bits, self.dtype, self.context = bits, dtype, context
         if bits == 16:
             self.k = torch.zeros((spec.n_layers, spec.n_kv_heads, context, spec.head_dim), dtype=dtype, device=device)
             self.v = torch.zeros_like(self.k)
+            # each layer's K and V addresses, for native calls that take them without indexing a view per call
+            self.layer_ptrs = [(self.k[i].data_ptr(), self.v[i].data_ptr()) for i in range(spec.n_layers)]
             return
         shape = (spec.n_layers, context, spec.n_kv_heads, spec.head_dim)
         hd = spec.head_dim

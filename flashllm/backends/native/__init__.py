@@ -120,11 +120,15 @@ class Kernels:
         lib.fl_ffn.argtypes = [i32, p, p, p, i64, i64, p, i64, p, p, p, p, i32, i32, f32, i32, f32, p, i32]
         lib.fl_rmsnorm.argtypes = [i32, p, p, i64, i64, f32, p]
         lib.fl_attend.argtypes = [i32, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p, p, f32, p, i32]
+        lib.fl_attn_block.argtypes = [i32, p, p, f32, i64, p, i64, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64,
+                                      i64, p, p, f32, p, p, p, p, p, i32, p]
         # quantized parts (quant.py's layout): bits, symmetric, group size first
         lib.fl_qmatvec.argtypes = [i32, i32, i64, p, i64, i64, i64, i32, p, p, p, i32]
         lib.fl_qffn.argtypes = [i32, i32, i64, p, p, p, i64, i64, p, i64, i32, p, p, p, p, i32, i32, f32, i32, f32, p, i32]
-        for fn in (lib.fl_matvec, lib.fl_ffn, lib.fl_simd, lib.fl_rmsnorm, lib.fl_attend, lib.fl_qmatvec, lib.fl_qffn):
+        for fn in (lib.fl_matvec, lib.fl_ffn, lib.fl_simd, lib.fl_rmsnorm, lib.fl_attend, lib.fl_attn_block,
+                   lib.fl_qmatvec, lib.fl_qffn):
             fn.restype = i32
         self.qmatvec, self.qffn = lib.fl_qmatvec, lib.fl_qffn
         self.matvec, self.ffn, self.rms_norm, self.attend = lib.fl_matvec, lib.fl_ffn, lib.fl_rmsnorm, lib.fl_attend
+        self.attn_block = lib.fl_attn_block
         self.simd = bool(lib.fl_simd())

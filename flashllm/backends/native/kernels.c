@@ -457,5 +457,53 @@ int fl_attend(int dt, const void *q, const void *k, const void *v, void *kc, voi
     return 0;
 }
 
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* One decode token's attention block in one call: h = fl_rmsnorm(x), the fused q/k/v projection of h (fl_matvec,
+ * rows of stride ld_qkv), fl_attend over it, and the output projection y (fl_matvec, [d_out, heads * hd], stride
+ * ld_o); with ffn_w, also the residual x_out = x + y (rounded to dt, as torch adds) and its FFN norm
+ * ffn_in = fl_rmsnorm(x_out) (d_out == d). These are the calls the torch backend makes one by one, with the same
+ * arguments, so the same roundings: between them the runtime's Python ran on caches the weight streams had just
+ * flushed, each tensor op ~10 us (bench/results/compute_roofline.md, session 11). h [d] and y [d_out] may be
+ * NULL (not kept); times [5] (or NULL): seconds in the norm, the q/k/v projection, attention, the output projection
+ * and the residual with its norm. Returns 0, or -1 out of memory. */
+int fl_attn_block(int dt, const void *x, const void *norm_w, float eps, int64_t d, const void *wqkv, int64_t ld_qkv,
+                  const void *bqkv, const void *wo, int64_t ld_o, const void *bo, int64_t d_out, void *kc, void *vc,
+                  int64_t ctx, int64_t pos, int64_t lo, int64_t heads, int64_t kvh, int64_t hd, int64_t rd,
+                  const float *cos, const float *sin, float scale, void *h, void *y, const void *ffn_w,
+                  void *x_out, void *ffn_in, int threads, double *times) {
+    size_t es = dt == DT_F32 ? 4 : 2;
+    int64_t qkv_rows = (heads + 2 * kvh) * hd;
+    char *qkv = malloc((size_t)(qkv_rows + heads * hd + d + d_out) * es);
+    if (!qkv) return -1;
+    char *att = qkv + (size_t)qkv_rows * es;
+    if (!h) h = att + (size_t)(heads * hd) * es;
+    if (!y) y = att + (size_t)(heads * hd + d) * es;
+    double t[6];
+    t[0] = seconds();
+    fl_rmsnorm(dt, x, norm_w, 1, d, eps, h);
+    t[1] = seconds();
+    fl_matvec(dt, wqkv, qkv_rows, d, ld_qkv, h, bqkv, qkv, threads);
+    t[2] = seconds();
+    int rc = fl_attend(dt, qkv, qkv + (size_t)(heads * hd) * es, qkv + (size_t)((heads + kvh) * hd) * es, kc, vc, ctx,
+                       pos, lo, heads, kvh, hd, rd, cos, sin, scale, att, threads);
+    t[3] = seconds();
+    if (!rc) fl_matvec(dt, wo, d_out, heads * hd, ld_o, att, bo, y, threads);
+    t[4] = seconds();
+    if (!rc && ffn_w) {
+        for (int64_t i = 0; i < d; i++) store1(dt, x_out, i, load1(dt, x, i) + load1(dt, y, i));
+        fl_rmsnorm(dt, x_out, ffn_w, 1, d, eps, ffn_in);
+    }
+    t[5] = seconds();
+    free(qkv);
+    if (times)
+        for (int i = 0; i < 5; i++) times[i] = t[i + 1] - t[i];
+    return rc;
+}
+
 /* which vector path this build took (1: AVX2 + F16C + FMA, 0: portable C) */
 int fl_simd(void) { return FL_AVX2; }

@@ -274,3 +274,27 @@ def test_matvec_ab_builds_two_revisions_and_times_them_side_by_side(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[64, 256]")]
     assert [line.split(" ")[2] for line in lines] == ["1", "2"]  # one line per thread count
     assert all("base/head time" in line for line in lines)
+
+
+def test_attention_ab_builds_two_revisions_and_times_them_cold_and_warm(capsys):
+    """bench/attention_ab.py: two revisions' attention kernels, each position timed cold and warm; bad positions
+    are refused."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from flashllm.backends import native
+
+    root = Path(__file__).resolve().parents[1]
+    if native.library() is None or shutil.which("git") is None or subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("needs the native kernels and a git checkout")
+    small = ["--base", "HEAD", "--head", "HEAD", "--context", "16", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+             "--head-dim", "32", "--flush", "64x256", "--rounds", "1"]
+    assert bench("attention_ab").main([*small, "--positions", "3", "15"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if " keys, " in line]
+    assert [line.split(",")[0] for line in lines] == ["4 keys", "4 keys", "16 keys", "16 keys"]
+    assert [line.split(",")[1].split(":")[0].strip() for line in lines] == ["cold", "warm"] * 2
+    with pytest.raises(SystemExit) as refused:
+        bench("attention_ab").main([*small, "--positions", "16"])
+    assert refused.value.code == 2 and "--positions must lie in 0..15" in capsys.readouterr().err

@@ -53,7 +53,7 @@ class NativeKernels:
             return None
         x, w = x.contiguous(), w.contiguous()
         y = torch.empty_like(x)
-        self.lib.rms_norm(native.DTYPES[dt], x.data_ptr(), w.data_ptr(), x.numel() // w.numel(), w.numel(), eps,
+        self.lib.rmsnorm(native.DTYPES[dt], x.data_ptr(), w.data_ptr(), x.numel() // w.numel(), w.numel(), eps,
                           y.data_ptr())
         self.calls["norm"] += 1
         return y

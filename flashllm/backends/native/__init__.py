@@ -112,23 +112,25 @@ def build(portable: bool = False, source: Path | tuple[Path, ...] = SOURCES) -> 
 
 class Kernels:
     """ctypes signatures of the kernels' entry points (pointers as integers; see kernels.c and kernels_quant.c for
-    the math)."""
+    the math). An entry point the library lacks (a build of older sources, as bench/matvec_ab.py makes) is None."""
 
     def __init__(self, lib: ctypes.CDLL):
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        lib.fl_matvec.argtypes = [i32, p, i64, i64, i64, p, p, p, i32]
-        lib.fl_ffn.argtypes = [i32, p, p, p, i64, i64, p, i64, p, p, p, p, i32, i32, f32, i32, f32, p, i32]
-        lib.fl_rmsnorm.argtypes = [i32, p, p, i64, i64, f32, p]
-        lib.fl_attend.argtypes = [i32, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p, p, f32, p, i32]
-        lib.fl_attn_block.argtypes = [i32, p, p, f32, i64, p, i64, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64,
-                                      i64, p, p, f32, p, p, p, p, p, i32, p]
-        # quantized parts (quant.py's layout): bits, symmetric, group size first
-        lib.fl_qmatvec.argtypes = [i32, i32, i64, p, i64, i64, i64, i32, p, p, p, i32]
-        lib.fl_qffn.argtypes = [i32, i32, i64, p, p, p, i64, i64, p, i64, i32, p, p, p, p, i32, i32, f32, i32, f32, p, i32]
-        for fn in (lib.fl_matvec, lib.fl_ffn, lib.fl_simd, lib.fl_rmsnorm, lib.fl_attend, lib.fl_attn_block,
-                   lib.fl_qmatvec, lib.fl_qffn):
-            fn.restype = i32
-        self.qmatvec, self.qffn = lib.fl_qmatvec, lib.fl_qffn
-        self.matvec, self.ffn, self.rms_norm, self.attend = lib.fl_matvec, lib.fl_ffn, lib.fl_rmsnorm, lib.fl_attend
-        self.attn_block = lib.fl_attn_block
+        signatures = {
+            "matvec": [i32, p, i64, i64, i64, p, p, p, i32],
+            "ffn": [i32, p, p, p, i64, i64, p, i64, p, p, p, p, i32, i32, f32, i32, f32, p, i32],
+            "rmsnorm": [i32, p, p, i64, i64, f32, p],
+            "attend": [i32, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p, p, f32, p, i32],
+            "attn_block": [i32, p, p, f32, i64, p, i64, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64,
+                           p, p, f32, p, p, p, p, p, i32, p],
+            # quantized parts (quant.py's layout): bits, symmetric, group size first
+            "qmatvec": [i32, i32, i64, p, i64, i64, i64, i32, p, p, p, i32],
+            "qffn": [i32, i32, i64, p, p, p, i64, i64, p, i64, i32, p, p, p, p, i32, i32, f32, i32, f32, p, i32],
+            "simd": [],
+        }
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, "fl_" + name, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = argtypes, i32
+            setattr(self, name, fn)
         self.simd = bool(lib.fl_simd())

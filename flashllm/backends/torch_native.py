@@ -181,7 +181,7 @@ class NativeKernels:
             return None
         n, d, extras, index = args
         ptr = [None if t is None else t.data_ptr() for t in (*parts, *extras)]
-        x = x.contiguous()
+        x = x if x.is_contiguous() else x.contiguous()
         rc = self.lib.ffn(native.DTYPES[dt], ptr[0], ptr[1], ptr[2], present[0].stride(0), d,
                      None if index is None else index.ctypes.data, n if index is None else len(index), x.data_ptr(),
                      ptr[3], ptr[4], ptr[5], int(gated), code, float(act_param), int(threshold is not None),

@@ -149,3 +149,22 @@ def test_mlx_caches_hold_as_many_rows_as_torch_at_the_demos_settings(tmp_path):
     stride = models["mlx"].layout.stride
     assert models["mlx"].backend.staging_bytes(stride) <= models["torch"].backend.staging_bytes(stride)
     assert models["mlx"].plan.capacities == models["torch"].plan.capacities
+
+
+def test_mlx_budget_error_says_a_float16_file_computes_in_float32(tiny_models, tmp_path):
+    """MLX's CPU build computes float16 files in float32 (twice the bytes per cached row and resident
+    weight); a budget too small says so and names dtype='float16', which keeps the file's dtype."""
+    from flashllm.converters import convert
+
+    model_dir = convert(tiny_models("llama").ckpt, tmp_path / "f16", dtype="float16", progress=False)
+    with pytest.raises(flashllm.FlashLLMError) as err:
+        mlx_model(model_dir, "sparse", predictor="oracle", dram_budget=4096)
+    if mx.default_device() == mx.cpu:
+        assert "dtype='float16' (this float16 file computes in float32 by default with backend='mlx'" in str(err.value)
+        assert "--dtype float16" in err.value.cli_message()
+    with pytest.raises(flashllm.FlashLLMError) as err:  # asked for float32: no word on the default
+        mlx_model(model_dir, "sparse", predictor="oracle", dram_budget=4096, dtype="float32")
+    assert "by default" not in str(err.value) and "dtype='bfloat16' (halves" in str(err.value)
+    with pytest.raises(flashllm.FlashLLMError) as err:  # torch computes float16 files in float16 on the CPU
+        flashllm.load(model_dir, mode="sparse", predictor="oracle", dram_budget=4096)
+    assert "by default" not in str(err.value)

@@ -330,9 +330,11 @@ def format_stats(stats: dict) -> str:
                      f"calibration text, FFN output error {sp['ffn_error']:.1%} ({sp['method']} {sp['target']:g}; "
                      f"sparsity.json)")
     if stats.get("neurons_dropped"):
-        share = stats.get("dropped_mass_share")
-        lines.append(f"neurons dropped per token: {stats['neurons_dropped']:.0f} (caches too small for the predicted "
-                     f"set; {'unknown share' if share is None else f'{share:.1%}'} of the predicted score mass)")
+        n, share = stats["neurons_dropped"], stats.get("dropped_mass_share")
+        count = f"{n:.0f}" if n >= 10 else f"{n:.2g}"  # a few drops over many tokens: 0.13, not 0
+        mass = "unknown share" if share is None else "<0.1%" if 0 < share < 0.0005 else f"{share:.1%}"
+        lines.append(f"neurons dropped per token: {count} (caches too small for the predicted set; {mass} of the "
+                     f"predicted score mass)")
     return "\n".join(lines)
 
 

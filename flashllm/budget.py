@@ -110,11 +110,17 @@ def too_small(budget: int, needed: int, what: str, model_bytes: int, hints: list
                           needed)
 
 
-def lowering_hints(mode: str, itemsize: int, kv_bytes: int, needed: int) -> list[str]:
+def lowering_hints(mode: str, itemsize: int, kv_bytes: int, needed: int,
+                   widened: tuple[str, str, str] | None = None) -> list[str]:
     """Options that lower what a mode needs: a 2-byte compute dtype, a shorter context, a leaner mode
-    (`errors.name_options` templates)."""
+    (`errors.name_options` templates). `widened`: (storage dtype, compute dtype, backend) where a 16-bit
+    file computes in a wider dtype by default (float16 files on MLX's CPU build), which the hint says."""
     hints = []
-    if itemsize > 2:
+    if itemsize > 2 and widened:
+        storage, compute, backend = widened
+        hints.append(f"{{dtype={storage}}} (this {storage} file computes in {compute} by default with "
+                     f"{{backend={backend}}} here, which doubles resident weights and caches)")
+    elif itemsize > 2:
         hints.append("{dtype=bfloat16} (halves resident weights and caches)")
     if kv_bytes > needed // 8:
         hints.append("a smaller {context} (the KV cache is sized by it)")

@@ -90,8 +90,9 @@ class ChatTemplate:
                 raise FlashLLMError(f"{root}: this model has no chat template (neither {TEMPLATE_FILE} nor "
                                     f"tokenizer_config.json's chat_template); pass one with --chat-template FILE "
                                     f"(Python: model.chat_template = FILE), use --chat-template plain "
-                                    f"(model.chat_template = 'plain') for a base model, or "
-                                    f"send plain text to the completion endpoint instead")
+                                    f"(model.chat_template = 'plain') for a base model, or send plain text "
+                                    f"without a template instead (flashllm generate, POST /v1/completions, "
+                                    f"model.generate)")
             return found
         tokens = special_tokens(_read_json(root / "tokenizer_config.json"), _read_json(root / "special_tokens_map.json"))
         if choice == "plain":

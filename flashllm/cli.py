@@ -184,7 +184,9 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                    "prompt of --batch-file at once, else 1)")
     g.add_argument("--compute-threads", type=_positive, default=d.compute_threads, metavar="N",
                    help="intra-op threads of the math (torch CPU) (default: every core the process may run on; OpenMP "
-                   "workers sleep at barriers and decode attention runs in one thread)")
+                   "workers sleep at barriers and decode attention runs in one thread). Above 1 the native FFN's float32 "
+                   "sums are grouped by which thread took which rows, so the last bits, and at times a predicted "
+                   "neuron and the bytes read, vary from run to run; 1 repeats exactly")
     g.add_argument("--plan", default="none", choices=["none", "auto"],
                    help="auto: mode, dtype, window and per-layer caches from `flashllm plan` for this --dram-budget "
                    "(the saved plan.json when it matches, else planned now and saved) (default: %(default)s)")
@@ -330,9 +332,11 @@ def format_stats(stats: dict) -> str:
                      f"calibration text, FFN output error {sp['ffn_error']:.1%} ({sp['method']} {sp['target']:g}; "
                      f"sparsity.json)")
     if stats.get("neurons_dropped"):
-        share = stats.get("dropped_mass_share")
-        lines.append(f"neurons dropped per token: {stats['neurons_dropped']:.0f} (caches too small for the predicted "
-                     f"set; {'unknown share' if share is None else f'{share:.1%}'} of the predicted score mass)")
+        n, share = stats["neurons_dropped"], stats.get("dropped_mass_share")
+        count = f"{n:.0f}" if n >= 10 else f"{n:.2g}"  # a few drops over many tokens: 0.13, not 0
+        mass = "unknown share" if share is None else "<0.1%" if 0 < share < 0.0005 else f"{share:.1%}"
+        lines.append(f"neurons dropped per token: {count} (caches too small for the predicted set; {mass} of the "
+                     f"predicted score mass)")
     return "\n".join(lines)
 
 

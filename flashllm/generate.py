@@ -50,6 +50,12 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> Non
         raise FlashLLMError(f"top_p {top_p}: expected a value in (0, 1]")
 
 
+# what to do about a prompt longer than the context; a larger context helps only up to the model's own
+# positions (at the model's limit it cannot help: `flashllm inspect` shows the limit as `context`)
+TOO_LONG = ("shorten the prompt, or load with a larger context if the model has more positions: "
+            "`flashllm inspect MODEL` shows them")
+
+
 def generate_tokens(forward, prompt_ids: list[int], context: int, max_new_tokens: int, temperature: float = 0.0,
                     top_p: float = 1.0, seed: int | None = 0, eos_token_ids: Iterable[int] = (),
                     record: Generation | None = None) -> Iterator[int]:
@@ -61,8 +67,7 @@ def generate_tokens(forward, prompt_ids: list[int], context: int, max_new_tokens
     if not prompt_ids:
         raise FlashLLMError("the prompt is empty (no tokens to start from)")
     if len(prompt_ids) >= context:
-        raise FlashLLMError(f"the prompt has {len(prompt_ids)} tokens but the context holds {context} "
-                            f"(shorten the prompt or load with a larger context)")
+        raise FlashLLMError(f"the prompt has {len(prompt_ids)} tokens but the context holds {context} ({TOO_LONG})")
     if max_new_tokens == 0:
         record.stop_reason = "length"
         return
@@ -95,8 +100,7 @@ def generate_batch(forward, prompts: list[list[int]], context: int, max_new_toke
         if not ids:
             raise FlashLLMError(f"prompt {i + 1} is empty (no tokens to start from)")
         if len(ids) >= context:
-            raise FlashLLMError(f"prompt {i + 1} has {len(ids)} tokens but the context holds {context} "
-                                f"(shorten the prompt or load with a larger context)")
+            raise FlashLLMError(f"prompt {i + 1} has {len(ids)} tokens but the context holds {context} ({TOO_LONG})")
     if max_new_tokens == 0:
         for r in records:
             r.stop_reason = "length"

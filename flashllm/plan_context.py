@@ -103,7 +103,10 @@ class PlanContext:
     def too_small(self, needed: int, what: str):
         """The "budget too small" error, with the smallest budget and what would lower it."""
         B = self.backend
-        hints = budget_mod.lowering_hints(self.mode, B.itemsize, B.kv_bytes(), needed)
+        storage = getattr(B, "storage_dtype_name", None)
+        wider = self.options.dtype is None and storage in ("float16", "bfloat16") and B.dtype_name != storage
+        widened = (storage, B.dtype_name, B.name) if wider else None
+        hints = budget_mod.lowering_hints(self.mode, B.itemsize, B.kv_bytes(), needed, widened)
         if self.options.quantize_resident != "int4":
             hints.append("{quantize_resident=int4} (attention, embeddings and lm_head at ~1/7 of float32)")
         if self.options.kv_bits == 16 and B.kv_bytes() > needed // 8:

@@ -60,8 +60,11 @@ class Server:
         if not n:
             raise APIError(400, "the prompt is empty", param="prompt")
         if n >= context:
+            limit = self.model.spec.context_limit
+            fix = "shorten it (the model has no more positions)" if context >= limit else \
+                f"shorten it or restart the server with a larger --context (the model has {limit} positions)"
             raise APIError(400, f"the prompt has {n} tokens but the context holds {context} (with room for at least "
-                           f"one new token); shorten it or restart the server with a larger --context",
+                           f"one new token); {fix}",
                            param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
         if any(not 0 <= t < self.model.spec.vocab_size for t in req.prompt_ids):
             raise APIError(400, f"prompt token ids must lie in [0, {self.model.spec.vocab_size})", param="prompt")

@@ -101,6 +101,9 @@ def test_model_without_template_says_what_to_do(tiny_models, tmp_path):
     with pytest.raises(FlashLLMError, match="no chat template.*--chat-template") as err:
         model.chat([{"role": "user", "content": "hi"}])
     assert "model.chat_template = FILE" in str(err.value)  # what Python takes (it named a chat_template= argument)
+    # the template-free way, named for the CLI, the server and Python (was "the completion endpoint" only,
+    # which means nothing in `flashllm chat`)
+    assert "(flashllm generate, POST /v1/completions, model.generate)" in str(err.value)
     model.chat_template = "plain"
     assert model.chat_template.render([{"role": "user", "content": "hi"}]) == "User: hi\n\nAssistant:"
     path = tmp_path / "t.jinja"

@@ -136,6 +136,18 @@ def test_a_context_beyond_the_model_is_stated_and_the_end_note_does_not_ask_for_
     assert f"end of the context ({limit} tokens)" in lines[1] and "--context" not in lines[1], err
 
 
+def test_a_prompt_longer_than_the_context_says_the_model_caps_a_larger_one(capsys, flash):
+    """A prompt past the model's own positions: the error does not just say 'load with a larger context'
+    (at the model's limit that cannot help; a newcomer's `git diff | flashllm generate` tried it), it says
+    a larger context helps only where the model has more positions and where to see them."""
+    limit = flashllm.load(flash).spec.context_limit
+    code, _, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT * limit)
+    assert code != 0 and f"but the context holds {limit}" in err, err
+    assert "if the model has more positions: `flashllm inspect MODEL` shows them" in err
+    code, out, _ = run_cli(capsys, "inspect", flash)
+    assert code == 0 and f"context {limit}" in out  # where the error sends the user, the limit is shown
+
+
 def test_prompt_from_file_and_stdin(capsys, flash, tmp_path, monkeypatch):
     _, expected, _ = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--max-new-tokens", 6)
     (tmp_path / "p.txt").write_text(PROMPT)

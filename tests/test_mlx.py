@@ -134,3 +134,37 @@ def test_mlx_device_errors(tiny_models):
             mlx_model(model_dir, device="gpu")
     with pytest.raises(flashllm.FlashLLMError, match="dtype"):
         mlx_model(model_dir, dtype="int8")
+
+
+def test_mlx_caches_hold_as_many_rows_as_torch_at_the_demos_settings(tmp_path):
+    """The demo's settings (the embedded model, 50%, bfloat16 rows cast from float32 on insert, context 256,
+    its shipped predictors): MLX's one staging buffer costs what torch's does, so its neuron caches get
+    the same rows. At the old 8 MiB bound the buffer was a whole layer (2 MiB of an 11.3 MiB budget)
+    and MLX's caches held 1585 rows against torch's 3370 (more flash reads, dropped neurons)."""
+    from flashllm import demo
+
+    model_dir = demo.prepare(tmp_path / "tiny-opt")
+    models = {b: flashllm.load(model_dir, backend=b, mode="sparse", dram_budget=0.5, window=4, dtype="bfloat16",
+                               context=256) for b in ("torch", "mlx")}
+    stride = models["mlx"].layout.stride
+    assert models["mlx"].backend.staging_bytes(stride) <= models["torch"].backend.staging_bytes(stride)
+    assert models["mlx"].plan.capacities == models["torch"].plan.capacities
+
+
+def test_mlx_budget_error_says_a_float16_file_computes_in_float32(tiny_models, tmp_path):
+    """MLX's CPU build computes float16 files in float32 (twice the bytes per cached row and resident
+    weight); a budget too small says so and names dtype='float16', which keeps the file's dtype."""
+    from flashllm.converters import convert
+
+    model_dir = convert(tiny_models("llama").ckpt, tmp_path / "f16", dtype="float16", progress=False)
+    with pytest.raises(flashllm.FlashLLMError) as err:
+        mlx_model(model_dir, "sparse", predictor="oracle", dram_budget=4096)
+    if mx.default_device() == mx.cpu:
+        assert "dtype='float16' (this float16 file computes in float32 by default with backend='mlx'" in str(err.value)
+        assert "--dtype float16" in err.value.cli_message()
+    with pytest.raises(flashllm.FlashLLMError) as err:  # asked for float32: no word on the default
+        mlx_model(model_dir, "sparse", predictor="oracle", dram_budget=4096, dtype="float32")
+    assert "by default" not in str(err.value) and "dtype='bfloat16' (halves" in str(err.value)
+    with pytest.raises(flashllm.FlashLLMError) as err:  # torch computes float16 files in float16 on the CPU
+        flashllm.load(model_dir, mode="sparse", predictor="oracle", dram_budget=4096)
+    assert "by default" not in str(err.value)

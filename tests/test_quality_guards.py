@@ -52,6 +52,10 @@ def test_overflow_keeps_the_highest_scored_neurons(tiny_models, recwarn):
     warned = [str(w.message) for w in recwarn if issubclass(w.category, DroppedNeuronsWarning)]
     assert len(warned) == 1 and f"{2 * (d - 40)} dropped" in warned[0] and "% of the predicted" in warned[0]
     assert "neurons dropped per token: 176" in format_stats(stats)
+    # 4 neurons dropped over 31 tokens, of little score mass: said as such, not "0 ... 0.0%"
+    few = format_stats(dict(stats, neurons_dropped=4 / 31, dropped_mass_share=2e-5))
+    assert "neurons dropped per token: 0.13 (caches too small for the predicted set; <0.1% of the predicted" in few
+    assert "per token: 1.5 (" in format_stats(dict(stats, neurons_dropped=1.5))
 
 
 def test_overflow_error_option_refuses(tiny_models):

@@ -223,6 +223,18 @@ def test_prompt_too_long_names_the_numbers_through_the_client(served, reference)
     n = len(reference.tokenizer.encode(prompt))
     assert f"the prompt has {n} tokens but the context holds 64" in err.value.message
     assert err.value.code == "context_length_exceeded"
+    # 64 is the model's limit: a larger --context cannot help, and the message does not suggest it
+    assert "no more positions" in err.value.message and "larger --context" not in err.value.message
+
+
+def test_prompt_too_long_below_the_models_limit_suggests_a_larger_context(model_dir):
+    from flashllm.openai_api import APIError
+
+    server = Server(flashllm.load(model_dir, context=16), name="tiny")
+    with pytest.raises(APIError) as err:
+        server.prepare("completion", {"model": "tiny", "prompt": "the quick brown fox " * 20})
+    assert "but the context holds 16" in err.value.message and err.value.code == "context_length_exceeded"
+    assert "restart the server with a larger --context (the model has 64 positions)" in err.value.message
 
 
 def test_malformed_bodies_and_routes(served):

@@ -55,7 +55,10 @@ class MLXBackend(Backend):
     """
 
     name = "mlx"
-    STAGING_BYTES = 8 << 20  # the one staging buffer flash reads land in (<= one layer)
+    # the one staging buffer flash reads land in: torch's CPU bound (>= 64 rows, <= one layer; base.staging_rows).
+    # Every byte of it comes out of the neuron caches at a budget: at 8 MiB (one whole layer of the embedded
+    # model) MLX held 1585 cache rows at the demo's settings against torch's 3370; larger fills go in chunks.
+    STAGING_BYTES = 256 << 10
     STAGING_BUFFERS = 1
 
     def __init__(self, spec: ArchSpec, device: str | None, dtype: str | None, storage_dtype: str, context: int,

@@ -184,9 +184,8 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                    "prompt of --batch-file at once, else 1)")
     g.add_argument("--compute-threads", type=_positive, default=d.compute_threads, metavar="N",
                    help="intra-op threads of the math (torch CPU) (default: every core the process may run on; OpenMP "
-                   "workers sleep at barriers and decode attention runs in one thread). Above 1 the native FFN's float32 "
-                   "sums are grouped by which thread took which rows, so the last bits, and at times a predicted "
-                   "neuron and the bytes read, vary from run to run; 1 repeats exactly")
+                   "workers sleep at barriers and decode attention runs in one thread; the result is the same bits at "
+                   "any count)")
     g.add_argument("--plan", default="none", choices=["none", "auto"],
                    help="auto: mode, dtype, window and per-layer caches from `flashllm plan` for this --dram-budget "
                    "(the saved plan.json when it matches, else planned now and saved) (default: %(default)s)")

@@ -87,6 +87,24 @@ def test_quantized_ffn_rows_and_index_lists(name, scheme, dtype):
         NativeKernels(kernel_sets()[0][1], 1).ffn(x, rows, None, None, None, "silu", 0.0, None, np.array([n]), acc, True)
 
 
+@needs_native
+@pytest.mark.parametrize("name,scheme", SCHEMES)
+def test_quantized_ffn_sum_is_the_same_bits_at_any_thread_count(name, scheme):
+    """As the float kernel: the quantized FFN's sum (the int4 fast path's de-interleaved one too) is the same bits
+    at 1, 2 and 5 threads and on repeated calls."""
+    q = QuantScheme.named(name, 16, scheme)
+    n, d = 600, 64
+    (gate, up, down), _ = quant_store(q, n, d, 3, seed=2)
+    rows, x = {"gate": gate, "up": up, "down": down}, torch.randn(1, d).to(torch.bfloat16)
+    for kname, lib in kernel_sets():
+        sums = []
+        for threads in (1, 2, 5, 2, 2):
+            acc = torch.zeros(1, d)
+            assert NativeKernels(lib, threads).ffn(x, rows, None, None, None, "silu", 0.0, None, None, acc, True) is acc
+            sums.append(acc)
+        assert all(torch.equal(other, sums[0]) for other in sums[1:]), kname
+
+
 def _logits(out, monkeypatch, native: bool, **kw):
     monkeypatch.setenv("FLASHLLM_NATIVE", "1" if native else "0")
     model = flashllm.load(out, dtype="float32", **kw)

@@ -296,12 +296,10 @@ static void hidden2(const ffn_job *j, int64_t r0, int64_t r1, float *h) {
 static void ffn_chunk(void *p, int64_t c, int slot) {
     ffn_job *j = p;
     int64_t es = j->dt == DT_F32 ? 4 : 2;
-    int64_t lo = c * FFN_CHUNK, hi = lo + FFN_CHUNK < j->n ? lo + FFN_CHUNK : j->n;
-    float *acc = slot == 0 ? j->acc : j->scratch + (int64_t)(slot - 1) * j->d;
-    if (slot && !j->used[slot]) {  /* a worker's own sum, zeroed when it takes its first chunk */
-        memset(acc, 0, (size_t)j->d * sizeof(float));
-        j->used[slot] = 1;
-    }
+    (void)slot;
+    int64_t lo = c * j->per, hi = lo + j->per < j->n ? lo + j->per : j->n;
+    float *acc = j->scratch + c * j->d;  /* the group's own sum */
+    memset(acc, 0, (size_t)j->d * sizeof(float));
     const char *down = j->down;
     float hs[4];
     const void *ws[4];
@@ -328,20 +326,20 @@ static void ffn_chunk(void *p, int64_t c, int slot) {
 /* acc [d] (float32) += sum over rows r (index[0..n-1], or 0..n-1) of h_r * down_r, h_r = act(gate_r.x + gate_bias[r])
  * * (up_r.x + up_bias[r]) (gated) or act(up_r.x + up_bias[r]); gate_pre[r] replaces gate_r.x + gate_bias[r].
  * x [d] and per-row arrays are of dtype dt; the dots load x as passed (no float32 copy: half the bytes beside the
- * float32 sum in L1). Returns 0. */
+ * float32 sum in L1). The rows' sum is made in groups (FFN_GROUPS): the same bits at any thread count. Returns 0, or
+ * -1 out of memory. */
 int fl_ffn(int dt, const void *up, const void *gate, const void *down, int64_t ld, int64_t d, const int64_t *index,
            int64_t n, const void *x, const void *up_bias, const void *gate_bias, const void *gate_pre, int gated,
            int act, float act_param, int has_threshold, float threshold, float *acc, int threads) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads < 1 || n < 2 * FFN_CHUNK) threads = 1;
-    float *scratch = threads > 1 ? malloc((size_t)(threads - 1) * (size_t)d * sizeof(float)) : NULL;
-    if (threads > 1 && !scratch) threads = 1;
+    int64_t per = ffn_group_rows(n), groups = (n + per - 1) / per;
+    float *scratch = malloc((size_t)(groups > 0 ? groups : 1) * (size_t)d * sizeof(float));
+    if (!scratch) return -1;
     ffn_job j = {dt, up, gate, down, ld, d, index, n, NULL, up_bias, gate_bias, gate_pre, act, gated,
-                 has_threshold, act_param, threshold, acc, scratch, {0}, x};
-    run_chunks(ffn_chunk, &j, (n + FFN_CHUNK - 1) / FFN_CHUNK, threads);
-    for (int t = 1; t < threads; t++)
-        if (j.used[t])
-            for (int64_t i = 0; i < d; i++) acc[i] += scratch[(int64_t)(t - 1) * d + i];
+                 has_threshold, act_param, threshold, acc, scratch, per, x};
+    run_chunks(ffn_chunk, &j, groups, threads);
+    ffn_add_groups(acc, scratch, groups, d);
     free(scratch);
     return 0;
 }

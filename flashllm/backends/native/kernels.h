@@ -125,9 +125,9 @@ typedef struct {
     const void *up_bias, *gate_bias, *gate_pre;  /* per row (indexed by row), dtype dt, or NULL */
     int act, gated, has_threshold;
     float act_param, threshold;
-    float *acc;                    /* [d] accumulated into by the caller's chunks */
-    float *scratch;                /* [threads - 1, d]: each worker's own sum */
-    char used[MAX_THREADS];        /* which workers' sums hold chunks */
+    float *acc;                    /* [d]: the groups' sums are added to it, in group order */
+    float *scratch;                /* [groups, d]: each group's own sum */
+    int64_t per;                   /* rows per group (ffn_group_rows) */
     const void *xr;                /* x as passed, of dtype dt (the float kernels' dots; x: the quantized ones' float32 copy) */
 } ffn_job;
 
@@ -154,6 +154,25 @@ static inline float hidden_of(const ffn_job *j, int64_t r, float up_dot, float g
     return j->gated ? round_to(dt, a * u) : a;
 }
 
-#define FFN_CHUNK 16  /* cache rows per chunk (even: rows are taken in pairs) */
+#define FFN_CHUNK 16  /* a call of fewer than 2 FFN_CHUNK rows runs on one thread */
+
+/* The sparse FFN's rows are summed in at most FFN_GROUPS groups of consecutive rows, each into its own float32 sum,
+ * and the groups' sums are added to acc in group order: threads take groups as they come free (a thread the machine
+ * is slow to run leaves its share to the others), and the result is the same bits whichever thread took which
+ * group, at any thread count. (Per-thread sums made the last bits vary run to run at 2 threads.) */
+#define FFN_GROUPS 16
+
+/* rows per group for n rows: even (rows are taken in pairs), at least 2 */
+static inline int64_t ffn_group_rows(int64_t n) {
+    int64_t per = (n + FFN_GROUPS - 1) / FFN_GROUPS;
+    per += per & 1;
+    return per > 2 ? per : 2;
+}
+
+/* the groups' sums (scratch [groups, d]) added to acc [d] in group order */
+static inline void ffn_add_groups(float *acc, const float *scratch, int64_t groups, int64_t d) {
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t i = 0; i < d; i++) acc[i] += scratch[g * d + i];
+}
 
 #endif

@@ -254,19 +254,17 @@ int fl_qmatvec(int bits, int sym, int64_t group, const uint8_t *w, int64_t rows,
 typedef struct {
     ffn_job f;  /* up, gate, down: the parts' bytes (row r's part at part + r * ld bytes); dt: of x and per-row arrays */
     qfmt q;
-    const float *xs, *xe;  /* xe: x de-interleaved, NULL but on the int4 fast path (whose sums are de-interleaved
-                            * too: every worker's in scratch [threads, d], acc untouched until the end) */
+    const float *xs, *xe;  /* xe: x de-interleaved, NULL but on the int4 fast path (whose groups' sums in scratch are
+                            * de-interleaved too) */
 } qffn_job;
 
 static void qffn_chunk(void *p, int64_t c, int slot) {
     qffn_job *qj = p;
     ffn_job *j = &qj->f;
-    int64_t lo = c * FFN_CHUNK, hi = lo + FFN_CHUNK < j->n ? lo + FFN_CHUNK : j->n;
-    float *acc = slot == 0 ? j->acc : j->scratch + (int64_t)(slot - 1) * j->d;
-    if (slot && !j->used[slot]) {
-        memset(acc, 0, (size_t)j->d * sizeof(float));
-        j->used[slot] = 1;
-    }
+    (void)slot;
+    int64_t lo = c * j->per, hi = lo + j->per < j->n ? lo + j->per : j->n;
+    float *acc = j->scratch + c * j->d;  /* the group's own sum */
+    memset(acc, 0, (size_t)j->d * sizeof(float));
     int own_gate = j->gate && !j->gate_pre;
     for (int64_t k = lo; k < hi; k++) {
         int64_t r = j->index ? j->index[k] : k, off = r * j->ld;
@@ -281,12 +279,10 @@ static void qffn_chunk(void *p, int64_t c, int slot) {
 static void q4ffn_chunk(void *p, int64_t c, int slot) {
     qffn_job *qj = p;
     ffn_job *j = &qj->f;
-    int64_t lo = c * FFN_CHUNK, hi = lo + FFN_CHUNK < j->n ? lo + FFN_CHUNK : j->n;
-    float *acc = j->scratch + (int64_t)slot * j->d;
-    if (!j->used[slot]) {
-        memset(acc, 0, (size_t)j->d * sizeof(float));
-        j->used[slot] = 1;
-    }
+    (void)slot;
+    int64_t lo = c * j->per, hi = lo + j->per < j->n ? lo + j->per : j->n;
+    float *acc = j->scratch + c * j->d;  /* the group's own sum, de-interleaved */
+    memset(acc, 0, (size_t)j->d * sizeof(float));
     int own_gate = j->gate && !j->gate_pre;
     const uint8_t *down = j->down, *pend = NULL;  /* a down row waiting for a second one */
     float hpend = 0.0f;
@@ -324,30 +320,27 @@ int fl_qffn(int bits, int sym, int64_t group, const uint8_t *up, const uint8_t *
 #if FL_AVX2
     fast = Q4_FAST(&q) && (xe = deinterleave(xf, d)) != NULL;
 #endif
-    int sums = fast ? threads : threads - 1;  /* workers' own sums (the fast path's de-interleaved, all of them) */
-    float *scratch = sums > 0 ? malloc((size_t)sums * (size_t)d * sizeof(float)) : NULL;
-    if (sums > 0 && !scratch) {
+    int64_t per = ffn_group_rows(n), groups = (n + per - 1) / per;  /* (as fl_ffn: the same bits at any thread count) */
+    float *scratch = malloc((size_t)(groups > 0 ? groups : 1) * (size_t)d * sizeof(float));
+    if (!scratch) {
         free(xe), free(xs), free(xf);
         return -1;
     }
     qffn_job j = {{dt, up, gate, down, ld, d, index, n, xf, up_bias, gate_bias, gate_pre, act, gated,
-                   has_threshold, act_param, threshold, acc, scratch, {0}}, q, xs, xe};
+                   has_threshold, act_param, threshold, acc, scratch, per, NULL}, q, xs, xe};
 #if FL_AVX2
     if (fast) {
-        run_chunks(q4ffn_chunk, &j, (n + FFN_CHUNK - 1) / FFN_CHUNK, threads);
-        for (int t = 0; t < threads; t++)
-            if (j.f.used[t])
-                for (int64_t i = 0, h = d / 2; i < h; i++) {
-                    acc[2 * i] += scratch[(int64_t)t * d + i];
-                    acc[2 * i + 1] += scratch[(int64_t)t * d + h + i];
-                }
+        run_chunks(q4ffn_chunk, &j, groups, threads);
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t i = 0, h = d / 2; i < h; i++) {
+                acc[2 * i] += scratch[g * d + i];
+                acc[2 * i + 1] += scratch[g * d + h + i];
+            }
     } else
 #endif
     {
-        run_chunks(qffn_chunk, &j, (n + FFN_CHUNK - 1) / FFN_CHUNK, threads);
-        for (int t = 1; t < threads; t++)
-            if (j.f.used[t])
-                for (int64_t i = 0; i < d; i++) acc[i] += scratch[(int64_t)(t - 1) * d + i];
+        run_chunks(qffn_chunk, &j, groups, threads);
+        ffn_add_groups(acc, scratch, groups, d);
     }
     free(scratch);
     free(xe);

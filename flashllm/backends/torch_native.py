@@ -66,12 +66,16 @@ class NativeKernels:
         dt = NATIVE_DTYPES.get(q.dtype)
         heads, hd = q.shape[1], q.shape[2]
         kvh = k.shape[1]
-        if dt is None or q.shape[0] != 1 or not all(self._plain(t, q.dtype) and t.is_contiguous() for t in (q, k, v)) \
-                or k.shape != (1, kvh, hd) or v.shape != k.shape or heads % kvh \
-                or not self._caches_fit(k_cache, v_cache, q.dtype, pos, lo) or k_cache.shape[::2] != (kvh, hd) \
-                or not self._rotary_fits(cos_sin, hd):
+        if dt is None or q.shape[0] != 1 or not all(self._plain(t, q.dtype) and t.is_contiguous()
+                                                    for t in (q, k, v, k_cache, v_cache)) \
+                or k.shape != (1, kvh, hd) or v.shape != k.shape or heads % kvh or k_cache.shape[0] != kvh \
+                or k_cache.shape[2] != hd or v_cache.shape != k_cache.shape \
+                or not 0 <= lo <= pos < k_cache.shape[1]:
             return None
         cos, sin = cos_sin if cos_sin is not None else (None, None)
+        if cos is not None and not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous()
+                                    and sin.is_contiguous() and cos.numel() == sin.numel() <= hd):
+            return None
         out = torch.empty(1, heads * hd, dtype=q.dtype)
         rc = self.lib.attend(native.DTYPES[dt], q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
                              v_cache.data_ptr(), k_cache.shape[1], pos, lo, heads, kvh, hd,
@@ -98,7 +102,7 @@ class NativeKernels:
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         ffn_ok = ffn_w is not None and self._plain(ffn_w, dt) and ffn_w.shape == (d,) and ffn_w.is_contiguous() \
             and wo.shape[0] == d
-        return (native.DTYPES[NATIVE_DTYPES[dt]], dt, d, wo.shape[0], hd,
+        return (native.DTYPES[NATIVE_DTYPES[dt]], dt, d, wo.shape[0],
                 (norm_w.data_ptr(), float(eps), d, wqkv.data_ptr(), wqkv.stride(0), ptr(bqkv), wo.data_ptr(),
                  wo.stride(0), ptr(bo), wo.shape[0]), (heads, kvh, hd), float(scale), ffn_w.data_ptr() if ffn_ok else None)
 
@@ -111,7 +115,7 @@ class NativeKernels:
         its FFN norm) instead, where `block_args` found the FFN norm; None where x or the caches do not fit (or
         no FFN norm). `timed`: the seconds of each step are left in `block_times`. Everything fixed is checked and
         looked up once: each tensor op here costs ~10 us on caches the weight streams flushed."""
-        code, dt, d, d_out, hd, weights, heads_kvh_hd, scale, ffn_w = args
+        code, dt, d, d_out, weights, heads_kvh_hd, scale, ffn_w = args
         if x.dtype != dt or x.shape != (1, d) or not x.is_contiguous() or kv.dtype != dt \
                 or not 0 <= lo <= pos < kv.context or (residual and ffn_w is None):
             return None
@@ -126,21 +130,6 @@ class NativeKernels:
             raise MemoryError("native attention block: out of memory")
         self.calls["block"] += 1
         return (a, b) if residual else (b, a)
-
-    def _caches_fit(self, k_cache, v_cache, dtype, pos: int, lo: int) -> bool:
-        """One layer's K and V caches ([kv heads, ctx, hd], contiguous, of `dtype`) hold position `pos`, keys from `lo`."""
-        return self._plain(k_cache, dtype) and self._plain(v_cache, dtype) and k_cache.is_contiguous() \
-            and v_cache.is_contiguous() and k_cache.dim() == 3 and v_cache.shape == k_cache.shape \
-            and 0 <= lo <= pos < k_cache.shape[1]
-
-    @staticmethod
-    def _rotary_fits(cos_sin, hd: int) -> bool:
-        """No rotary (None), or float32 contiguous cos and sin tables of at most `hd` values each."""
-        if cos_sin is None:
-            return True
-        cos, sin = cos_sin
-        return cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() \
-            and cos.numel() == sin.numel() <= hd
 
     def qlinear(self, x: torch.Tensor, w: QuantRows, b: torch.Tensor | None) -> torch.Tensor | None:
         """x [1, d] @ w.T + b over quantized rows kept as stored, as [1, rows] of x's dtype; None: not for it."""

@@ -37,9 +37,6 @@ class TorchRowStore:
             self.raw = None
             self.matrix = torch.empty(capacity, self.elems, dtype=backend.dtype, device=backend.device)
             self.staging = backend.staging(layout.stride)
-        # each part's [capacity, d] view, made once (`views` slices rows off them per token)
-        self.part_views = None if self.matrix is None else \
-            {p: self.matrix[:, layout.part_slice(p)] for p in layout.parts}
         self.full_bias = {k: v for k, v in biases.items() if v is not None}
         self.bias = {k: torch.empty(capacity, dtype=backend.dtype, device=backend.device) for k in self.full_bias}
         self._views = None  # (n, part views, bias views) of the last `views(n)`
@@ -126,6 +123,6 @@ class TorchRowStore:
             if self.matrix is None:
                 rows = {p: QuantRows(self.raw[:n], lay.part_range(p).start, lay.quant, lay.d_model) for p in lay.parts}
             else:
-                rows = {p: v[:n] for p, v in self.part_views.items()}
+                rows = {p: self.matrix[:n, lay.part_slice(p)] for p in lay.parts}
             self._views = (n, rows, {k: b[:n] for k, b in self.bias.items()})
         return self._views[1], self._views[2]

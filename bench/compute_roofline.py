@@ -286,11 +286,13 @@ def child(args) -> dict:
     ids = rng.integers(0, model.spec.vocab_size, args.warmup + args.tokens + 1).tolist()
     model._costs = []
     model.forward(ids[:1], 0)
-    per_token, beside = [], []
+    per_token, beside, paired = [], [], []
     for i, t in enumerate(ids[1:]):
         measured = i >= args.warmup
         if i == args.warmup and args.beside_rounds:
             beside.append(beside_roofline(model, args.beside_rounds))
+        if measured and args.paired:
+            paired.append(paired_roofline(model))
         B.parts = timer if measured else None
         timer.reset()
         cpu0 = time.process_time()
@@ -304,12 +306,20 @@ def child(args) -> dict:
                                   total_ms=cost.total_ms, io_ms=cost.io_ms, mem_ms=cost.mem_ms, cpu_ms=cpu_ms,
                                   predictor_ms=cost.predictor_ms))
     B.parts = None
+    if args.paired and paired:
+        paired.append(paired_roofline(model))
+    if paired and min(paired) > 0:
+        for k, p in enumerate(per_token):  # each token against the larger of the passes just before and after it
+            p["paired_gbps"] = max(paired[k], paired[k + 1])
+            p["paired_ratio"] = p["compute_ms"] / (sum(p["bytes"].values()) / GB / p["paired_gbps"] * 1e3)
     if args.beside_rounds:
         time.sleep(0.5)  # the read-ahead's reads in flight finish first
         beside.append(beside_roofline(model, args.beside_rounds))
     mean = lambda key: statistics.fmean(p[key] for p in per_token)  # noqa: E731
     return dict(config=args.config, backend=B.name, dtype=B.dtype_name, kernels=B.kernels(), load_s=load_s,
                 load=os.getloadavg()[0], beside_gbps=beside, anon_huge_gb=anon_huge_gb(),
+                paired_gbps=[p["paired_gbps"] for p in per_token if "paired_gbps" in p],
+                paired_ratio=[p["paired_ratio"] for p in per_token if "paired_ratio" in p],
                 autogroup_nice=autogroup_nice(),
                 threads=_torch_threads(), omp_wait_policy="spin" if "GOMP_SPINCOUNT" in os.environ else os.environ.get("OMP_WAIT_POLICY"),
                 parts={k: statistics.fmean(p["parts"][k] for p in per_token) for k in per_token[0]["parts"]},
@@ -341,6 +351,27 @@ def beside_roofline(model, rounds: int) -> float:
     return max((r["best_gbps"] for r in rows), default=0.0)
 
 
+def paired_roofline(model, settle_s: float = 0.3) -> float:
+    """GB/s of one pass of the native mat-vec over the model's own resident attention projections (every layer's
+    q/k/v and o: most of the bytes a sparse token streams, at their real shapes), after `settle_s` for reads in
+    flight to land. Measured right before and after each token: this VM's bandwidth swung 27-54 GB/s within one
+    run, so a roofline minutes (or a burst) away says more about the minute than the token; 0.0 where the native
+    kernels do not take these weights."""
+    import torch
+
+    B = model.backend
+    if B.native is None:
+        return 0.0
+    time.sleep(settle_s)
+    ws = [t for name, t in B.w.items() if name.startswith("layers.") and name.split(".")[2] in ("q", "k", "v", "o", "qkv")]
+    xs = {w.shape[1]: torch.ones(1, w.shape[1], dtype=w.dtype) for w in ws}
+    t0 = time.perf_counter()
+    for w in ws:
+        if B.native.linear(xs[w.shape[1]], w, None) is None:
+            return 0.0  # no native kernel for these weights
+    return sum(B.nbytes_of(w) for w in ws) / (time.perf_counter() - t0) / GB
+
+
 def autogroup_nice() -> int | None:
     """This process's scheduler autogroup nice (Linux with sched_autogroup: nice ranks processes only within
     one session, so a timed run raises its own session's weight; recorded beside the figures), else None."""
@@ -366,6 +397,7 @@ def run_child(args, config: str) -> dict:
 
 def _forward_args(args) -> list[str]:
     out = ["--mode", args.mode, "--beside-rounds", str(args.beside_rounds), "--tokens", str(args.tokens),
+           "--paired" if args.paired else "--no-paired",
            "--warmup", str(args.warmup), "--start-pos", str(args.start_pos),
            "--window", str(args.window), "--predictor", args.predictor, "--predictor-rank", str(args.predictor_rank)]
     for key in ("dtype", "dram_budget", "trace", "context"):
@@ -433,6 +465,12 @@ def report(meta, roof_rows, survey, runs) -> str:
                 lines.append(f"| {config} | | **compute / (bytes / roofline beside the tokens)** | "
                              f"{spread([ms / (nbytes / GB / g * 1e3) for ms, g in beside], '{:.2f}x')} (roofline "
                              f"{spread([g for _, g in beside])} GB/s) | | | |")
+            ratios = [q for r in rs for q in r.get("paired_ratio") or []]
+            if ratios:
+                lines.append(f"| {config} | | **compute / (bytes / roofline paired with each token)** | "
+                             f"{spread(ratios, '{:.2f}x')}, median {statistics.median(ratios):.2f}x, ≤ 1.3x in "
+                             f"{sum(q <= 1.3 for q in ratios)} of {len(ratios)} tokens (roofline "
+                             f"{spread([g for r in rs for g in r['paired_gbps']])} GB/s) | | | |")
         lines += ["", "Other per-token costs (not compute): " + "; ".join(
             f"{c}: io {spread([r['io_ms'] for r in rs])} ms, mem {spread([r['mem_ms'] for r in rs])} ms, "
             f"process CPU {spread([r['cpu_ms'] for r in rs])} ms, load average {spread([r['load'] for r in rs])}, "
@@ -471,6 +509,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--beside-rounds", type=int, default=1,
                    help="native roofline rounds inside each run, before and after its measured tokens; 0: none "
                         "(default: %(default)s)")
+    p.add_argument("--paired", action=argparse.BooleanOptionalAction, default=True,
+                   help="time one pass of the native mat-vec over the model's q/k/v/o weights before and after each "
+                        "measured token (after 0.3 s for reads in flight): each token's own roofline (default: on)")
     p.add_argument("--attention-keys", type=int, nargs="+", default=[256, 2048],
                    help="cached keys of the attention survey (default: %(default)s)")
     p.add_argument("--survey-only", action="store_true", help="only the down-projection and attention surveys")
@@ -517,7 +558,8 @@ def main(argv=None) -> int:
             runs.append(run_child(args, config))
             # each run's numbers as soon as it ends: a run killed before its report keeps the finished ones
             print(json.dumps({k: runs[-1].get(k) for k in ("config", "compute_ms", "total_ms", "io_ms", "beside_gbps",
-                                                           "parts", "load")}), file=sys.stderr, flush=True)
+                                                           "paired_gbps", "paired_ratio", "parts", "load")}),
+                  file=sys.stderr, flush=True)
     text = report(meta, roof, survey, runs)
     if args.json:
         meta.pop("spec")

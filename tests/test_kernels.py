@@ -128,3 +128,8 @@ def test_compute_roofline_sets_each_run_against_the_roofline_beside_its_tokens(t
     row = next(line for line in out.read_text().splitlines() if "roofline beside the tokens" in line)
     ratio, rate = row.split("|")[4].split("x (roofline ")
     assert float(ratio) > 0 and float(rate.split()[0]) > 0
+    # and each token against the mat-vec pass over the model's own q/k/v/o just before and after it
+    row = next(line for line in out.read_text().splitlines() if "roofline paired with each token" in line)
+    assert " of 2 tokens (roofline " in row
+    low = float(row.split("|")[4].split("x")[0].split("–")[0])
+    assert low > 0 and float(row.split("(roofline ")[1].split()[0].split("–")[0]) > 0

@@ -219,8 +219,9 @@ class SparsePlan(ReadAhead, StreamingPlan):
             cost.add_io(pending.wait())
         cache.store.placed(ids, rows, cost)  # (sets the new rows' biases, seen through the views)
         cache.append(ids)
-        B.ffn(x, views, *part, index=rows, acc=acc)
-        return B.ffn_result(acc, x, self.ctx.biases(layer)["down"])
+        up_b, gate_b, _, threshold, gate_pre = part
+        return B.ffn(x, views, up_b, gate_b, self.ctx.biases(layer)["down"], threshold, gate_pre, index=rows, acc=acc,
+                     finish=True)
 
     def ffn(self, layer: int, x, cost):
         with cost.timed("predictor_ms"):

@@ -176,6 +176,50 @@ def test_ffn_index_list_accumulates_in_two_calls(threads):
         _ffn(LIB, x, rows, "silu", threads, index=np.array([n]))
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ffn_output_in_the_call_has_ffn_results_bits(dtype):
+    """`y` and `zero`: the kernel starts its sum from zero (whatever acc held) and writes the FFN's output as
+    TorchBackend.ffn_result rounds it, plus the down bias, bit for bit (machine and portable builds)."""
+    from flashllm.backends.torch_backend import TorchBackend
+    n, d = 90, 72
+    m = store(n, d, 3, dtype, seed=5)
+    rows = {p: m[:, k * d:(k + 1) * d] for k, p in enumerate(("gate", "up", "down"))}
+    x, bias = torch.randn(1, d).to(dtype), torch.randn(d).to(dtype)
+    for name, lib in kernel_sets():
+        kern = NativeKernels(lib, 2)
+        ref = _ffn(lib, x, rows, "silu")
+        for down_bias in (None, bias):
+            acc, y = torch.full((1, d), 7.0), torch.empty_like(x)
+            assert kern.ffn(x, rows, None, None, None, "silu", 0.05, None, None, acc, True, y=y, down_bias=down_bias,
+                            zero=True) is acc
+            assert torch.equal(acc, ref), name
+            assert torch.equal(y, TorchBackend.ffn_result(ref, x, down_bias)), (name, down_bias is None)
+
+
+@needs_native
+def test_ffn_checks_rows_again_when_they_change():
+    """The kernel call made for a views dict is reused only while the same tensors are in it: a part replaced in
+    the dict, or another dict, is checked and computed anew (a stale call would read the old rows)."""
+    n, d, dtype = 80, 64, torch.float16
+    m, other = store(n, d, 3, dtype, seed=6), store(n, d, 3, dtype, seed=7)
+    rows = {p: m[:, k * d:(k + 1) * d] for k, p in enumerate(("gate", "up", "down"))}
+    x = torch.randn(1, d).to(dtype)
+    kern = NativeKernels(LIB, 2)
+
+    def run(r):
+        acc = torch.zeros(1, d)
+        assert kern.ffn(x, r, None, None, None, "silu", 0.05, None, None, acc, True) is acc
+        return acc
+    _close(run(rows), reference_ffn(x, rows, "silu"), dtype)
+    rows["down"] = other[:, 2 * d:3 * d]  # the same dict, another down part
+    _close(run(rows), reference_ffn(x, rows, "silu"), dtype)
+    fewer = {p: t[:33] for p, t in rows.items()}
+    _close(run(fewer), reference_ffn(x, fewer, "silu"), dtype)
+    rows["up"] = m[:, d + 1:2 * d + 1].t()  # not rows of one stride: no kernel for it
+    assert kern.ffn(x, rows, None, None, None, "silu", 0.05, None, None, torch.zeros(1, d), True) is None
+
+
 def _sparse_pair(tiny_models, tmp_path, family, dtype, **kw):
     tiny = tiny_models(family)
     out = convert(tiny.ckpt, tmp_path / dtype, dtype=dtype, progress=False)
@@ -223,8 +267,11 @@ def test_backend_ffn_index_and_acc_agree_with_the_torch_path(tiny_models, tmp_pa
     for backend in (B, T):
         acc = backend.ffn_acc(x)
         acc = backend.ffn(x, rows, None, None, None, index=idx, acc=acc)
-        acc = backend.ffn(x, rows, None, None, None, index=np.array([0, 39]), acc=acc)
-        results.append(backend.ffn_result(acc, x, None).float())
+        last = np.array([0, 39])
+        done = backend.ffn(x, rows, None, None, None, index=last, acc=acc.clone(), finish=True)  # the output
+        acc = backend.ffn(x, rows, None, None, None, index=last, acc=acc)
+        assert torch.equal(done, backend.ffn_result(acc, x, None))
+        results.append(done.float())
     ref = reference_ffn(x, rows, "silu", index=np.array([7, 1, 30, 22, 0, 39])).to(torch.float16).float()
     for got in results:
         np.testing.assert_allclose(got, ref, rtol=2 ** -9, atol=1e-3 * float(ref.abs().max()))

@@ -184,13 +184,14 @@ class Backend:
         return x, self.norm(f"layers.{layer}.ffn_norm", x)
 
     def ffn(self, x, rows: dict, up_bias, gate_bias, down_bias, threshold: float | None = None, gate_pre=None,
-            index=None, acc=None):
+            index=None, acc=None, finish: bool = False):
         """FFN over the neurons whose bundle parts are rows[part] ([n, d] each; down rows = columns);
         with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity);
         `gate_pre` [T, n]: the gate pre-activations, from resident gate rows (then `rows` has no gate).
         `index` (int array): only these row positions (biases and gate_pre stay aligned with `rows`);
         `acc` (from `ffn_acc`): the rows' contributions are added to this float32 sum, which is returned
-        (use the result; pass down_bias None) and finished by `ffn_result`."""
+        (use the result), or with `finish` (a layer's last rows) the FFN's output from it,
+        `ffn_result(acc, x, down_bias)` (without `finish`, down_bias is not used)."""
         raise NotImplementedError
 
     def ffn_acc(self, x):

@@ -274,12 +274,12 @@ class MLXBackend(Backend):
 
     def ffn(self, x: mx.array, rows: dict[str, mx.array], up_bias, gate_bias, down_bias,
             threshold: float | None = None, gate_pre: mx.array | None = None, index: np.ndarray | None = None,
-            acc: mx.array | None = None) -> mx.array:
+            acc: mx.array | None = None, finish: bool = False) -> mx.array:
         """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns, or
         `down_t` [d, n]: W_down as quantized expert slots hold it);
         with `threshold`, neurons with |act(pre)| <= threshold contribute zero (calibrated sparsity);
         `gate_pre` [T, n]: the gate pre-activations, from resident gate rows (then `rows` has no gate).
-        `index`, `acc`: as TorchBackend.ffn (only rows `index`; added to the float32 `acc`, which MLX
+        `index`, `acc`, `finish`: as TorchBackend.ffn (only rows `index`; added to the float32 `acc`, which MLX
         returns as a new array: use the result); each call's part is rounded to the compute dtype first."""
         if index is not None:
             idx = mx.array(np.asarray(index, dtype=np.int32))
@@ -287,7 +287,8 @@ class MLXBackend(Backend):
             up_bias, gate_bias = (None if b is None else b[idx] for b in (up_bias, gate_bias))
             gate_pre = None if gate_pre is None else gate_pre[:, idx]
         if acc is not None:
-            return acc + self.ffn(x, rows, up_bias, gate_bias, None, threshold, gate_pre).astype(mx.float32)
+            acc = acc + self.ffn(x, rows, up_bias, gate_bias, None, threshold, gate_pre).astype(mx.float32)
+            return self.ffn_result(acc, x, down_bias) if finish else acc
         up = self.linear(x, rows["up"], up_bias)
         if gate_pre is None and self.spec.gated_ffn:
             gate_pre = self.linear(x, rows["gate"], gate_bias)

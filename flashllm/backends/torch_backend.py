@@ -252,19 +252,22 @@ class TorchBackend(TorchAttention, Backend):
 
     def ffn(self, x: torch.Tensor, rows: dict[str, torch.Tensor], up_bias, gate_bias, down_bias,
             threshold: float | None = None, gate_pre: torch.Tensor | None = None, index: np.ndarray | None = None,
-            acc: torch.Tensor | None = None) -> torch.Tensor:
+            acc: torch.Tensor | None = None, finish: bool = False) -> torch.Tensor:
         """FFN over the neurons whose bundle parts are `rows[part]` ([n, d] each; down rows = columns),
         or packed by `pack_ffn`; with `threshold`, neurons with |act(pre)| <= threshold contribute
         zero (calibrated sparsity); `gate_pre` [T, n]: the gate pre-activations, already computed
         from resident gate rows (then `rows` has no gate). `index`: compute only these row positions
         (biases and gate_pre stay aligned with `rows`); `acc` (from `ffn_acc`): add the rows' float32
-        contributions into it and return it (finish with `ffn_result`)."""
+        contributions into it and return it, or with `finish` (a layer's last rows) return the FFN's
+        output from it, `ffn_result(acc, x, down_bias)`."""
         t0, gated, packed = self._tic(), self.spec.gated_ffn, "down_t" in rows
-        if self.native is not None and not packed and x.shape[0] == 1:
-            out = acc if acc is not None else self._ffn_buffer(x)
+        if self.native is not None and not packed and x.shape[0] == 1:  # the output rounded in the kernel call
+            y = torch.empty_like(x) if acc is None or finish else None
             if self.native.ffn(x, rows, up_bias, gate_bias, gate_pre, self.spec.activation,
-                               self.spec.activation_threshold, threshold, index, out, gated) is not None:
-                return self._toc("ffn", t0, out if acc is not None else self.ffn_result(out, x, down_bias))
+                               self.spec.activation_threshold, threshold, index,
+                               acc if acc is not None else self._ffn_buffer(x), gated, y=y, down_bias=down_bias if y is
+                               not None else None, zero=acc is None) is not None:
+                return self._toc("ffn", t0, acc if y is None else y)
         if isinstance(rows.get("up"), QuantRows):  # no kernel for this call (e.g. prefill): dequantized rows
             rows = {p: t.values(self.dtype) for p, t in rows.items()}
         if index is not None:  # the selected rows (copies), their biases and pre-activations
@@ -278,8 +281,10 @@ class TorchBackend(TorchAttention, Backend):
             down = self.ffn_part(rows, "down")
             if self.down_kernel == "chunked" and h.shape[0] == 1:
                 self._chunked_buffers(down.shape[1])
-                return self._toc("ffn", t0, acc.add_(chunked_down(h, down, self._down_buf[0], self._down_buf[1], True)))
-            return self._toc("ffn", t0, acc.add_(h.float() @ down.float()))
+                acc.add_(chunked_down(h, down, self._down_buf[0], self._down_buf[1], True))
+            else:
+                acc.add_(h.float() @ down.float())
+            return self._toc("ffn", t0, self.ffn_result(acc, x, down_bias) if finish else acc)
         h = self._hidden(x, rows, up_bias, gate_bias, threshold, gate_pre, packed)
         if packed:
             return self._toc("ffn", t0, self.linear(h, rows["down_t"], down_bias))
@@ -301,10 +306,10 @@ class TorchBackend(TorchAttention, Backend):
         return y + down_bias if down_bias is not None else y
 
     def _ffn_buffer(self, x: torch.Tensor) -> torch.Tensor:
-        """The one-call native FFN's float32 accumulator [1, d_model], made once and zeroed per call."""
+        """The one-call native FFN's float32 accumulator [1, d_model], made once (the kernel zeroes it)."""
         if getattr(self, "_ffn_buf", None) is None:
             self._ffn_buf = torch.empty(1, self.spec.d_model, dtype=torch.float32)
-        return self._ffn_buf.zero_()
+        return self._ffn_buf
 
     def _hidden(self, x, rows, up_bias, gate_bias, threshold, gate_pre, packed) -> torch.Tensor:
         """h [T, n]: act(gate) * up (gated) or act(up), each rounded to the compute dtype as torch does."""

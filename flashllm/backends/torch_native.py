@@ -5,6 +5,7 @@ non-CPU tensor, another dtype or activation): the caller then takes its torch pa
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ class NativeKernels:
         self.lib, self.threads = lib, threads
         self.calls = {"linear": 0, "ffn": 0, "norm": 0, "attend": 0, "block": 0, "qlinear": 0, "qffn": 0}  # kernel calls made (tests check the path)
         self.block_times = (ctypes.c_double * 5)()  # attn_block's seconds per step, where the parts are timed
+        self._ffn_calls = {}  # (ids of an FFN's rows, biases, ...) -> (weak refs to them, its checked kernel call)
 
     @staticmethod
     def _plain(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
@@ -149,73 +151,90 @@ class NativeKernels:
         return y
 
     def ffn(self, x: torch.Tensor, rows: dict, up_bias, gate_bias, gate_pre, act: str, act_param: float,
-            threshold: float | None, index: np.ndarray | None, acc: torch.Tensor, gated: bool) -> torch.Tensor | None:
+            threshold: float | None, index: np.ndarray | None, acc: torch.Tensor, gated: bool,
+            y: torch.Tensor | None = None, down_bias: torch.Tensor | None = None, zero: bool = False):
         """acc [1, d] (float32) += the FFN contributions of cache rows `rows` (views [n, d] of one row store,
-        or only rows `index`): the one-pass kernel; None (acc untouched) where it does not apply."""
-        if isinstance(rows.get("up"), QuantRows):
-            return self._qffn(x, rows, up_bias, gate_bias, gate_pre, act, act_param, threshold, index, acc, gated)
-        dt = NATIVE_DTYPES.get(x.dtype)
-        code = native.ACTIVATIONS.get(act)
-        parts = [rows.get("up"), rows.get("gate") if gate_pre is None and gated else None, rows.get("down")]
-        if dt is None or code is None or x.shape[0] != 1 or parts[0] is None or parts[2] is None \
-                or (gated and gate_pre is None and parts[1] is None) or acc.dtype != torch.float32 \
-                or not acc.is_contiguous() or x.device.type != "cpu":
+        or only rows `index`): the one-pass kernel; None (acc untouched) where it does not apply. `zero`: acc
+        starts from zero; `y` [1, d] of x's dtype: also the FFN's output, acc rounded plus `down_bias`
+        (TorchBackend.ffn_result's math, in the same call)."""
+        if x.shape[0] != 1 or x.device.type != "cpu" or acc.dtype != torch.float32 or not acc.is_contiguous():
             return None
-        present = [t for t in parts if t is not None]
-        if not all(self._plain(t, x.dtype) and t.stride(1) == 1 and t.stride(0) == present[0].stride(0)
-                   and t.shape == present[0].shape for t in present):
+        call = self._ffn_call(x, rows, up_bias, gate_bias, gate_pre is None, act, act_param, gated)
+        if call is None:
             return None
-        args = self._row_args(x, acc, present[0], index, (up_bias, gate_bias, gate_pre))
-        if args is None:
+        fn, n, d = call
+        pre = None if gate_pre is None else gate_pre.contiguous()
+        db = None if down_bias is None else down_bias.contiguous()
+        if x.shape[1] != d or acc.numel() != d or (pre is not None and not (self._plain(pre, x.dtype) and pre.numel() == n)) \
+                or (y is not None and not (self._plain(y, x.dtype) and y.is_contiguous() and y.numel() == d)) \
+                or (db is not None and not (y is not None and self._plain(db, x.dtype) and db.numel() == d)):
             return None
-        n, d, extras, index = args
-        ptr = [None if t is None else t.data_ptr() for t in (*parts, *extras)]
-        x = x if x.is_contiguous() else x.contiguous()
-        rc = self.lib.ffn(native.DTYPES[dt], ptr[0], ptr[1], ptr[2], present[0].stride(0), d,
-                     None if index is None else index.ctypes.data, n if index is None else len(index), x.data_ptr(),
-                     ptr[3], ptr[4], ptr[5], int(gated), code, float(act_param), int(threshold is not None),
-                     float(threshold or 0.0), acc.data_ptr(), self.threads)
+        index = self._checked(index, n)
+        rc = fn(None if index is None else index.ctypes.data, n if index is None else len(index), x.contiguous().data_ptr(),
+                None if pre is None else pre.data_ptr(), int(threshold is not None), float(threshold or 0.0),
+                acc.data_ptr(), self.threads, int(zero), None if y is None else y.data_ptr(),
+                None if db is None else db.data_ptr())
         if rc:
             raise MemoryError("native FFN: out of memory")
-        self.calls["ffn"] += 1
+        self.calls["qffn" if isinstance(rows.get("up"), QuantRows) else "ffn"] += 1
         return acc
 
-    def _qffn(self, x, rows, up_bias, gate_bias, gate_pre, act, act_param, threshold, index, acc, gated):
-        """`ffn` over quantized parts kept as stored (QuantRows of one row store, one scheme): float32, float16 or
-        bfloat16 activations."""
-        dt = NATIVE_DTYPES.get(x.dtype, "float32" if x.dtype == torch.float32 else None)
+    def _ffn_call(self, x, rows, up_bias, gate_bias, own_gate: bool, act, act_param, gated):
+        """(call(index, n, x, gate_pre, has_threshold, threshold, acc, threads, zero, y, down_bias), rows, d) of the
+        FFN kernel for these cache rows and per-row biases, or None where no kernel takes them. Made once per
+        views dict and kept while its tensors live (a row store's views change only when its row count does):
+        the checks cost about 0.1 ms per call on the caches a token's weight streams have just flushed."""
+        key = (id(rows), id(up_bias), id(gate_bias), own_gate, x.dtype, act, act_param, gated)
+        hit = self._ffn_calls.get(key)
+        if hit is not None and all(ref() is t for ref, t in zip(hit[0], (*rows.values(), up_bias, gate_bias))):
+            return hit[1]
+        call = self._ffn_args(x, rows, up_bias, gate_bias, own_gate, act, act_param, gated)
+        held = [t for t in (*rows.values(), up_bias, gate_bias)]
+        if call is not None and all(t is None or isinstance(t, (torch.Tensor, QuantRows)) for t in held):
+            if len(self._ffn_calls) >= 64:  # views of row counts no longer used: start again
+                self._ffn_calls.clear()
+            none = lambda: None  # noqa: E731
+            self._ffn_calls[key] = ([none if t is None else weakref.ref(t) for t in held], call)
+        return call
+
+    def _ffn_args(self, x, rows, up_bias, gate_bias, own_gate: bool, act, act_param, gated):
+        """`_ffn_call`'s checks and call: the float kernel over float16/bfloat16 rows, the quantized one over
+        QuantRows of one row store (float32, float16 or bfloat16 activations)."""
+        quant = isinstance(rows.get("up"), QuantRows)
+        dt = NATIVE_DTYPES.get(x.dtype, "float32" if quant and x.dtype == torch.float32 else None)
         code = native.ACTIVATIONS.get(act)
-        parts = [rows.get("up"), rows.get("gate") if gate_pre is None and gated else None, rows.get("down")]
+        parts = [rows.get("up"), rows.get("gate") if own_gate and gated else None, rows.get("down")]
         present = [t for t in parts if t is not None]
-        if dt is None or code is None or x.shape[0] != 1 or parts[2] is None or acc.dtype != torch.float32 \
-                or not acc.is_contiguous() or (gated and gate_pre is None and parts[1] is None) \
-                or not all(isinstance(t, QuantRows) and t.same_rows(present[0]) for t in present):
+        if dt is None or code is None or parts[0] is None or parts[2] is None or (gated and own_gate and parts[1] is None):
             return None
-        args = self._row_args(x, acc, present[0], index, (up_bias, gate_bias, gate_pre))
-        if args is None:
+        if quant:
+            if not all(isinstance(t, QuantRows) and t.same_rows(present[0]) for t in present):
+                return None
+            n, d = present[0].shape
+            ld, ptr = present[0].raw.strides[0], [None if t is None else t.ptr() for t in parts]
+        else:
+            if not all(self._plain(t, x.dtype) and t.stride(1) == 1 and t.stride(0) == present[0].stride(0)
+                       and t.shape == present[0].shape for t in present):
+                return None
+            n, d = present[0].shape
+            ld, ptr = present[0].stride(0), [None if t is None else t.data_ptr() for t in parts]
+        # per-row biases: views of the row store's (updated in place as rows are placed), never copies
+        if not all(t is None or (self._plain(t, x.dtype) and t.is_contiguous() and t.numel() == n)
+                   for t in (up_bias, gate_bias)):
             return None
-        n, d, extras, index = args
-        q, x = present[0].scheme, x.contiguous()
-        ptr = [None if t is None else t.ptr() for t in parts] + [None if t is None else t.data_ptr() for t in extras]
-        rc = self.lib.qffn(q.bits, int(q.symmetric), q.group_size, ptr[0], ptr[1], ptr[2], present[0].raw.strides[0], d,
-                           None if index is None else index.ctypes.data, n if index is None else len(index),
-                           native.DTYPES[dt], x.data_ptr(), ptr[3], ptr[4], ptr[5], int(gated), code, float(act_param),
-                           int(threshold is not None), float(threshold or 0.0), acc.data_ptr(), self.threads)
-        if rc:
-            raise MemoryError("native quantized FFN: out of memory")
-        self.calls["qffn"] += 1
-        return acc
+        ub, gb = (None if t is None else t.data_ptr() for t in (up_bias, gate_bias))
+        dtc, lib, g, a = native.DTYPES[dt], self.lib, int(gated), float(act_param)
+        if quant:
+            q = present[0].scheme
 
-    def _row_args(self, x, acc, first, index, extras) -> tuple | None:
-        """(n, d, extras, index) for the FFN kernels over `first`'s [n, d] rows: the per-row values (up/gate
-        biases, resident gate pre-activations) contiguous, the index checked; None where they, x [1, d] or
-        acc [d] do not fit the kernels."""
-        n, d = first.shape
-        extras = [t if t is None else t.contiguous() for t in extras]
-        if acc.numel() != d or x.shape[1] != d or not all(self._plain(t, x.dtype) and (t is None or t.numel() == n)
-                                                          for t in extras):
-            return None
-        return n, d, extras, self._checked(index, n)
+            def call(index, count, xp, pre, has_t, t, acc, threads, zero, y, db):
+                return lib.qffn(q.bits, int(q.symmetric), q.group_size, ptr[0], ptr[1], ptr[2], ld, d, index, count,
+                                dtc, xp, ub, gb, pre, g, code, a, has_t, t, acc, threads, zero, y, db)
+        else:
+            def call(index, count, xp, pre, has_t, t, acc, threads, zero, y, db):
+                return lib.ffn(dtc, ptr[0], ptr[1], ptr[2], ld, d, index, count, xp, ub, gb, pre, g, code, a, has_t, t,
+                               acc, threads, zero, y, db)
+        return call, n, d
 
     @staticmethod
     def _checked(index: np.ndarray | None, n: int) -> np.ndarray | None:

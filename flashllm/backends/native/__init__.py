@@ -118,14 +118,15 @@ class Kernels:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         signatures = {
             "matvec": [i32, p, i64, i64, i64, p, p, p, i32],
-            "ffn": [i32, p, p, p, i64, i64, p, i64, p, p, p, p, i32, i32, f32, i32, f32, p, i32],
+            "ffn": [i32, p, p, p, i64, i64, p, i64, p, p, p, p, i32, i32, f32, i32, f32, p, i32, i32, p, p],
             "rmsnorm": [i32, p, p, i64, i64, f32, p],
             "attend": [i32, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p, p, f32, p, i32],
             "attn_block": [i32, p, p, f32, i64, p, i64, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64,
                            p, p, f32, p, p, p, p, p, i32, p],
             # quantized parts (quant.py's layout): bits, symmetric, group size first
             "qmatvec": [i32, i32, i64, p, i64, i64, i64, i32, p, p, p, i32],
-            "qffn": [i32, i32, i64, p, p, p, i64, i64, p, i64, i32, p, p, p, p, i32, i32, f32, i32, f32, p, i32],
+            "qffn": [i32, i32, i64, p, p, p, i64, i64, p, i64, i32, p, p, p, p, i32, i32, f32, i32, f32, p, i32, i32, p,
+                     p],
             "simd": [],
         }
         for name, argtypes in signatures.items():

@@ -326,11 +326,13 @@ static void ffn_chunk(void *p, int64_t c, int slot) {
 /* acc [d] (float32) += sum over rows r (index[0..n-1], or 0..n-1) of h_r * down_r, h_r = act(gate_r.x + gate_bias[r])
  * * (up_r.x + up_bias[r]) (gated) or act(up_r.x + up_bias[r]); gate_pre[r] replaces gate_r.x + gate_bias[r].
  * x [d] and per-row arrays are of dtype dt; the dots load x as passed (no float32 copy: half the bytes beside the
- * float32 sum in L1). The rows' sum is made in groups (FFN_GROUPS): the same bits at any thread count. Returns 0, or
- * -1 out of memory. */
+ * float32 sum in L1). The rows' sum is made in groups (FFN_GROUPS): the same bits at any thread count. `zero`: acc
+ * starts from zero; y (NULL: none): the FFN's output from acc (ffn_out). Returns 0, or -1 out of memory. */
 int fl_ffn(int dt, const void *up, const void *gate, const void *down, int64_t ld, int64_t d, const int64_t *index,
            int64_t n, const void *x, const void *up_bias, const void *gate_bias, const void *gate_pre, int gated,
-           int act, float act_param, int has_threshold, float threshold, float *acc, int threads) {
+           int act, float act_param, int has_threshold, float threshold, float *acc, int threads, int zero, void *y,
+           const void *down_bias) {
+    if (zero) memset(acc, 0, (size_t)d * sizeof(float));
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads < 1 || n < 2 * FFN_CHUNK) threads = 1;
     int64_t per = ffn_group_rows(n), groups = (n + per - 1) / per;
@@ -341,6 +343,7 @@ int fl_ffn(int dt, const void *up, const void *gate, const void *down, int64_t l
     run_chunks(ffn_chunk, &j, groups, threads);
     ffn_add_groups(acc, scratch, groups, d);
     free(scratch);
+    if (y) ffn_out(dt, acc, down_bias, y, d);
     return 0;
 }
 

@@ -175,4 +175,14 @@ static inline void ffn_add_groups(float *acc, const float *scratch, int64_t grou
         for (int64_t i = 0; i < d; i++) acc[i] += scratch[g * d + i];
 }
 
+/* The FFN's output from its float32 sum, as TorchBackend.ffn_result makes it: y [d] = acc rounded to dt, plus
+ * down_bias (NULL: none) rounded again as torch's add rounds; in the kernel call, so that the token makes no torch op
+ * for it (each cost 30-90 us on the caches the weight streams had just flushed) */
+static inline void ffn_out(int dt, const float *acc, const void *down_bias, void *y, int64_t d) {
+    for (int64_t i = 0; i < d; i++) {
+        float v = round_to(dt, acc[i]);
+        store1(dt, y, i, down_bias ? v + load1(dt, down_bias, i) : v);
+    }
+}
+
 #endif

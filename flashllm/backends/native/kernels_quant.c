@@ -306,11 +306,13 @@ static void q4ffn_chunk(void *p, int64_t c, int slot) {
 
 /* fl_ffn over quantized parts: acc [d] (float32) += sum over rows r (index[0..n-1], or 0..n-1) of h_r * down_r,
  * with up_r, gate_r (NULL: gate_pre or none) and down_r the dequantized parts at up/gate/down + r * ld bytes;
- * x and per-row arrays of dtype dt, each projection rounded to dt as the float kernel does. Returns 0, or -1. */
+ * x and per-row arrays of dtype dt, each projection rounded to dt as the float kernel does; `zero` and y as
+ * fl_ffn's. Returns 0, or -1. */
 int fl_qffn(int bits, int sym, int64_t group, const uint8_t *up, const uint8_t *gate, const uint8_t *down, int64_t ld,
             int64_t d, const int64_t *index, int64_t n, int dt, const void *x, const void *up_bias,
             const void *gate_bias, const void *gate_pre, int gated, int act, float act_param, int has_threshold,
-            float threshold, float *acc, int threads) {
+            float threshold, float *acc, int threads, int zero, void *y, const void *down_bias) {
+    if (zero) memset(acc, 0, (size_t)d * sizeof(float));
     qfmt q = qfmt_of(bits, sym, group, d);
     float *xf = as_f32(dt, x, d), *xs = xf ? group_sums(xf, d, group) : NULL, *xe = NULL;
     if (!xs) { free(xf); return -1; }
@@ -346,5 +348,6 @@ int fl_qffn(int bits, int sym, int64_t group, const uint8_t *up, const uint8_t *
     free(xe);
     free(xs);
     free(xf);
+    if (y) ffn_out(dt, acc, down_bias, y, d);
     return 0;
 }

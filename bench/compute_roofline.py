@@ -309,8 +309,9 @@ def child(args) -> dict:
     if args.paired and paired:
         paired.append(paired_roofline(model))
     if paired and min(paired) > 0:
-        for k, p in enumerate(per_token):  # each token against the larger of the passes just before and after it
-            p["paired_gbps"] = max(paired[k], paired[k + 1])
+        for k, p in enumerate(per_token):  # each token against the fastest of the passes just before and after it
+            own = p["bytes"]["attn_proj"] / GB / p["parts"]["attn_proj"] * 1e3 if p["parts"]["attn_proj"] > 0 else 0.0
+            p["paired_gbps"] = max(paired[k], paired[k + 1], own)  # and its own projections (never a slower one)
             p["paired_ratio"] = p["compute_ms"] / (sum(p["bytes"].values()) / GB / p["paired_gbps"] * 1e3)
     if args.beside_rounds:
         time.sleep(0.5)  # the read-ahead's reads in flight finish first
@@ -355,8 +356,9 @@ def paired_roofline(model, settle_s: float = 0.3) -> float:
     """GB/s of one pass of the native mat-vec over the model's own resident attention projections (every layer's
     q/k/v and o: most of the bytes a sparse token streams, at their real shapes), after `settle_s` for reads in
     flight to land. Measured right before and after each token: this VM's bandwidth swung 27-54 GB/s within one
-    run, so a roofline minutes (or a burst) away says more about the minute than the token; 0.0 where the native
-    kernels do not take these weights."""
+    run, so a roofline minutes (or a burst) away says more about the minute than the token. A token is set
+    against the fastest of the two passes and of its own q/k/v/o parts (a pass after the pause may stream slower
+    than the token did). 0.0 where the native kernels do not take these weights."""
     import torch
 
     B = model.backend
@@ -511,7 +513,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--paired", action=argparse.BooleanOptionalAction, default=True,
                    help="time one pass of the native mat-vec over the model's q/k/v/o weights before and after each "
-                        "measured token (after 0.3 s for reads in flight): each token's own roofline (default: on)")
+                        "measured token (after 0.3 s for reads in flight): each token's roofline is the fastest of "
+                        "the two and of its own q/k/v/o parts (default: on)")
     p.add_argument("--attention-keys", type=int, nargs="+", default=[256, 2048],
                    help="cached keys of the attention survey (default: %(default)s)")
     p.add_argument("--survey-only", action="store_true", help="only the down-projection and attention surveys")

@@ -19,6 +19,8 @@
    process, rounds interleaved; per part (backend.parts, a PartTimer) ms per token, bytes it
    touches (resident q/k/v/o, KV read, the FFN rows it multiplies, the head) and GB/s as a share
    of the roofline of its backend and dtype. "python/other" is compute_ms minus the timed parts.
+   With --paired (the default), each measured token also gets a roofline of its own minute: one pass of the
+   native mat-vec over the model's q/k/v/o weights just before and after it (paired_roofline).
 
 Configurations: torch-1t / torch-2t (session 5's kernels: FLASHLLM_NATIVE=0), before (kernels="plain": the file's tensors with torch's default kernels, 2 threads),
 session2 (tuned kernels, 2 threads), after (the defaults: kernels="tuned", compute threads by the machine's load), after-1t / after-2t

@@ -263,11 +263,12 @@ class TorchBackend(TorchAttention, Backend):
         t0, gated, packed = self._tic(), self.spec.gated_ffn, "down_t" in rows
         if self.native is not None and not packed and x.shape[0] == 1:  # the output rounded in the kernel call
             y = torch.empty_like(x) if acc is None or finish else None
-            if self.native.ffn(x, rows, up_bias, gate_bias, gate_pre, self.spec.activation,
-                               self.spec.activation_threshold, threshold, index,
-                               acc if acc is not None else self._ffn_buffer(x), gated, y=y, down_bias=down_bias if y is
-                               not None else None, zero=acc is None) is not None:
-                return self._toc("ffn", t0, acc if y is None else y)
+            out = self.native.ffn(x, rows, up_bias, gate_bias, gate_pre, self.spec.activation,
+                                  self.spec.activation_threshold, threshold, index,
+                                  acc if acc is not None else self._ffn_buffer(x), gated, y=y,
+                                  down_bias=None if y is None else down_bias, zero=acc is None)
+            if out is not None:
+                return self._toc("ffn", t0, out if y is None else y)
         if isinstance(rows.get("up"), QuantRows):  # no kernel for this call (e.g. prefill): dequantized rows
             rows = {p: t.values(self.dtype) for p, t in rows.items()}
         if index is not None:  # the selected rows (copies), their biases and pre-activations

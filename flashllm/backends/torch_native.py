@@ -189,7 +189,7 @@ class NativeKernels:
         if hit is not None and all(ref() is t for ref, t in zip(hit[0], (*rows.values(), up_bias, gate_bias))):
             return hit[1]
         call = self._ffn_args(x, rows, up_bias, gate_bias, own_gate, act, act_param, gated)
-        held = [t for t in (*rows.values(), up_bias, gate_bias)]
+        held = (*rows.values(), up_bias, gate_bias)
         if call is not None and all(t is None or isinstance(t, (torch.Tensor, QuantRows)) for t in held):
             if len(self._ffn_calls) >= 64:  # views of row counts no longer used: start again
                 self._ffn_calls.clear()

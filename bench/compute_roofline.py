@@ -245,11 +245,15 @@ def roofline_rates(rows) -> dict[str, tuple[float, str]]:
 
 
 # -- 2. the runtime's own tokens --------------------------------------------------------------------
+def attention_projections(B) -> list:
+    """The resident q/k/v/o weights of every layer (fused or not): the "attn_proj" part's bytes."""
+    return [t for name, t in B.w.items() if name.startswith("layers.") and name.split(".")[2] in ("q", "k", "v", "o", "qkv")]
+
+
 def part_bytes(model, cost, pos: int) -> dict[str, int]:
     """Bytes one decode token at position `pos` touches, per compute part."""
     s, B = model.spec, model.backend
-    proj = sum(B.nbytes_of(t) for name, t in B.w.items()
-               if name.startswith("layers.") and name.split(".")[2] in ("q", "k", "v", "o", "qkv"))
+    proj = sum(map(B.nbytes_of, attention_projections(B)))
     kv = 0
     for layer in range(s.n_layers):
         w = s.window(layer)
@@ -367,7 +371,7 @@ def paired_roofline(model, settle_s: float = 0.3) -> float:
     if B.native is None:
         return 0.0
     time.sleep(settle_s)
-    ws = [t for name, t in B.w.items() if name.startswith("layers.") and name.split(".")[2] in ("q", "k", "v", "o", "qkv")]
+    ws = attention_projections(B)
     xs = {w.shape[1]: torch.ones(1, w.shape[1], dtype=w.dtype) for w in ws}
     t0 = time.perf_counter()
     for w in ws:

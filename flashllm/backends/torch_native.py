@@ -162,7 +162,7 @@ class NativeKernels:
         call = self._ffn_call(x, rows, up_bias, gate_bias, gate_pre is None, act, act_param, gated)
         if call is None:
             return None
-        fn, n, d = call
+        fn, n, d, kind = call
         pre = None if gate_pre is None else gate_pre.contiguous()
         db = None if down_bias is None else down_bias.contiguous()
         if x.shape[1] != d or acc.numel() != d or (pre is not None and not (self._plain(pre, x.dtype) and pre.numel() == n)) \
@@ -176,12 +176,12 @@ class NativeKernels:
                 None if db is None else db.data_ptr())
         if rc:
             raise MemoryError("native FFN: out of memory")
-        self.calls["qffn" if isinstance(rows.get("up"), QuantRows) else "ffn"] += 1
+        self.calls[kind] += 1
         return acc
 
     def _ffn_call(self, x, rows, up_bias, gate_bias, own_gate: bool, act, act_param, gated):
-        """(call(index, n, x, gate_pre, has_threshold, threshold, acc, threads, zero, y, down_bias), rows, d) of the
-        FFN kernel for these cache rows and per-row biases, or None where no kernel takes them. Made once per
+        """(call(index, n, x, gate_pre, has_threshold, threshold, acc, threads, zero, y, down_bias), rows, d, "ffn" or
+        "qffn") of the FFN kernel for these cache rows and per-row biases, or None where no kernel takes them. Made once per
         views dict and kept while its tensors live (a row store's views change only when its row count does):
         the checks cost about 0.1 ms per call on the caches a token's weight streams have just flushed."""
         key = (id(rows), id(up_bias), id(gate_bias), own_gate, x.dtype, act, act_param, gated)
@@ -234,7 +234,7 @@ class NativeKernels:
             def call(index, count, xp, pre, has_t, t, acc, threads, zero, y, db):
                 return lib.ffn(dtc, ptr[0], ptr[1], ptr[2], ld, d, index, count, xp, ub, gb, pre, g, code, a, has_t, t,
                                acc, threads, zero, y, db)
-        return call, n, d
+        return call, n, d, "qffn" if quant else "ffn"
 
     @staticmethod
     def _checked(index: np.ndarray | None, n: int) -> np.ndarray | None:

@@ -327,6 +327,8 @@ def child(args) -> dict:
                 load=os.getloadavg()[0], beside_gbps=beside, anon_huge_gb=anon_huge_gb(),
                 paired_gbps=[p["paired_gbps"] for p in per_token if "paired_gbps" in p],
                 paired_ratio=[p["paired_ratio"] for p in per_token if "paired_ratio" in p],
+                per_token=[dict(step=args.warmup + k + 2, compute_ms=p["compute_ms"],  # step: the run's nth forward
+                                bytes=sum(p["bytes"].values()), parts=p["parts"]) for k, p in enumerate(per_token)],
                 autogroup_nice=autogroup_nice(),
                 threads=_torch_threads(), omp_wait_policy="spin" if "GOMP_SPINCOUNT" in os.environ else os.environ.get("OMP_WAIT_POLICY"),
                 parts={k: statistics.fmean(p["parts"][k] for p in per_token) for k in per_token[0]["parts"]},

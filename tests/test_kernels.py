@@ -3,6 +3,8 @@ same math as the plain one, in every family and compute dtype; the part timer ac
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -114,7 +116,7 @@ def test_compute_roofline_bench_reports_every_part(tiny_models, tmp_path):
     assert "| float32, S=256 | " in text and "| float32 | " in text  # the attention and down-projection surveys
 
 
-def test_compute_roofline_sets_each_run_against_the_roofline_beside_its_tokens(tiny_models, tmp_path):
+def test_compute_roofline_sets_each_run_against_the_roofline_beside_its_tokens(tiny_models, tmp_path, capsys):
     from tiny import bench
 
     from flashllm.backends import native
@@ -124,7 +126,10 @@ def test_compute_roofline_sets_each_run_against_the_roofline_beside_its_tokens(t
     bench("compute_roofline").main([str(tiny_models("llama").model_dir), "--mode", "sparse", "--dtype", "float16",
                                     "--configs", "after-1t", "--rounds", "1", "--tokens", "2", "--warmup", "1",
                                     "--backends", "native", "--roofline-dtypes", "float16", "--roofline-rounds", "0",
-                                    "--out", str(out)])
+                                    "--out", str(out), "--json"])
+    run = json.loads(capsys.readouterr().out)["runs"][0]  # each measured token on its own too
+    assert [t["step"] for t in run["per_token"]] == [3, 4] and len(run["paired_ratio"]) == 2
+    assert all(t["bytes"] > 0 and t["compute_ms"] >= t["parts"]["ffn"] > 0 for t in run["per_token"])
     row = next(line for line in out.read_text().splitlines() if "roofline beside the tokens" in line)
     ratio, rate = row.split("|")[4].split("x (roofline ")
     assert float(ratio) > 0 and float(rate.split()[0]) > 0

@@ -260,16 +260,23 @@ def cmd_convert(args) -> None:
 
 
 def read_prompt(args) -> str:
-    """The prompt text: --prompt, --prompt-file PATH, or stdin for `-` in either (read verbatim)."""
+    """The prompt text: --prompt, --prompt-file PATH, or stdin for `-` in either (read verbatim). An empty one
+    is refused: generating from nothing (e.g. `git diff | ...` with no diff) is rarely what was meant."""
+    option = "--prompt-file" if args.prompt_file is not None else "--prompt"
     source = args.prompt_file if args.prompt_file is not None else args.prompt
     if source == "-":
-        return sys.stdin.read()
-    if args.prompt_file is None:
-        return args.prompt
-    try:
-        return Path(source).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FlashLLMError(f"--prompt-file {source}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+        text, where = sys.stdin.read(), "stdin"
+    elif args.prompt_file is None:
+        text, where = args.prompt, "the text given"
+    else:
+        try:
+            text, where = Path(source).read_text(), source
+        except (OSError, UnicodeDecodeError) as exc:
+            raise FlashLLMError(f"--prompt-file {source}: cannot read ({getattr(exc, 'strerror', None) or exc})") \
+                from None
+    if not text:
+        raise FlashLLMError(f"{option}: the prompt is empty ({where} held no text)")
+    return text
 
 
 def cmd_generate(args) -> None:

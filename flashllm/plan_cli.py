@@ -109,8 +109,10 @@ def _dtypes(text: str | None) -> list[str] | None:
 def plan_for(model_dir, budget, dtypes=None, context=None, data=None, sample_tokens=None, max_dropped=None,
              refresh: bool = False, log=None, calibrate_tokens: int | None = None):
     """A plan for `model_dir` at `budget` (profiles measured when missing), saved into the directory."""
+    from . import format as fmt
     from . import planner, profile
 
+    fmt.read_manifest(model_dir, verify=False)  # not a model directory: say so before minutes of profiling
     if not 0 <= (max_dropped or 0) < 1:
         raise FlashLLMError(f"--max-dropped {max_dropped}: must be in [0, 1)")
     if calibrate_tokens is not None and calibrate_tokens < 0:

@@ -161,6 +161,14 @@ def test_prompt_from_file_and_stdin(capsys, flash, tmp_path, monkeypatch):
         capsys.readouterr()
         main(["generate", str(flash), "--prompt", "x", "--prompt-file", str(tmp_path / "p.txt")])
     one_line_error(capsys.readouterr().err, "not allowed with")
+    # an empty prompt (an empty stdin, file or argument) is refused, not generated from nothing
+    (tmp_path / "empty.txt").write_text("")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    for source, where in ((["--prompt", "-"], "stdin"), (["--prompt", ""], "the text given"),
+                          (["--prompt-file", tmp_path / "empty.txt"], "empty.txt")):
+        code, out, err = run_cli(capsys, "generate", flash, *source)
+        assert code == 1 and out == ""
+        one_line_error(err, "the prompt is empty", where)
 
 
 def converted_after(edit, tiny_models, tmp_path):

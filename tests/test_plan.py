@@ -335,3 +335,21 @@ def test_plan_weighs_the_gate_predictor_against_lowrank(tiny_models, tmp_path):
     assert costed[0][1] == min(ms for _, ms in costed)  # no calibration, no noise: the cheapest prediction
     model = flashllm.load(model_dir, context=64, **plan.load_options())
     assert model.stats.get("predictor", plan.predictor) == plan.predictor
+
+
+def test_plan_of_a_directory_that_is_no_model_fails_before_profiling(tmp_path, capsys, monkeypatch):
+    """`flashllm plan DIR` on a directory that holds no model says so at once, without measuring the machine first
+    (that takes minutes where no profile is cached)."""
+    from flashllm import disk_profile, profile
+    from flashllm.cli import main
+
+    def measured(*a, **k):
+        raise AssertionError("the machine was profiled before the directory was checked")
+
+    monkeypatch.setattr(profile, "profile", measured)
+    monkeypatch.setattr(disk_profile, "profile", measured)
+    (tmp_path / "notes.txt").write_text("not a model")
+    capsys.readouterr()
+    assert main(["plan", str(tmp_path), "--dram-budget", "50%", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("flashllm: error:") and "not a flashllm model directory" in err and err.count("\n") == 1

@@ -213,15 +213,15 @@ class SparsePlan(ReadAhead, StreamingPlan):
             neurons = np.maximum(cache.pointer[:n], 0)  # (rows left empty are not computed)
             neurons[rows] = ids
             gate_pre = B.columns(pre, neurons)
-        acc, part = B.ffn_acc(x), (bias.get("up"), bias.get("gate"), None, self.ffn_thresholds[layer], gate_pre)
-        B.ffn(x, views, *part, index=held, acc=acc)
+        acc = B.ffn_acc(x)
+        part = dict(up_bias=bias.get("up"), gate_bias=bias.get("gate"), threshold=self.ffn_thresholds[layer],
+                    gate_pre=gate_pre)
+        B.ffn(x, views, down_bias=None, index=held, acc=acc, **part)
         with cost.timed("io_ms"):
             cost.add_io(pending.wait())
         cache.store.placed(ids, rows, cost)  # (sets the new rows' biases, seen through the views)
         cache.append(ids)
-        up_b, gate_b, _, threshold, gate_pre = part
-        return B.ffn(x, views, up_b, gate_b, self.ctx.biases(layer)["down"], threshold, gate_pre, index=rows, acc=acc,
-                     finish=True)
+        return B.ffn(x, views, down_bias=self.ctx.biases(layer)["down"], index=rows, acc=acc, finish=True, **part)
 
     def ffn(self, layer: int, x, cost):
         with cost.timed("predictor_ms"):

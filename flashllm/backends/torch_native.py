@@ -185,11 +185,10 @@ class NativeKernels:
         views dict and kept while its tensors live (a row store's views change only when its row count does):
         the checks cost about 0.1 ms per call on the caches a token's weight streams have just flushed."""
         key = (id(rows), id(up_bias), id(gate_bias), own_gate, x.dtype, act, act_param, gated)
-        hit = self._ffn_calls.get(key)
-        if hit is not None and all(ref() is t for ref, t in zip(hit[0], (*rows.values(), up_bias, gate_bias))):
+        hit, held = self._ffn_calls.get(key), (*rows.values(), up_bias, gate_bias)
+        if hit is not None and all(ref() is t for ref, t in zip(hit[0], held)):
             return hit[1]
         call = self._ffn_args(x, rows, up_bias, gate_bias, own_gate, act, act_param, gated)
-        held = (*rows.values(), up_bias, gate_bias)
         if call is not None and all(t is None or isinstance(t, (torch.Tensor, QuantRows)) for t in held):
             if len(self._ffn_calls) >= 64:  # views of row counts no longer used: start again
                 self._ffn_calls.clear()

@@ -80,6 +80,28 @@ def test_matvec_matches_float32_over_strided_rows(dtype, cols):
             assert not torch.equal(y, (x.float() @ w_store[:, 1:cols + 1].float().t()).to(dtype))
 
 
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_low_rank_predictor_in_one_call_is_two_linears_exactly(dtype):
+    g = torch.Generator().manual_seed(1)
+    proj_in = store(24, 200, 1, dtype)[:, :200]  # strided rows, as a slice of a larger matrix
+    proj_out = (torch.randn(301, 24, generator=g) * 0.2).to(dtype)
+    for bias in (None, torch.randn(301, generator=g).to(dtype)):
+        for threads in (1, 2):
+            k = NativeKernels(LIB, threads)
+            x = torch.randn(1, 200, generator=g).to(dtype)
+            want = k.linear(k.linear(x, proj_in, None), proj_out, bias).float().numpy()
+            got = k.low_rank(x, proj_in, proj_out, bias)
+            assert got.dtype == np.float32 and got.shape == (1, 301)
+            np.testing.assert_array_equal(got, want)
+            again = k.low_rank(torch.randn(1, 200, generator=g).to(dtype), proj_in, proj_out, bias)
+            assert not np.array_equal(again, got)  # a new array each call: the first result is unchanged
+            np.testing.assert_array_equal(got, want)
+    k = NativeKernels(LIB, 2)
+    assert k.low_rank(torch.randn(2, 200).to(dtype), proj_in, proj_out, None) is None  # two tokens: torch's path
+    assert k.low_rank(x.float(), proj_in.float(), proj_out.float(), None) is None  # float32: torch's BLAS
+
 def _ffn(lib, x, rows, act, threads=2, **kw):
     gated = "gate" in rows or kw.get("gate_pre") is not None
     acc = kw.pop("acc", None)

@@ -170,6 +170,13 @@ class TorchBackend(TorchAttention, Backend):
                 return y
         return w.linear(x, b) if isinstance(w, QuantMatrix) else F.linear(x, w, b)
 
+    def low_rank(self, x: torch.Tensor, proj_in, proj_out, bias) -> np.ndarray:
+        if self.native is not None:
+            logits = self.native.low_rank(x, proj_in, proj_out, bias)
+            if logits is not None:
+                return logits
+        return super().low_rank(x, proj_in, proj_out, bias)
+
     def columns(self, x: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
         return x.index_select(1, torch.from_numpy(ids).to(x.device))
 

@@ -25,6 +25,7 @@ class NativeKernels:
         self.calls = {"linear": 0, "ffn": 0, "norm": 0, "attend": 0, "block": 0, "qlinear": 0, "qffn": 0}  # kernel calls made (tests check the path)
         self.block_times = (ctypes.c_double * 5)()  # attn_block's seconds per step, where the parts are timed
         self._ffn_calls = {}  # (ids of an FFN's rows, biases, ...) -> (weak refs to them, its checked kernel call)
+        self._low_rank_bufs = {}  # (rank, neurons, dtype) -> `low_rank`'s two output tensors
 
     @staticmethod
     def _plain(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
@@ -46,6 +47,33 @@ class NativeKernels:
             raise MemoryError("native mat-vec: out of memory")
         self.calls["linear"] += 1
         return y
+
+    def low_rank(self, x: torch.Tensor, proj_in, proj_out, bias) -> np.ndarray | None:
+        """A low-rank predictor's logits proj_out (proj_in x) + bias [1, n] as float32 numpy (each product rounded
+        to x's dtype, as two `linear` calls round them), in two mat-vecs into buffers made once; None: not for
+        this kernel. It runs twice per layer and token (prediction and lookahead): the two output tensors and
+        float32 copy `linear` + `to_host` make cost more than its 1-4 MB of weights (bench/results/compute_roofline.md)."""
+        dt = NATIVE_DTYPES.get(x.dtype)
+        if dt is None or x.shape[0] != 1 or x.dim() != 2 or not x.is_contiguous() or not self._plain(x, x.dtype) \
+                or not all(self._plain(t, x.dtype) and t.dim() == 2 and t.stride(1) == 1 for t in (proj_in, proj_out)) \
+                or proj_in.shape[1] != x.shape[1] or proj_out.shape[1] != proj_in.shape[0] \
+                or not self._plain(bias, x.dtype) or (bias is not None and (bias.shape != proj_out.shape[:1]
+                                                                            or not bias.is_contiguous())):
+            return None
+        key = (proj_in.shape[0], proj_out.shape[0], x.dtype)
+        bufs = self._low_rank_bufs.get(key)
+        if bufs is None:
+            bufs = self._low_rank_bufs[key] = (torch.empty(1, key[0], dtype=x.dtype), torch.empty(1, key[1], dtype=x.dtype))
+        mid, out = bufs
+        code = native.DTYPES[dt]
+        for w, src, b, dst in ((proj_in, x, None, mid), (proj_out, mid, bias, out)):
+            if self.lib.matvec(code, w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), src.data_ptr(),
+                               None if b is None else b.data_ptr(), dst.data_ptr(), self.threads):
+                raise MemoryError("native mat-vec: out of memory")
+        self.calls["linear"] += 2
+        logits = np.empty((1, key[1]), dtype=np.float32)
+        torch.from_numpy(logits).copy_(out)
+        return logits
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
         """w * rms_norm(x) over x's last dimension, as TorchBackend.norm's torch path rounds it (float32 norm,

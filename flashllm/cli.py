@@ -399,6 +399,9 @@ def cmd_demo(args) -> None:
         return
     result = demo.run(max_new_tokens=args.max_new_tokens, swiglu=args.swiglu)
     print(json.dumps(result) if args.json else demo.report(result))
+    note = demo.dropped_note(result)
+    if args.json and note:  # the report ends with it; with --json it goes to stderr
+        print(f"flashllm: warning: {note}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:

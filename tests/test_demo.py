@@ -1,6 +1,7 @@
 """`flashllm demo` on the embedded model: shipped predictors match it and the JSON has its keys."""
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,12 @@ def test_report_says_slower_when_sparse_is_slower():
     assert last == "sparse vs naive: flash bytes 12.00x fewer; latency 1.20x slower"
     result["stats"]["sparse"] = stats(25.0, 24000)
     assert report(result).splitlines()[-1] == "sparse vs naive: flash bytes 2.00x more; latency 2.00x faster"
+    result["stats"]["sparse"].update(neurons_dropped=12.5, dropped_mass_share=0.031)
+    lines = report(result).splitlines()
+    assert lines[-3].split() == ["neurons", "dropped", "/", "token", "12.50", "0.00"]
+    assert lines[-1].startswith("note: sparse mode dropped 12.5 predicted neurons per decode token (3.1% of the "
+                                "predicted score mass): the demo's 50% budget holds fewer")
+    assert "flashllm predictors eval m --data TEXT --dtype bfloat16 --context 256 --dram-budget 50%" in lines[-1]
 
 
 def test_demo_moe_json(tmp_path, monkeypatch, capsys):
@@ -49,14 +56,27 @@ def test_demo_moe_json(tmp_path, monkeypatch, capsys):
 
 def test_demo_swiglu_json(tmp_path, monkeypatch, capsys):
     """The embedded SwiGLU model runs sparse through its shipped thresholds, with the gate rows resident."""
+    from flashllm.demo import dropped_note
+    from flashllm.errors import DroppedNeuronsWarning
+
     monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path))
-    assert main(["demo", "--swiglu", "--json", "--max-new-tokens", "6"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["demo", "--swiglu", "--json", "--max-new-tokens", "6"]) == 0
+    assert not [w for w in caught if issubclass(w.category, DroppedNeuronsWarning)]  # the note below instead
+    captured = capsys.readouterr()
+    out, err = json.loads(captured.out), captured.err
     assert out["model_dir"] == str(tmp_path / "tiny-swiglu") and out["text"]
     sparse, naive = out["stats"]["sparse"], out["stats"]["naive"]
     assert sparse["predictor"] == "gate" and sparse["activation_sparsity"] and naive["mode"] == "naive"
     assert sparse["dram_bytes"] <= sparse["dram_budget"] <= 0.5 * sparse["model_bytes"]
     assert 0 < sparse["bytes_read"] < naive["bytes_read"]
+    # its caches cannot hold every predicted neuron at 50%: said once, with the demo's own advice (the runtime's
+    # warning names --dram-budget and --on-overflow, which `demo` does not take)
+    assert sparse["neurons_dropped"] > 0
+    warned = [line for line in err.splitlines() if "dropped" in line]
+    assert warned == [f"flashllm: warning: {dropped_note(out)}"], err
+    assert "--on-overflow" not in err and f"flashllm predictors eval {out['model_dir']} --data TEXT" in err
 
 
 def test_demo_model_is_prepared_in_the_shipped_neuron_order(tmp_path):

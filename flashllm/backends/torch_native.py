@@ -31,8 +31,9 @@ class NativeKernels:
     def _plain(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
         return t is None or (type(t) is torch.Tensor and t.dtype == dtype and t.device.type == "cpu")
 
-    def linear(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor | None:
-        """x [1, in] @ w[out, in].T + b as [1, out] (rounded once), or None: not for this kernel."""
+    def linear(self, x: torch.Tensor, w, b: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x [1, in] @ w[out, in].T + b as [1, out] (rounded once), into `out` (a contiguous [1, out] of x's dtype)
+        where given, or None: not for this kernel."""
         dt = NATIVE_DTYPES.get(x.dtype)
         if dt is None or x.dim() != 2 or x.shape[0] != 1 or not self._plain(w, x.dtype) or not self._plain(b, x.dtype) \
                 or w.dim() != 2 or w.stride(1) != 1 or x.device.type != "cpu" or w.shape[1] != x.shape[1] \
@@ -40,7 +41,7 @@ class NativeKernels:
             return None
         x = x.contiguous()
         b = None if b is None else b.contiguous()
-        y = torch.empty(1, w.shape[0], dtype=x.dtype)
+        y = torch.empty(1, w.shape[0], dtype=x.dtype) if out is None else out
         rc = self.lib.matvec(native.DTYPES[dt], w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), x.data_ptr(),
                         None if b is None else b.data_ptr(), y.data_ptr(), self.threads)
         if rc:
@@ -49,30 +50,22 @@ class NativeKernels:
         return y
 
     def low_rank(self, x: torch.Tensor, proj_in, proj_out, bias) -> np.ndarray | None:
-        """A low-rank predictor's logits proj_out (proj_in x) + bias [1, n] as float32 numpy (each product rounded
-        to x's dtype, as two `linear` calls round them), in two mat-vecs into buffers made once; None: not for
-        this kernel. It runs twice per layer and token (prediction and lookahead): the two output tensors and
-        float32 copy `linear` + `to_host` make cost more than its 1-4 MB of weights (bench/results/compute_roofline.md)."""
-        dt = NATIVE_DTYPES.get(x.dtype)
-        if dt is None or x.shape[0] != 1 or x.dim() != 2 or not x.is_contiguous() or not self._plain(x, x.dtype) \
-                or not all(self._plain(t, x.dtype) and t.dim() == 2 and t.stride(1) == 1 for t in (proj_in, proj_out)) \
-                or proj_in.shape[1] != x.shape[1] or proj_out.shape[1] != proj_in.shape[0] \
-                or not self._plain(bias, x.dtype) or (bias is not None and (bias.shape != proj_out.shape[:1]
-                                                                            or not bias.is_contiguous())):
+        """A low-rank predictor's logits proj_out (proj_in x) + bias [1, n] as float32 numpy: the two `linear` calls
+        into buffers made once, then one copy into numpy (the same bits as `linear`, `linear`, `to_host`); None:
+        not for this kernel. It runs twice per layer and token (prediction and lookahead), and the output tensors
+        and float32 copy made per call cost more than its 1-4 MB of weights (bench/results/compute_roofline.md)."""
+        if not (type(proj_in) is type(proj_out) is torch.Tensor and proj_in.dim() == proj_out.dim() == 2):
             return None
         key = (proj_in.shape[0], proj_out.shape[0], x.dtype)
         bufs = self._low_rank_bufs.get(key)
         if bufs is None:
             bufs = self._low_rank_bufs[key] = (torch.empty(1, key[0], dtype=x.dtype), torch.empty(1, key[1], dtype=x.dtype))
-        mid, out = bufs
-        code = native.DTYPES[dt]
-        for w, src, b, dst in ((proj_in, x, None, mid), (proj_out, mid, bias, out)):
-            if self.lib.matvec(code, w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), src.data_ptr(),
-                               None if b is None else b.data_ptr(), dst.data_ptr(), self.threads):
-                raise MemoryError("native mat-vec: out of memory")
-        self.calls["linear"] += 2
+        mid = self.linear(x, proj_in, None, out=bufs[0])
+        y = None if mid is None else self.linear(mid, proj_out, bias, out=bufs[1])
+        if y is None:
+            return None
         logits = np.empty((1, key[1]), dtype=np.float32)
-        torch.from_numpy(logits).copy_(out)
+        torch.from_numpy(logits).copy_(y)
         return logits
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:

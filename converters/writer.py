@@ -99,7 +99,8 @@ def check_output(src: Path, out: Path, force: bool) -> None:
 
 
 def check_replaceable(out: Path, force: bool) -> None:
-    """`out` may be written: it does not exist, or `force` and it is a flashllm model directory or empty."""
+    """`out` may be written: it does not exist, or `force` and it is empty or a flashllm model directory that holds
+    only what flashllm wrote (`format.foreign_files`)."""
     if not (out.exists() or out.is_symlink()):
         return
     if not force:
@@ -110,6 +111,11 @@ def check_replaceable(out: Path, force: bool) -> None:
     if not (out / fmt.MANIFEST).is_file() and any(out.iterdir()):
         raise FlashLLMError(f"{out}: not a flashllm model directory (no {fmt.MANIFEST}) and not empty; --force "
                             f"replaces only those (nothing was changed)")
+    foreign = fmt.foreign_files(out) if (out / fmt.MANIFEST).is_file() else []
+    if foreign:
+        names = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise FlashLLMError(f"{out}: holds what flashllm did not write ({names}); --force replaces a model directory "
+                            f"only with flashllm's own files in it: move those out first (nothing was changed)")
 
 
 def make_temporary(out: Path) -> Path:

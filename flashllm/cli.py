@@ -298,14 +298,18 @@ def cmd_generate(args) -> None:
                           "stats": model.stats}))
         return
     global _text_line_open
+    wrote = False  # text, or a finished generation (an empty text's line too); not an error before any text
     try:
         for piece in pieces:
             print(piece, end="", flush=True)
+            wrote = True
             if piece:
                 _text_line_open = not piece.endswith("\n")
+        wrote = True
     finally:
         _text_line_open = False
-        print()  # the text's line ends before anything else is written, an error included
+        if wrote:
+            print()  # the text's line ends before anything else is written, an error included
     if model.last_stop_reason == "context":
         further = "the model has no more positions" if model.context >= model.spec.context_limit else \
             "load with a larger --context to continue further"
@@ -427,8 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE int4 experts: `portable` rows (every backend), or `torch-cpu`: torch's CPU int4 kernel "
                    "layout of this machine, read straight into the expert cache with no repack (other backends "
                    "and CPUs unpack it on insert) (default: %(default)s)")
-    c.add_argument("--force", action="store_true", help="replace OUT if it is a flashllm model directory or "
-                   "empty; anything else is refused (default: off)")
+    c.add_argument("--force", action="store_true", help="replace OUT if it is empty or a flashllm model directory "
+                   "holding only flashllm's files (its predictors, thresholds and plan go with it); anything else "
+                   "is refused (default: off)")
     c.add_argument("--no-bundle", action="store_true", help="store up rows and down columns in separate "
                    "regions (the paper's baseline without bundling; for benchmarks) (default: off)")
     c.set_defaults(func=cmd_convert)

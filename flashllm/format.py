@@ -18,6 +18,10 @@ from .spec import ArchSpec
 FORMAT_NAME = "flashllm-model"
 FORMAT_VERSION = 1
 MANIFEST = "flashllm.json"
+# What other flashllm commands write beside a converted model (planner.PLAN_FILE, predictor.PREDICTOR_META and
+# PREDICTOR_FILE, sparsity.SPARSITY_FILE): `convert --force` replaces them with the model, and nothing else it
+# did not write (`foreign_files`).
+COMPANION_FILES = ("plan.json", "predictors.json", "predictors.safetensors", "sparsity.json")
 RESIDENT_FILE = "resident.safetensors"
 FFN_FILE = "ffn.bin"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -233,6 +237,8 @@ def read_manifest(model_dir: str | Path, verify: bool | None = None) -> Manifest
     if not mpath.is_file():
         if not root.exists():
             raise FlashLLMError(f"{root}: no such model directory")
+        if not root.is_dir():
+            raise FlashLLMError(f"{root}: a file, not a model directory (give the directory `flashllm convert` wrote)")
         if (root / "config.json").is_file():  # a Hugging Face checkpoint given where a converted model goes
             raise FlashLLMError(f"{root}: a Hugging Face checkpoint, not a flashllm model directory; run "
                                 f"`flashllm convert {root} OUT_DIR` and use OUT_DIR")
@@ -299,3 +305,15 @@ def _check_file(root: Path, mpath: Path, key: str, entry: dict) -> None:
     if size != entry["size"]:
         raise FlashLLMError(f"{root / rel}: size {size} bytes, manifest says {entry['size']} "
                             f"({'truncated' if size < entry['size'] else 'corrupt'}; convert again)")
+
+
+def foreign_files(model_dir: Path) -> list[str]:
+    """The entries of a model directory that flashllm did not write: neither its manifest, a file the manifest
+    lists (the model's own, as converted or reordered) nor a companion (`COMPANION_FILES`)."""
+    try:
+        files = json.loads((Path(model_dir) / MANIFEST).read_text()).get("files", {})
+        listed = {f.get("path") for f in files.values() if isinstance(f, dict)} if isinstance(files, dict) else set()
+    except (OSError, ValueError, AttributeError):  # an unreadable manifest vouches for nothing
+        listed = set()
+    ours = {MANIFEST, *COMPANION_FILES, *listed}
+    return sorted(name for name in os.listdir(model_dir) if name not in ours)

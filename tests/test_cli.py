@@ -141,8 +141,9 @@ def test_a_prompt_longer_than_the_context_says_the_model_caps_a_larger_one(capsy
     (at the model's limit that cannot help; a newcomer's `git diff | flashllm generate` tried it), it says
     a larger context helps only where the model has more positions and where to see them."""
     limit = flashllm.load(flash).spec.context_limit
-    code, _, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT * limit)
+    code, out, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT * limit)
     assert code != 0 and f"but the context holds {limit}" in err, err
+    assert out == ""  # no text was written: not even its line's end
     assert "if the model has more positions: `flashllm inspect MODEL` shows them" in err
     code, out, _ = run_cli(capsys, "inspect", flash)
     assert code == 0 and f"context {limit}" in out  # where the error sends the user, the limit is shown

@@ -180,6 +180,20 @@ def test_force_replaces_only_a_model_directory_or_an_empty_one(capsys, ckpt, tmp
     assert "flashllm: note: removed with the replaced model: predictors.json\n" in capsys.readouterr().err
     assert sorted(os.listdir(empty)) == sorted(os.listdir(tiny_dir := convert(ckpt, tmp_path / "ref")))
     assert no_partial_dirs(tmp_path) and tiny_dir.is_dir()
+    (empty / "notes.txt").write_text("mine")  # a file of the user's in a model directory: refused, nothing deleted
+    (empty / "runs").mkdir()
+    before = sorted(os.listdir(empty))
+    convert_fails(capsys, ckpt, empty, "--force", needles=["holds what flashllm did not write (notes.txt, runs)",
+                                                           "nothing was changed"])
+    assert sorted(os.listdir(empty)) == before and (empty / "notes.txt").read_text() == "mine"
+
+
+def test_companion_files_are_the_ones_flashllm_commands_write():
+    from flashllm.planner import PLAN_FILE
+    from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_META
+    from flashllm.sparsity import SPARSITY_FILE
+
+    assert sorted(fmt.COMPANION_FILES) == sorted([PLAN_FILE, PREDICTOR_FILE, PREDICTOR_META, SPARSITY_FILE])
 
 
 @pytest.mark.parametrize("where", ["same", "inside", "contains"])

@@ -169,18 +169,21 @@ def test_console_script_exit_code(flash, tmp_path):
 
 
 def test_a_wrong_model_path_says_which_mistake_it_is(capsys, tmp_path):
-    """A path that does not exist, a directory without a manifest and a Hugging Face checkpoint given where a
-    converted model goes: each its own one-line error, the last naming the convert command to run."""
+    """A path that does not exist, a directory without a manifest, a Hugging Face checkpoint given where a
+    converted model goes and a file: each its own one-line error, the checkpoint's naming the convert command to run."""
     from flashllm.cli import main
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "notes.md").write_text("a file")
     errors = []
-    for path in (tmp_path / "nope", tmp_path / "empty", tmp_path / "ckpt"):
+    for path in (tmp_path / "nope", tmp_path / "empty", tmp_path / "ckpt", tmp_path / "notes.md"):
         assert main(["inspect", str(path)]) == 1
         errors.append(capsys.readouterr().err.replace(str(path), "PATH").strip())
     assert errors[0] == "flashllm: error: PATH: no such model directory"
     assert "not a flashllm model directory" in errors[1] and "run `flashllm convert HF_DIR PATH` first" in errors[1]
     assert "a Hugging Face checkpoint" in errors[2] and "run `flashllm convert PATH OUT_DIR`" in errors[2]
+    assert errors[3] == "flashllm: error: PATH: a file, not a model directory (give the directory `flashllm " \
+                        "convert` wrote)"  # not advice to convert onto the file
     assert all(len(e.splitlines()) == 1 for e in errors)

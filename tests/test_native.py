@@ -80,7 +80,6 @@ def test_matvec_matches_float32_over_strided_rows(dtype, cols):
             assert not torch.equal(y, (x.float() @ w_store[:, 1:cols + 1].float().t()).to(dtype))
 
 
-
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_low_rank_predictor_in_one_call_is_two_linears_exactly(dtype):

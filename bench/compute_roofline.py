@@ -37,6 +37,7 @@ import json
 import math
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -274,7 +275,8 @@ def child(args) -> dict:
     options, _ = CONFIGS[args.config]
     predictor = args.predictor
     if args.trace:
-        predictor = bench_module("trace").trace_predictor_factory(args.trace, 0, args.predictor_rank)
+        predictor = bench_module("trace").trace_predictor_factory(args.trace, 0, args.predictor_rank, args.order,
+                                                                  args.window)
     switches = {k[1:]: v for k, v in options.items() if k.startswith("_")}  # backend attributes, set after load
     options = {k: v for k, v in options.items() if not k.startswith("_")}
     load = {**dict(mode=args.mode, dtype=args.dtype, dram_budget=args.dram_budget, window=args.window,
@@ -301,16 +303,18 @@ def child(args) -> dict:
             paired.append(paired_roofline(model))
         B.parts = timer if measured else None
         timer.reset()
-        cpu0 = time.process_time()
+        cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         model.forward([t], args.start_pos + i + 1)
         cpu_ms = (time.process_time() - cpu0) * 1e3
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0  # first touches of the caches' pages
         if measured:
             cost = model._costs[-1]
             parts = dict(timer.ms)
             parts["python/other"] = cost.compute_ms - sum(timer.ms.values())
             per_token.append(dict(parts=parts, bytes=part_bytes(model, cost, args.start_pos + i + 1), compute_ms=cost.compute_ms,
                                   total_ms=cost.total_ms, io_ms=cost.io_ms, mem_ms=cost.mem_ms, cpu_ms=cpu_ms,
-                                  predictor_ms=cost.predictor_ms))
+                                  predictor_ms=cost.predictor_ms, reads=cost.reads, read_bytes=cost.bytes_read,
+                                  faults=faults))
     B.parts = None
     if args.paired and paired:
         paired.append(paired_roofline(model))
@@ -328,12 +332,14 @@ def child(args) -> dict:
                 paired_gbps=[p["paired_gbps"] for p in per_token if "paired_gbps" in p],
                 paired_ratio=[p["paired_ratio"] for p in per_token if "paired_ratio" in p],
                 per_token=[dict(step=args.warmup + k + 2, compute_ms=p["compute_ms"],  # step: the run's nth forward
-                                bytes=sum(p["bytes"].values()), parts=p["parts"]) for k, p in enumerate(per_token)],
+                                bytes=sum(p["bytes"].values()), parts=p["parts"], faults=p["faults"])
+                           for k, p in enumerate(per_token)],
                 autogroup_nice=autogroup_nice(),
                 threads=_torch_threads(), omp_wait_policy="spin" if "GOMP_SPINCOUNT" in os.environ else os.environ.get("OMP_WAIT_POLICY"),
                 parts={k: statistics.fmean(p["parts"][k] for p in per_token) for k in per_token[0]["parts"]},
                 bytes={k: statistics.fmean(p["bytes"][k] for p in per_token) for k in per_token[0]["bytes"]},
-                **{k: mean(k) for k in ("compute_ms", "total_ms", "io_ms", "mem_ms", "predictor_ms", "cpu_ms")})
+                **{k: mean(k) for k in ("compute_ms", "total_ms", "io_ms", "mem_ms", "predictor_ms", "cpu_ms", "reads",
+                                        "read_bytes")})
 
 
 def anon_huge_gb() -> float | None:
@@ -410,7 +416,7 @@ def _forward_args(args) -> list[str]:
            "--paired" if args.paired else "--no-paired",
            "--warmup", str(args.warmup), "--start-pos", str(args.start_pos),
            "--window", str(args.window), "--predictor", args.predictor, "--predictor-rank", str(args.predictor_rank)]
-    for key in ("dtype", "dram_budget", "trace", "context"):
+    for key in ("dtype", "dram_budget", "trace", "order", "context"):
         if getattr(args, key) is not None:
             out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return out
@@ -503,6 +509,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictor", default="oracle", help="sparse without --trace (default: %(default)s)")
     p.add_argument("--trace", default=None, help="bench/trace.py trace: its active sets (the 'all' token)")
     p.add_argument("--predictor-rank", type=int, default=128, help="trace predictor's cost stand-in rank")
+    p.add_argument("--order", default=None, choices=["none", "coactivation"],
+                   help="with --trace: replay as if the FFN file were in co-activation order (`flashllm predictors "
+                        "order`; fewer, longer reads per token; see bench/trace.py) (default: none)")
     p.add_argument("--configs", nargs="+", default=["before", "after", "after-1t", "after-2t"],
                    choices=list(CONFIGS), help="(default: %(default)s)")
     p.add_argument("--rounds", type=int, default=2, help="(default: %(default)s)")
@@ -550,6 +559,7 @@ def main(argv=None) -> int:
                 rounds=args.rounds, command="python bench/compute_roofline.py " + " ".join(argv or sys.argv[1:]),
                 mode_desc=f"{args.mode}" + (f", budget {args.dram_budget}" if args.dram_budget else "") +
                 (f", window {args.window}, active sets from {'the trace' if args.trace else args.predictor}"
+                 + (f" in {args.order} order" if args.trace and args.order not in (None, "none") else "")
                  if args.mode == "sparse" else "") + (f", decoding from position {args.start_pos}" if args.start_pos else ""),
                 spec=spec)
     print("roofline ...", file=sys.stderr)

@@ -454,8 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_options(g)
     add_load_options(g)
     g.add_argument("--stats", action="store_true", help="print per-token stats to stderr (default: off)")
-    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stop_reason "
-                   "(eos, stop, length or context), stats (default: off)")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids (every new token, "
+                   "those of a --stop string included: text ends before it), stop_reason (eos, stop, length or "
+                   "context), stats (default: off)")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("inspect", help="describe a model directory", description="Validate a model directory "

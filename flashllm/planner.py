@@ -85,7 +85,7 @@ class Plan:
             what = f"sparse, {self.predictor} predictor, window {self.window}, cache rows per layer {self.cache_rows}"
         else:
             what = f"hybrid, resident share {self.hybrid_fraction:.3f}" if self.mode == "hybrid" else "dense (all resident)"
-        lines = [f"plan: {what}, compute dtype {self.dtype}, threads {self.threads}",
+        lines = [f"plan: {what}, compute dtype {self.dtype}, flash reads in flight {self.threads}",
                  f"predicted decode token: {p['total_ms']:.2f} ms = compute {p['compute_ms']:.2f} + predictor "
                  f"{p['predictor_ms']:.2f} + I/O {p['io_ms']:.2f} + memory {p['mem_ms']:.2f} ms"
                  + (f"; {p['bytes_per_token'] / 1024:.1f} KiB and {p['reads_per_token']:.1f} reads per token"

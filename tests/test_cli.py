@@ -107,6 +107,9 @@ def test_json_reports_stop_reason_and_stop_strings(capsys, flash):
                            "--stop", "zzzz", "--stop", stop)
     cut = json.loads(out)
     assert cut["stop_reason"] == "stop" and cut["text"] == full["text"][:full["text"].index(stop)]
+    # token_ids: every new token, the stop string's included (as --help says)
+    assert cut["token_ids"] == full["token_ids"][:len(cut["token_ids"])]
+    assert stop in flashllm.load(flash).tokenizer.decode(cut["token_ids"])
     code, out, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--max-new-tokens", 12, "--stop", stop)
     assert out == full["text"][:full["text"].index(stop)] + "\n" and err == ""
 

@@ -297,8 +297,8 @@ def child(args) -> dict:
     per_token, beside, paired = [], [], []
     for i, t in enumerate(ids[1:]):
         measured = i >= args.warmup
-        if i == args.warmup and args.beside_rounds:
-            beside.append(beside_roofline(model, args.beside_rounds))
+        if i == 0 and args.beside_rounds:  # before the warm-up: the token right after this pass's buffers were
+            beside.append(beside_roofline(model, args.beside_rounds))  # freed was 1.3-1.7x slow (session 15)
         if measured and args.paired:
             paired.append(paired_roofline(model))
         B.parts = timer if measured else None
@@ -355,8 +355,8 @@ def anon_huge_gb() -> float | None:
 
 
 def beside_roofline(model, rounds: int) -> float:
-    """The roofline in the child itself, just before and after its measured tokens: the best GB/s of the native
-    mat-vec on the model's shapes at the run's thread count, so each run's tokens are set against the memory
+    """The roofline in the child itself, before its warm-up tokens and after its measured ones: the best GB/s of the
+    native mat-vec on the model's shapes at the run's thread count, so each run's tokens are set against the memory
     bandwidth of the same minute (it swung 24-41 GB/s between runs of one slot on this shared machine)."""
     dtype, threads = model.backend.dtype_name, _torch_threads()
     try:
@@ -526,8 +526,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="(default: %(default)s)")
     p.add_argument("--roofline-rounds", type=int, default=3, help="0: no roofline (default: %(default)s)")
     p.add_argument("--beside-rounds", type=int, default=1,
-                   help="native roofline rounds inside each run, before and after its measured tokens; 0: none "
-                        "(default: %(default)s)")
+                   help="native roofline rounds inside each run, before its warm-up tokens and after its measured "
+                        "tokens; 0: none (default: %(default)s)")
     p.add_argument("--paired", action=argparse.BooleanOptionalAction, default=True,
                    help="time one pass of the native mat-vec over the model's q/k/v/o weights before and after each "
                         "measured token (after 0.3 s for reads in flight): each token's roofline is the fastest of "

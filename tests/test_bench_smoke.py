@@ -194,7 +194,7 @@ def test_moe_trace_replay_maps_small_routing_onto_a_bigger_moe():
         mt.ReplayRouting(trace, 8, 128, 3)
 
 
-def test_trace_coactivation_order_moves_neurons_and_keeps_copies_apart(tiny_random, tiny_models, tmp_path):
+def test_trace_coactivation_order_moves_neurons_and_keeps_copies_apart(tiny_random, tiny_models, tmp_path, capsys):
     tr = bench("trace")
     text = tmp_path / "heldout.txt"
     text.write_text("def f(x):\n    return [x * 2 for _ in range(3)]\n" * 40)
@@ -214,6 +214,19 @@ def test_trace_coactivation_order_moves_neurons_and_keeps_copies_apart(tiny_rand
     for g in ("0", "1", "8"):  # gap-filling reads through: fewer reads, more bundles
         assert replay["none"][g]["reads"] <= replay["none"]["0"]["bundles"] <= replay["none"][g]["bundles"]
     assert replay["none"]["0"]["bundles"] == replay["coactivation"]["0"]["bundles"] > 0  # same loads, moved
+    runs = {}  # and the runtime replaying it in either order (bench/compute_roofline.py --order)
+    for order in ("none", "coactivation"):
+        capsys.readouterr()
+        bench("compute_roofline").main([str(tiny_random[1]), "--trace", str(tmp_path / "t.npz"),
+                                        "--order", order, "--configs", "after-2t-noahead", "--rounds", "1",
+                                        "--tokens", "2", "--warmup", "1", "--roofline-rounds", "0", "--beside-rounds",
+                                        "0", "--no-paired", "--json"])
+        runs[order] = json.loads(capsys.readouterr().out)
+    assert runs["coactivation"]["meta"]["mode_desc"].endswith("from the trace in coactivation order")
+    plain, ordered = (runs[o]["runs"][0] for o in ("none", "coactivation"))
+    assert ordered["read_bytes"] == plain["read_bytes"] > 0  # the same rows, in fewer reads
+    assert 0 < ordered["reads"] < plain["reads"]
+    assert all(isinstance(t["faults"], int) for t in plain["per_token"])
 
 
 def test_paper_measure_records_read_sizes_and_lookahead(tiny_random):

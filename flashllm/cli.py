@@ -398,10 +398,10 @@ def cmd_demo(args) -> None:
         raise FlashLLMError(f"--max-new-tokens {args.max_new_tokens}: the demo compares decode tokens, so it needs at "
                             "least 2 (the first new token comes from the prompt)")
     if args.moe:
-        result = demo.run_moe(max_new_tokens=args.max_new_tokens)
+        result = demo.run_moe(max_new_tokens=args.max_new_tokens, backend=args.backend)
         print(json.dumps(result) if args.json else demo.report_moe(result))
         return
-    result = demo.run(max_new_tokens=args.max_new_tokens, swiglu=args.swiglu)
+    result = demo.run(max_new_tokens=args.max_new_tokens, swiglu=args.swiglu, backend=args.backend)
     print(json.dumps(result) if args.json else demo.report(result))
     note = demo.dropped_note(result)
     if args.json and note:  # the report ends with it; with --json it goes to stderr
@@ -476,6 +476,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "least 2 (default: %(default)s)")
     d.add_argument("--json", action="store_true", help="print one JSON object: model_dir, text, stats "
                    "(default: off)")
+    from .options import BACKENDS, LoadOptions
+
+    d.add_argument("--backend", default=LoadOptions.backend, choices=BACKENDS, help="array library: torch (CPU), or mlx "
+                   "(Metal on Apple silicon; on Linux its CPU build, 10-30x slower than torch) (default: %(default)s)")
     which = d.add_mutually_exclusive_group()
     which.add_argument("--moe", action="store_true", help="the embedded mixture-of-experts model instead (4 layers, "
                    "16 experts, top-2): experts streamed at 50%% of its size, compared with dense (default: off)")

@@ -74,9 +74,10 @@ SETTINGS = dict(dtype="bfloat16", context=256)
 
 
 def run(prompt: str = PROMPT, max_new_tokens: int = 48, naive_tokens: int = 16, budget: float = 0.5,
-        swiglu: bool = False) -> dict:
-    """Sparse generation at `budget` of the model size, and a short naive run to compare with. The SwiGLU
-    model is sparse through its shipped thresholds; `auto` picks its resident gate rows as the predictor."""
+        swiglu: bool = False, backend: str = "torch") -> dict:
+    """Sparse generation at `budget` of the model size, and a short naive run to compare with, on `backend`.
+    The SwiGLU model is sparse through its shipped thresholds; `auto` picks its resident gate rows as the
+    predictor."""
     from . import load
 
     if swiglu:
@@ -85,12 +86,13 @@ def run(prompt: str = PROMPT, max_new_tokens: int = 48, naive_tokens: int = 16, 
         model_dir, predictor = prepare(), "lowrank"
     with warnings.catch_warnings():  # their advice names options the demo lacks: `dropped_note` says it instead
         warnings.simplefilter("ignore", DroppedNeuronsWarning)
-        sparse = load(model_dir, mode="sparse", predictor=predictor, dram_budget=budget, window=4, **SETTINGS)
+        sparse = load(model_dir, mode="sparse", predictor=predictor, dram_budget=budget, window=4, backend=backend,
+                      **SETTINGS)
         ids = sparse.tokenizer.encode(prompt)
         new = list(sparse.generate_ids(ids, max_new_tokens))
     text = sparse.tokenizer.decode(new)
     sparse_stats = sparse.stats
-    naive = load(model_dir, mode="naive", dram_budget=budget, **SETTINGS)
+    naive = load(model_dir, mode="naive", dram_budget=budget, backend=backend, **SETTINGS)
     list(naive.generate_ids(ids, naive_tokens))
     return {"model_dir": str(model_dir), "prompt": prompt, "text": text, "token_ids": new,
             "stats": {"sparse": sparse_stats, "naive": naive.stats}}
@@ -106,7 +108,7 @@ def report(result: dict) -> str:
             ("DRAM held (MiB)", s["dram_bytes"] / 2**20, n["dram_bytes"] / 2**20),
             ("neurons dropped / token", s.get("neurons_dropped", 0), n.get("neurons_dropped", 0))]
     lines = _page(f"model: {result['model_dir']} ({s['model_bytes'] / 2**20:.1f} MiB on flash as float32, "
-                  f"computed in bfloat16; DRAM budget {s['dram_budget'] / s['model_bytes']:.0%} = "
+                  f"computed in bfloat16 on {s['backend']}; DRAM budget {s['dram_budget'] / s['model_bytes']:.0%} = "
                   f"{s['dram_budget'] / 2**20:.1f} MiB, window 4)",
                   result, ("sparse", "naive"), rows)
     lines.append(f"sparse vs naive: flash bytes {compare(s['bytes_read'], n['bytes_read'], 'fewer', 'more')}; "
@@ -163,15 +165,16 @@ def prepare_moe(out: Path | None = None) -> Path:
     return out
 
 
-def run_moe(prompt: str = PROMPT, max_new_tokens: int = 48, budget: float = 0.5) -> dict:
-    """Experts streamed at `budget` of the model size (LRU slots, router prefetch), against all resident."""
+def run_moe(prompt: str = PROMPT, max_new_tokens: int = 48, budget: float = 0.5, backend: str = "torch") -> dict:
+    """Experts streamed at `budget` of the model size (LRU slots, router prefetch), against all resident, on
+    `backend`."""
     from . import load
 
     model_dir = prepare_moe()
-    sparse = load(model_dir, mode="sparse", dram_budget=budget, expert_prefetch=True, **MOE_SETTINGS)
+    sparse = load(model_dir, mode="sparse", dram_budget=budget, expert_prefetch=True, backend=backend, **MOE_SETTINGS)
     ids = sparse.tokenizer.encode(prompt)
     new = list(sparse.generate_ids(ids, max_new_tokens))
-    dense = load(model_dir, mode="dense", **MOE_SETTINGS)
+    dense = load(model_dir, mode="dense", backend=backend, **MOE_SETTINGS)
     same = list(dense.generate_ids(ids, max_new_tokens)) == new
     return {"model_dir": str(model_dir), "prompt": prompt, "text": sparse.tokenizer.decode(new), "token_ids": new,
             "same_as_dense": same, "stats": {"sparse": sparse.stats, "dense": dense.stats}}
@@ -185,7 +188,7 @@ def report_moe(result: dict) -> str:
             ("latency / token (ms)", s["total_ms"], d["total_ms"]),
             ("DRAM held (MiB)", s["dram_bytes"] / 2**20, d["dram_bytes"] / 2**20)]
     lines = _page(f"model: {result['model_dir']} ({s['model_bytes'] / 2**20:.1f} MiB on flash as float16, "
-                  f"{len(s['cache_capacity'])} layers; DRAM budget 50% = {s['dram_budget'] / 2**20:.1f} MiB: "
+                  f"computed on {s['backend']}, {len(s['cache_capacity'])} layers; DRAM budget 50% = {s['dram_budget'] / 2**20:.1f} MiB: "
                   f"{s['cache_capacity'][0]} expert slots per layer)", result, ("streamed", "dense"), rows)
     lines.append(f"expert cache hit rate {s['expert_hit_rate']:.3f}; prefetch recall {s['prefetch_recall']:.3f}; "
                  f"same tokens as dense: {'yes' if result['same_as_dense'] else 'NO'}")

@@ -20,12 +20,30 @@ def test_demo_json(tmp_path, monkeypatch, capsys):
     assert 0 < sparse["bytes_read"] < naive["bytes_read"]
 
 
+@pytest.mark.parametrize("variant", ["", "--moe", "--swiglu"])
+def test_demo_runs_on_mlx(tmp_path, monkeypatch, capsys, variant):
+    """`--backend mlx`: every model of the demo on MLX (Metal on a Mac; its CPU build here), named in the report."""
+    pytest.importorskip("mlx.core")
+    monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path))
+    args, moe = ["demo", "--backend", "mlx", *([variant] if variant else [])], variant == "--moe"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the SwiGLU model announces its thresholds (test_demo_swiglu_json)
+        assert main(args + ["--json", "--max-new-tokens", "4"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        sparse, other = out["stats"]["sparse"], out["stats"]["dense" if moe else "naive"]
+        assert sparse["backend"] == other["backend"] == "mlx" and len(out["token_ids"]) == 4
+        assert 0 < sparse["bytes_read"] and sparse["dram_bytes"] <= sparse["dram_budget"]
+        assert out["same_as_dense"] if moe else sparse["bytes_read"] < other["bytes_read"]
+        assert main(args + ["--max-new-tokens", "2"]) == 0
+    assert "computed " + ("on mlx" if moe else "in bfloat16 on mlx") in capsys.readouterr().out.splitlines()[0]
+
+
 def test_report_says_slower_when_sparse_is_slower():
     from flashllm.demo import report
 
     def stats(total_ms, bytes_read):
         return {"bytes_read": bytes_read, "reads": 1, "io_ms": 1.0, "total_ms": total_ms, "dram_bytes": 1 << 20,
-                "model_bytes": 2 << 20, "dram_budget": 1 << 20}
+                "model_bytes": 2 << 20, "dram_budget": 1 << 20, "backend": "torch"}
 
     result = {"model_dir": "m", "prompt": "p", "text": "t", "stats": {"sparse": stats(60.0, 1000),
                                                                        "naive": stats(50.0, 12000)}}

@@ -306,7 +306,7 @@ def child(args) -> dict:
         cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         model.forward([t], args.start_pos + i + 1)
         cpu_ms = (time.process_time() - cpu0) * 1e3
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0  # first touches of the caches' pages
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0  # minor page faults: first touches of memory
         if measured:
             cost = model._costs[-1]
             parts = dict(timer.ms)

@@ -478,8 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: off)")
     from .options import BACKENDS, LoadOptions
 
-    d.add_argument("--backend", default=LoadOptions.backend, choices=BACKENDS, help="array library: torch (CPU), or mlx "
-                   "(Metal on Apple silicon; on Linux its CPU build, 10-30x slower than torch) (default: %(default)s)")
+    d.add_argument("--backend", default=LoadOptions.backend, choices=BACKENDS, help="array library: torch (CPU), "
+                   "or mlx (Metal on Apple silicon; on Linux its CPU build, 10-30x slower than torch) "
+                   "(default: %(default)s)")
     which = d.add_mutually_exclusive_group()
     which.add_argument("--moe", action="store_true", help="the embedded mixture-of-experts model instead (4 layers, "
                    "16 experts, top-2): experts streamed at 50%% of its size, compared with dense (default: off)")

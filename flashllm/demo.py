@@ -188,7 +188,8 @@ def report_moe(result: dict) -> str:
             ("latency / token (ms)", s["total_ms"], d["total_ms"]),
             ("DRAM held (MiB)", s["dram_bytes"] / 2**20, d["dram_bytes"] / 2**20)]
     lines = _page(f"model: {result['model_dir']} ({s['model_bytes'] / 2**20:.1f} MiB on flash as float16, "
-                  f"computed on {s['backend']}, {len(s['cache_capacity'])} layers; DRAM budget 50% = {s['dram_budget'] / 2**20:.1f} MiB: "
+                  f"computed on {s['backend']}, {len(s['cache_capacity'])} layers; DRAM budget 50% = "
+                  f"{s['dram_budget'] / 2**20:.1f} MiB: "
                   f"{s['cache_capacity'][0]} expert slots per layer)", result, ("streamed", "dense"), rows)
     lines.append(f"expert cache hit rate {s['expert_hit_rate']:.3f}; prefetch recall {s['prefetch_recall']:.3f}; "
                  f"same tokens as dense: {'yes' if result['same_as_dense'] else 'NO'}")

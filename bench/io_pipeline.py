@@ -72,10 +72,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def run_one(model_dir, settings: dict, budget, prompt_ids, tokens: int, config: dict) -> dict:
     import flashllm
     from flashllm import demo
+    from flashllm.paths import cache_home
 
     config = dict(config)
     if config.pop("order", True) is False:  # the embedded model in the converter's neuron order
-        model_dir = demo.prepare(order=False, out=demo.cache_dir() / "tiny-opt-converter-order")
+        model_dir = demo.prepare(order=False, out=cache_home() / "tiny-opt-converter-order")
     if config["mode"] == "dense":
         model = flashllm.load(model_dir, **settings, **config)
     else:

@@ -469,9 +469,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     d = sub.add_parser("demo", help="convert the embedded small model and run it at half its size",
-                       description="Convert the embedded small ReLU model (into $FLASHLLM_CACHE or "
-                       "~/.cache/flashllm), generate in sparse mode at a DRAM budget of 50% of the model, "
-                       "and compare bytes read and latency per token with naive mode.")
+                       description="Convert the embedded small ReLU model (into $FLASHLLM_CACHE, else "
+                       "$XDG_CACHE_HOME/flashllm or ~/.cache/flashllm), generate in sparse mode at a DRAM budget of "
+                       "50% of the model, and compare bytes read and latency per token with naive mode (--moe, "
+                       "--swiglu: the other embedded models).")
     d.add_argument("--max-new-tokens", type=_count, default=48, help="tokens to generate in sparse mode, at "
                    "least 2 (default: %(default)s)")
     d.add_argument("--json", action="store_true", help="print one JSON object: model_dir, text, stats "

@@ -5,13 +5,13 @@ the embedded small mixture-of-experts model, its experts streamed at half its si
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import warnings
 from pathlib import Path
 
 from . import format as fmt
 from .errors import DroppedNeuronsWarning, FlashLLMError
+from .paths import cache_home
 from .predictor import PREDICTOR_META
 
 DATA = Path(__file__).parent / "data"
@@ -23,10 +23,6 @@ EMBEDDED_MOE = DATA / "tiny-moe"
 EMBEDDED_SWIGLU = DATA / "tiny-swiglu"
 EMBEDDED_SWIGLU_SPARSITY = DATA / "tiny-swiglu-sparsity"
 PROMPT = "def read_config(path):\n    \"\"\"Read a configuration file and return"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("FLASHLLM_CACHE", Path.home() / ".cache" / "flashllm"))
 
 
 # Each layer's neurons in co-activation order (`flashllm predictors order` on the stdlib corpus' train split,
@@ -42,7 +38,7 @@ def prepare(out: Path | None = None, embedded: Path = EMBEDDED, extras: Path = E
     (again when the shipped order differs from the directory's)."""
     from .converters import convert
 
-    out = out or cache_dir() / embedded.name
+    out = out or cache_home() / embedded.name
     if not (embedded / "config.json").is_file():
         raise FlashLLMError(f"{embedded}: the embedded model is missing from this installation")
     shipped = extras / ORDER_FILE if order and (extras / ORDER_FILE).is_file() else None
@@ -157,7 +153,7 @@ def prepare_moe(out: Path | None = None) -> Path:
     weights = EMBEDDED_MOE / "model.safetensors"
     if not (EMBEDDED_MOE / "config.json").is_file() or not weights.is_file():
         raise FlashLLMError(f"{EMBEDDED_MOE}: the embedded MoE model is missing from this installation")
-    out = out or cache_dir() / f"tiny-moe-{hashlib.sha256(weights.read_bytes()).hexdigest()[:12]}"
+    out = out or cache_home() / f"tiny-moe-{hashlib.sha256(weights.read_bytes()).hexdigest()[:12]}"
     try:
         fmt.read_manifest(out)
     except FlashLLMError:

@@ -14,8 +14,8 @@ read, ``size / throughput(size)``, to ``per_read_s + size / bandwidth`` gives th
 gap-filling uses: reading through a gap of g bytes costs g / bandwidth, a separate read costs
 per_read_s, so a gap is read through when ``g < per_read_s * bandwidth`` (``gap_bytes``).
 
-Profiles are cached as JSON under ``$FLASHLLM_CACHE/disk`` (default ``~/.cache/flashllm/disk``),
-one file per host and block device; ``profile(path, refresh=True)`` measures again.
+Profiles are cached as JSON under ``disk/`` of flashllm's cache (``paths.cache_home``: ``$FLASHLLM_CACHE``,
+default ``~/.cache/flashllm``), one file per host and block device; ``profile(path, refresh=True)`` measures again.
 
     from flashllm import disk_profile
     p = disk_profile.profile("/models/opt/ffn.bin")   # cached, or measured now (a few seconds)
@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import FlashLLMError
+from .paths import cache_home
 
 FORMAT = "flashllm-disk-profile"
 VERSION = 2  # 2: measured on a large direct-written scratch file, each piece read once (1 was host-cached)
@@ -50,7 +51,7 @@ MIN_CALLS = 8  # per cell, however long they take
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("FLASHLLM_CACHE", Path.home() / ".cache" / "flashllm")) / "disk"
+    return cache_home() / "disk"
 
 
 def disk_key(path) -> str:
@@ -304,7 +305,8 @@ def measure(path, sizes=SIZES, inflight=None, seconds: float = SECONDS,
                     if q == 1:
                         latency[j] = per_call * 1e6
                     if progress:
-                        progress(f"{_fmt(s)} x{q}: {mibps[i][j]:.0f} MiB/s")
+                        progress(f"disk, {'native AIO' if engine == 'aio' else 'reader threads'}: random "
+                                 f"{_fmt(s)} reads, {q} in flight: {mibps[i][j]:.0f} MiB/s")
                 calls = []
                 for s in [s for s in sizes[:WAVE_SIZES] if fsize // s >= 2 * WAVES * q]:
                     # one wave vs WAVES waves per call: (WAVES * t1 - tw) / (WAVES - 1) is the call's own cost

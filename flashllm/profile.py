@@ -12,7 +12,7 @@ reads in flight, cached per disk), this measures for one backend and device:
   explain is subtracted.
 
 The cost model (docs/cost_model.md) combines these with a model's shapes; `flashllm plan` uses it.
-Profiles are cached as JSON in $FLASHLLM_CACHE/profile/<host>-<backend>-<device>.json.
+Profiles are cached as JSON in profile/<host>-<backend>-<device>.json of flashllm's cache (paths.cache_home).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import FlashLLMError
+from .paths import cache_home
 
 FORMAT, VERSION = "flashllm-machine-profile", 1
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -80,8 +81,7 @@ class MachineProfile:
 
 
 def cache_path(backend: str = "torch", device: str = "cpu") -> Path:
-    root = Path(os.environ.get("FLASHLLM_CACHE", Path.home() / ".cache" / "flashllm")) / "profile"
-    return root / f"{socket.gethostname()}-{backend}-{device}.json"
+    return cache_home() / "profile" / f"{socket.gethostname()}-{backend}-{device}.json"
 
 
 def _best(fn, repeats: int = 9) -> float:

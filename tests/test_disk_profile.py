@@ -87,8 +87,11 @@ def test_call_cost_is_measured_apart_from_the_reads(tmp_path, monkeypatch):
 def test_a_large_file_is_measured_in_place_without_a_scratch_file(tmp_path):
     big = tmp_path / "ffn.bin"
     big.write_bytes(np.random.default_rng(0).bytes(1 << 20))
-    p = disk_profile.measure(big, sizes=(4096,), inflight=(2,), seconds=0.01, scratch_bytes=1 << 20)
+    said = []
+    p = disk_profile.measure(big, sizes=(4096,), inflight=(2,), seconds=0.01, scratch_bytes=1 << 20,
+                             progress=said.append)
     assert p.scratch_bytes == 0 and any("ffn.bin" in n for n in p.notes)
+    assert said[0].startswith("disk, reader threads: random 4K reads, 2 in flight: ")  # what each line measures
     assert sorted(x.name for x in tmp_path.iterdir()) == ["ffn.bin"] and big.stat().st_size == 1 << 20
 
 

@@ -315,6 +315,23 @@ def test_no_compiler_falls_back_to_torch(monkeypatch, tmp_path, tiny_models):
     assert not list((tmp_path / "cache").glob("*.so"))
 
 
+def test_built_kernels_live_under_flashllms_cache(monkeypatch, tmp_path):
+    """$FLASHLLM_NATIVE_CACHE, else native/ under $FLASHLLM_CACHE (with the demo's models and the profiles), else
+    under $XDG_CACHE_HOME/flashllm: setting FLASHLLM_CACHE moves everything flashllm writes outside a model."""
+    from flashllm import disk_profile, profile
+
+    monkeypatch.delenv("FLASHLLM_NATIVE_CACHE", raising=False)
+    monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path / "app"))
+    assert native.cache_dir() == tmp_path / "app" / "native"
+    assert disk_profile.cache_root().parent == profile.cache_path().parent.parent == tmp_path / "app"
+    monkeypatch.delenv("FLASHLLM_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert native.cache_dir() == tmp_path / "xdg" / "flashllm" / "native"
+    assert disk_profile.cache_root() == tmp_path / "xdg" / "flashllm" / "disk"
+    monkeypatch.setenv("FLASHLLM_NATIVE_CACHE", str(tmp_path / "kernels"))
+    assert native.cache_dir() == tmp_path / "kernels"
+
+
 @needs_native
 def test_build_is_cached_by_source_and_flags(monkeypatch, tmp_path):
     """A fresh cache directory gets one library per flag set, built once (the second call reuses it)."""

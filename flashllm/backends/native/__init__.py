@@ -17,6 +17,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ...paths import cache_home
+
 SOURCE = Path(__file__).with_name("kernels.c")
 SOURCES = (SOURCE, SOURCE.with_name("kernels_quant.c"), SOURCE.with_name("kernels_pool.c"))  # one library
 DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # kernels.h's DT_* codes
@@ -26,10 +28,10 @@ _state: dict = {}  # "lib": the loaded kernels or None, "why": what `describe` s
 
 
 def cache_dir() -> Path:
-    """Where built libraries live: $FLASHLLM_NATIVE_CACHE, else $XDG_CACHE_HOME/flashllm/native (~/.cache)."""
+    """Where built libraries live: $FLASHLLM_NATIVE_CACHE, else native/ under flashllm's cache (paths.cache_home)."""
     if os.environ.get("FLASHLLM_NATIVE_CACHE"):
         return Path(os.environ["FLASHLLM_NATIVE_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashllm" / "native"
+    return cache_home() / "native"
 
 
 def enabled() -> bool:

@@ -370,6 +370,7 @@ def cmd_inspect(args) -> None:
             "spec": data["spec"], "files": sizes, "bundle_bytes": manifest.layout.bundle_bytes,
             "bundle_stride": manifest.layout.stride, "checksums_verified": "all" if args.verify else
             f"files up to {fmt.VERIFY_AUTO_LIMIT >> 20} MiB" + (f", {PREDICTOR_FILE}" if trained else ""),
+            "neuron_order": data.get("neuron_order"),
             **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
     if args.json:
         print(json.dumps(info))
@@ -387,8 +388,25 @@ def cmd_inspect(args) -> None:
     for key, size in sizes.items():
         print(f"  {data['files'][key]['path'] if key in data['files'] else key:<28} {size / 2**20:10.2f} MiB")
     print("checksums verified: " + info["checksums_verified"])
+    if not s.is_moe:
+        print(describe_order(info["neuron_order"], manifest.root))
     if sparsity:
         print(sparsity.describe(s.activation))
+
+
+def describe_order(order: dict | None, root) -> str:
+    """inspect's line on how ffn.bin orders each layer's neurons (fewer reads per sparse token when neurons
+    loaded together are neighbours), and how to order it where it is not."""
+    if not order:
+        return (f"FFN neuron order: as converted (`flashllm predictors order {root} --data TEXT` stores neurons "
+                "loaded on the same token side by side: fewer reads per sparse token)")
+    how = order.get("source", "")
+    if "tokens" in order:
+        how = f"{order['tokens']} tokens of {order.get('data', '?')}, {how}"
+    if "runs_per_token_before" in order:
+        how += (f"; reads per token there {order['runs_per_token_before']} -> {order['runs_per_token_after']} "
+                "(no gap filling)")
+    return f"FFN neuron order: {order.get('method', '?')} ({how})"
 
 
 def cmd_demo(args) -> None:

@@ -111,6 +111,9 @@ def test_predictors_order_cli(tiny_models, tmp_path, capsys):
     data.write_text(TEXT * 3)
     before, _ = _observe(model_dir, "dense")
     capsys.readouterr()
+    assert cli_main(["inspect", str(model_dir)]) == 0  # inspect says the order, and how to make one
+    assert f"FFN neuron order: as converted (`flashllm predictors order {model_dir} --data TEXT`" in \
+        capsys.readouterr().out
     code = cli_main(["predictors", "order", str(model_dir), "--data", str(data), "--json", "--max-tokens", "400"])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -121,6 +124,12 @@ def test_predictors_order_cli(tiny_models, tmp_path, capsys):
     np.testing.assert_allclose(_observe(model_dir, "dense")[0], before, rtol=1e-5, atol=1e-5)
     manifest = json.loads((model_dir / fmt.MANIFEST).read_text())
     assert manifest["neuron_order"]["runs_per_token_after"] == info["runs_per_token_after"]
+    assert cli_main(["inspect", str(model_dir)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("FFN neuron order: "))
+    assert line == (f"FFN neuron order: coactivation ({info['tokens']} tokens of {data}, {info['source']}; reads per "
+                    f"token there {info['runs_per_token_before']} -> {info['runs_per_token_after']} (no gap filling))")
+    assert cli_main(["inspect", str(model_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["neuron_order"]["method"] == "coactivation"
 
 
 def test_bad_order_and_interrupted_rewrite_are_refused(tiny_models, tmp_path, capsys):

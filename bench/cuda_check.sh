@@ -12,7 +12,7 @@ nvidia-smi -L
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1 || { tail -5 "$out/pip.log"; exit 1; }
 python3 -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name())"
 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfE -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" | tail -40
-model=$(python3 -c "from flashllm.demo import prepare; print(prepare())")
+model=$(python3 -c "from flashllm.cli.demo import prepare; print(prepare())")
 for dev in cuda cpu; do
     echo "== flashllm generate --device $dev (sparse, trained predictors, 50% budget, bfloat16)"
     budget=$([ "$dev" = cuda ] && echo "--gpu-budget 50% --dram-budget 50%" || echo "--dram-budget 50%")

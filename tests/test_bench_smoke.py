@@ -8,21 +8,26 @@ import numpy as np
 import pytest
 
 import flashllm
-from flashllm import format as fmt
+from flashllm.format import manifest as fmt
 
-from tiny import bench  # noqa: E402
+from bench import sparsity
+from bench.compute import attention_ab, cpu_overhead, matvec_ab, roofline
+from bench.io import runtime as io_runtime
+from bench.models import activation_trace, make_model, routing_trace
+from bench.moe import expert_kernels, quality as moe_quality, run as moe_run
+from bench.paper import measure as paper_measure, tables as paper_tables
 
 
 @pytest.fixture(scope="module")
 def tiny_random(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
-    out = bench("make_model").main(["--shape", "tiny", "--out", str(root / "tiny"), "--dtype", "float32", "--quiet"])
+    out = make_model.main(["--shape", "tiny", "--out", str(root / "tiny"), "--dtype", "float32", "--quiet"])
     return root, out
 
 
 def test_make_model_writes_the_shape_and_the_same_weights_unbundled(tiny_random):
     root, out = tiny_random
-    mm = bench("make_model")
+    mm = make_model
     m = fmt.read_manifest(out, verify=True)
     assert m.spec == mm.spec_for("tiny") and m.layout.bundled
     header = m.data["files"]["resident"]["size"] + m.data["files"]["ffn"]["size"] - mm.model_bytes(m.spec, 4)
@@ -37,14 +42,14 @@ def test_make_model_writes_the_shape_and_the_same_weights_unbundled(tiny_random)
 def test_make_model_hf_checkpoint_converts_to_the_same_files(tmp_path):
     from flashllm.converters import convert
 
-    out = bench("make_model").main(["--shape", "tiny-llama", "--out", str(tmp_path / "m"), "--hf", "--quiet"])
+    out = make_model.main(["--shape", "tiny-llama", "--out", str(tmp_path / "m"), "--hf", "--quiet"])
     conv = convert(out / "hf", tmp_path / "conv", progress=False)
     a, b = (fmt.read_manifest(d).data["files"] for d in (out, conv))
     assert a["ffn"]["sha256"] == b["ffn"]["sha256"] and a["resident"]["sha256"] == b["resident"]["sha256"]
 
 
 def test_trace_record_and_replay_preserve_frequencies(tiny_random, tiny_models, tmp_path):
-    tr = bench("trace")
+    tr = activation_trace
     text = tmp_path / "heldout.txt"
     text.write_text("def f(x):\n    return x * 2\n" * 40)
     meta = tr.main(["record", str(tiny_models("opt").model_dir), "--data", str(text), "--out",
@@ -85,7 +90,7 @@ def test_trace_record_and_replay_preserve_frequencies(tiny_random, tiny_models, 
 
 def test_paper_tables_json(tiny_random, capsys):
     root, out = tiny_random
-    report = bench("paper_tables").main([
+    report = paper_tables.main([
         str(out), "--dram-budget", "0.5", "--tokens", "3", "--warmup", "2", "--naive-tokens", "2",
         "--hybrid-tokens", "2", "--fig7-windows", "1,4", "--fig8-tokens", "6", "--predictor-rank", "8",
         "--threads", "4", "--torch-threads", "1", "--work-dir", str(root), "--json", "--quiet"])
@@ -111,7 +116,7 @@ def test_paper_tables_json(tiny_random, capsys):
 
 
 def test_moe_run_reports_each_policy_and_removes_its_model(tmp_path):
-    report = bench("moe_run").main(["--shape", "tiny-moe", "--work", str(tmp_path), "--budget", "0.6", "--dtype",
+    report = moe_run.main(["--shape", "tiny-moe", "--work", str(tmp_path), "--budget", "0.6", "--dtype",
                                     "float32", "--tokens", "3", "--policies", "lru", "--no-cgroup", "--json"])
     assert [r["label"] for r in report["runs"]] == ["model: lru", "model: lru + prefetch", "uniform: lru",
                                                     "uniform: lru + prefetch"]
@@ -121,7 +126,7 @@ def test_moe_run_reports_each_policy_and_removes_its_model(tmp_path):
 
 
 def test_moe_expert_kernels_times_each_way_to_hold_an_int4_expert():
-    rows = bench("moe_expert_kernels").main(["--shape", "tiny-moe", "--group", "32", "--rounds", "2", "--threads", "1"])
+    rows = expert_kernels.main(["--shape", "tiny-moe", "--group", "32", "--rounds", "2", "--threads", "1"])
     assert {r["case"] for r in rows} == {"dequantize at each use", "int4 kernel, use", "int4 kernel, insert",
                                          "int4 kernel, insert, other CPU's packing",
                                          "dequantized slot, use", "dequantized slot, insert"}
@@ -130,7 +135,7 @@ def test_moe_expert_kernels_times_each_way_to_hold_an_int4_expert():
 
 def test_moe_expert_kernels_times_mlx_affine_slots_against_dequantized():
     pytest.importorskip("mlx.core")
-    rows = bench("moe_expert_kernels").main(["--shape", "tiny-moe", "--group", "32", "--rounds", "2", "--backend",
+    rows = expert_kernels.main(["--shape", "tiny-moe", "--group", "32", "--rounds", "2", "--backend",
                                              "mlx", "--bits", "8"])
     assert {r["case"] for r in rows} == {"MLX affine slot (int8), use", "MLX affine slot (int8), insert",
                                          "dequantized slot (float32), use", "dequantized slot (float32), insert"}
@@ -142,7 +147,7 @@ def test_moe_quality_bench_compares_quantized_experts_with_float32(tiny_models, 
 
     text = tmp_path / "text.txt"
     text.write_text(" ".join(np.random.default_rng(0).choice(TEXT.split(), 400)) + "\n")
-    out = bench("moe_quality").main(["--model", str(tiny_models("qwen3_moe").ckpt), "--data", str(text), "--group", "32",
+    out = moe_quality.main(["--model", str(tiny_models("qwen3_moe").ckpt), "--data", str(text), "--group", "32",
                                      "--max-tokens", "96", "--seq-len", "32", "--gen-tokens", "8", "--prompt-tokens", "8",
                                      "--budget-tokens", "16", "--context", "64", "--budget", "1.5",
                                      "--out", str(tmp_path / "q.md")])
@@ -160,7 +165,7 @@ def test_silu_sparsity_bench_runs_and_writes_its_table(tiny_models, tmp_path, ca
 
     text = tmp_path / "text.txt"
     text.write_text(" ".join(np.random.default_rng(0).choice(TEXT.split(), 1200)) + "\n")
-    bench("silu_sparsity").main([str(tiny_models("llama").ckpt), "--calib", str(text), "--heldout", str(text),
+    sparsity.main([str(tiny_models("llama").ckpt), "--calib", str(text), "--heldout", str(text),
                                  "--sparsity", "0.4", "--rank", "4", "--max-tokens", "400", "--eval-tokens", "64",
                                  "--gen-tokens", "4", "--dram-budget", "none,1.0", "--out", str(tmp_path / "silu")])
     rows = json.loads((tmp_path / "silu.json").read_text())["rows"]
@@ -174,7 +179,7 @@ def test_silu_sparsity_bench_runs_and_writes_its_table(tiny_models, tmp_path, ca
 
 
 def test_moe_trace_replay_maps_small_routing_onto_a_bigger_moe():
-    mt = bench("moe_trace")
+    mt = routing_trace
     rng = np.random.default_rng(0)
     routed = np.stack([np.stack([rng.choice(16, 2, replace=False) for _ in range(50)]) for _ in range(4)])
     trace = {"routed": routed, "guessed": routed[:, ::-1].copy(), "meta": {"n_experts": 16}}
@@ -195,7 +200,7 @@ def test_moe_trace_replay_maps_small_routing_onto_a_bigger_moe():
 
 
 def test_trace_coactivation_order_moves_neurons_and_keeps_copies_apart(tiny_random, tiny_models, tmp_path, capsys):
-    tr = bench("trace")
+    tr = activation_trace
     text = tmp_path / "heldout.txt"
     text.write_text("def f(x):\n    return [x * 2 for _ in range(3)]\n" * 40)
     tr.main(["record", str(tiny_models("opt").model_dir), "--data", str(text), "--out", str(tmp_path / "t.npz"),
@@ -209,15 +214,15 @@ def test_trace_coactivation_order_moves_neurons_and_keeps_copies_apart(tiny_rand
         assert not np.array_equal(a, b)
         pos = np.argsort(b, kind="stable").reshape(128, 4)  # each small neuron's 4 copies, by position
         assert (np.diff(pos, axis=1) == 128).all()  # one copy per block of 128: never side by side
-    replay = bench("io_runtime").replay_reads(tmp_path / "t.npz", spec, 3, 4, 20)
+    replay = io_runtime.replay_reads(tmp_path / "t.npz", spec, 3, 4, 20)
     assert replay["tokens"] == 20
     for g in ("0", "1", "8"):  # gap-filling reads through: fewer reads, more bundles
         assert replay["none"][g]["reads"] <= replay["none"]["0"]["bundles"] <= replay["none"][g]["bundles"]
     assert replay["none"]["0"]["bundles"] == replay["coactivation"]["0"]["bundles"] > 0  # same loads, moved
-    runs = {}  # and the runtime replaying it in either order (bench/compute_roofline.py --order)
+    runs = {}  # and the runtime replaying it in either order (bench/compute/roofline.py --order)
     for order in ("none", "coactivation"):
         capsys.readouterr()
-        bench("compute_roofline").main([str(tiny_random[1]), "--trace", str(tmp_path / "t.npz"),
+        roofline.main([str(tiny_random[1]), "--trace", str(tmp_path / "t.npz"),
                                         "--order", order, "--configs", "after-2t-noahead", "--rounds", "1",
                                         "--tokens", "2", "--warmup", "1", "--roofline-rounds", "0", "--beside-rounds",
                                         "0", "--no-paired", "--json"])
@@ -230,7 +235,7 @@ def test_trace_coactivation_order_moves_neurons_and_keeps_copies_apart(tiny_rand
 
 
 def test_paper_measure_records_read_sizes_and_lookahead(tiny_random):
-    pm = bench("paper_measure")
+    pm = paper_measure
     run = dict(label="t", mode="sparse", window=2, bundled=True, backend="torch", budget="60%", threads=4,
                seed=0, tokens=3, warmup=1, model_dir=str(tiny_random[1]), read_sizes=True, prefetch=True)
     out = pm.measure(run)
@@ -243,7 +248,7 @@ def test_paper_measure_records_read_sizes_and_lookahead(tiny_random):
 
 
 def test_make_model_layers_cuts_the_shape_to_its_first_layers(tmp_path):
-    mm = bench("make_model")
+    mm = make_model
     out = mm.main(["--shape", "tiny-moe", "--layers", "1", "--out", str(tmp_path / "m"), "--quiet"])
     spec = fmt.read_manifest(out).spec
     assert spec.n_layers == 1 and spec.n_experts == mm.spec_for("tiny-moe").n_experts
@@ -252,14 +257,14 @@ def test_make_model_layers_cuts_the_shape_to_its_first_layers(tmp_path):
 
 
 def test_cpu_overhead_times_the_runtime_functions_per_token(tiny_random, tiny_models, tmp_path):
-    """bench/cpu_overhead.py: a child per (checkout, config) wraps the runtime's per-token functions and
+    """bench/compute/cpu_overhead.py: a child per (checkout, config) wraps the runtime's per-token functions and
     reports their calls, wall and CPU per token beside the token's io/mem/compute split."""
     text = tmp_path / "heldout.txt"
     text.write_text("def f(x):\n    return x * 2\n" * 40)
-    bench("trace").main(["record", str(tiny_models("opt").model_dir), "--data", str(text), "--out",
+    activation_trace.main(["record", str(tiny_models("opt").model_dir), "--data", str(text), "--out",
                          str(tmp_path / "t.npz"), "--tokens", "20", "--seq-len", "20", "--json"])
     out = tmp_path / "r.json"
-    bench("cpu_overhead").main([str(tiny_random[1]), "--trace", str(tmp_path / "t.npz"), "--dram-budget", "0.9", "--predictor-rank", "0",
+    cpu_overhead.main([str(tiny_random[1]), "--trace", str(tmp_path / "t.npz"), "--dram-budget", "0.9", "--predictor-rank", "0",
                                 "--context", "32", "--configs", "default,inline", "--tokens", "2", "--warmup", "1",
                                 "--json-out", str(out)])
     runs = json.loads(out.read_text())["runs"]
@@ -272,7 +277,7 @@ def test_cpu_overhead_times_the_runtime_functions_per_token(tiny_random, tiny_mo
 
 
 def test_matvec_ab_builds_two_revisions_and_times_them_side_by_side(capsys):
-    """bench/matvec_ab.py: the native kernels of two git revisions built apart, timed on the same weights."""
+    """bench/compute/matvec_ab.py: the native kernels of two git revisions built apart, timed on the same weights."""
     import shutil
     import subprocess
     from pathlib import Path
@@ -283,14 +288,14 @@ def test_matvec_ab_builds_two_revisions_and_times_them_side_by_side(capsys):
     if native.library() is None or shutil.which("git") is None or subprocess.run(
             ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("needs the native kernels and a git checkout")
-    assert bench("matvec_ab").main(["--base", "HEAD", "--head", "HEAD", "--shapes", "64x256", "--rounds", "1"]) == 0
+    assert matvec_ab.main(["--base", "HEAD", "--head", "HEAD", "--shapes", "64x256", "--rounds", "1"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[64, 256]")]
     assert [line.split(" ")[2] for line in lines] == ["1", "2"]  # one line per thread count
     assert all("base/head time" in line for line in lines)
 
 
 def test_attention_ab_builds_two_revisions_and_times_them_cold_and_warm(capsys):
-    """bench/attention_ab.py: two revisions' attention kernels, each position timed cold and warm; bad positions
+    """bench/compute/attention_ab.py: two revisions' attention kernels, each position timed cold and warm; bad positions
     are refused."""
     import shutil
     import subprocess
@@ -304,10 +309,10 @@ def test_attention_ab_builds_two_revisions_and_times_them_cold_and_warm(capsys):
         pytest.skip("needs the native kernels and a git checkout")
     small = ["--base", "HEAD", "--head", "HEAD", "--context", "16", "--layers", "2", "--heads", "4", "--kv-heads", "2",
              "--head-dim", "32", "--flush", "64x256", "--rounds", "1"]
-    assert bench("attention_ab").main([*small, "--positions", "3", "15"]) == 0
+    assert attention_ab.main([*small, "--positions", "3", "15"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if " keys, " in line]
     assert [line.split(",")[0] for line in lines] == ["4 keys", "4 keys", "16 keys", "16 keys"]
     assert [line.split(",")[1].split(":")[0].strip() for line in lines] == ["cold", "warm"] * 2
     with pytest.raises(SystemExit) as refused:
-        bench("attention_ab").main([*small, "--positions", "16"])
+        attention_ab.main([*small, "--positions", "16"])
     assert refused.value.code == 2 and "--positions must lie in 0..15" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""bench/peers.py: parsing llama-bench and accelerate output, outcomes, ratios, the table; one tiny run
+"""bench/peers (`python -m bench peers`): parsing llama-bench and accelerate output, outcomes, ratios, the table; one tiny run
 in a memory group (peers that are not installed are skipped and say so)."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiny import bench  # noqa: E402
+from bench.models import make_model
+from bench.harness import MemoryGroup
+from bench.peers import gguf_convert, gguf_write, report as peers_report, run as peers
 
 
 LLAMA_BENCH_JSON = json.dumps([
@@ -22,20 +24,20 @@ LLAMA_BENCH_JSON = json.dumps([
 
 
 def test_parse_llama_bench_gives_ms_per_generated_token():
-    r = bench("peers_report").parse_llama_bench(LLAMA_BENCH_JSON)
+    r = peers_report.parse_llama_bench(LLAMA_BENCH_JSON)
     assert r["ms_per_token"] == pytest.approx(10_000.0) and r["tokens"] == 4
     assert r["build"].startswith("0c1e57098") and r["threads"] == 2
     with pytest.raises(ValueError, match="no token-generation test"):
-        bench("peers_report").parse_llama_bench(json.dumps([{"n_prompt": 512, "n_gen": 0, "avg_ns": 1}]))
+        peers_report.parse_llama_bench(json.dumps([{"n_prompt": 512, "n_gen": 0, "avg_ns": 1}]))
 
 
 def test_parse_progress_keeps_the_tokens_of_an_unfinished_run():
     lines = [{"event": "load", "load_s": 3.0, "modules_disk": 20}, {"event": "token", "ms": 100.0},
              {"event": "token", "ms": 300.0}]
-    r = bench("peers_report").parse_progress("\n".join(json.dumps(e) for e in lines) + "\n")
+    r = peers_report.parse_progress("\n".join(json.dumps(e) for e in lines) + "\n")
     assert r["token_ms"] == [100.0, 300.0] and r["ms_per_token"] == 200.0 and r["tokens"] == 2
     assert r["modules_disk"] == 20 and not r["done"]
-    done = bench("peers_report").parse_progress(json.dumps({"event": "done", "rss_peak": 5}))
+    done = peers_report.parse_progress(json.dumps({"event": "done", "rss_peak": 5}))
     assert done["done"] and "ms_per_token" not in done
 
 
@@ -43,11 +45,11 @@ def test_parse_progress_keeps_the_tokens_of_an_unfinished_run():
     (0, False, 0, "ran"), (-9, False, 1, "OOM-killed"), (137, False, None, "OOM-killed"),
     (-9, True, 0, "timeout"), (1, False, 0, "error"), (1, False, 2, "OOM-killed")])
 def test_outcome(rc, timed_out, oom, expected):
-    assert bench("peers_report").outcome(rc, timed_out, oom) == expected
+    assert peers_report.outcome(rc, timed_out, oom) == expected
 
 
 def test_summary_ratios_and_table():
-    peers = bench("peers_report")
+    peers = peers_report
     runs = [dict(peer="flashllm", label="flashllm", round=0, outcome="ran", ms_per_token=1000.0, cgroup_peak=7e9),
             dict(peer="llama.cpp", label="llama.cpp", round=0, outcome="ran", ms_per_token=4000.0, cgroup_peak=8e9),
             dict(peer="flashllm", label="flashllm", round=1, outcome="ran", ms_per_token=3000.0, cgroup_peak=6e9),
@@ -72,8 +74,7 @@ def test_summary_ratios_and_table():
 
 
 def test_tiny_run_in_memory_groups_skips_missing_peers(tmp_path):
-    peers = bench("peers")
-    model = bench("make_model").main(["--shape", "tiny-llama", "--out", str(tmp_path / "m"), "--hf", "--quiet"])
+    model = make_model.main(["--shape", "tiny-llama", "--out", str(tmp_path / "m"), "--hf", "--quiet"])
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")  # never read: llama-bench is not where --llama-cpp points
     report = peers.main(["--flashllm", str(model), "--gguf", str(gguf), "--hf", str(model / "hf"), "--dram-budget",
@@ -102,11 +103,11 @@ def test_missing_inputs_are_one_line_errors(tmp_path, flag):
     argv = ["--flashllm", str(tmp_path / "nope")] if flag == "--flashllm" else \
         ["--flashllm", str(tmp_path), "--gguf", str(tmp_path / "x.gguf")]
     with pytest.raises(SystemExit, match=f"peers: error: {flag}"):
-        bench("peers").main(argv)
+        peers.main(argv)
 
 
 def _group_or_skip():
-    why = bench("paper_tables").MemoryGroup.available()
+    why = MemoryGroup.available()
     if why:
         pytest.skip(why)
 
@@ -114,7 +115,7 @@ def _group_or_skip():
 def test_a_run_over_the_limit_is_oom_killed_and_its_group_removed(tmp_path):
     _group_or_skip()
     grow = "b = []\nwhile True: b.append(bytearray(1 << 20))"  # 1 MiB at a time, touched
-    res = bench("peers").run_child([sys.executable, "-c", grow], 64 << 20, [], 120, "flashllm-peers-test-oom",
+    res = peers.run_child([sys.executable, "-c", grow], 64 << 20, [], 120, "flashllm-peers-test-oom",
                                    lambda m: None)
     assert res["outcome"] == "OOM-killed" and res["oom_kills"] >= 1 and res["cgroup_peak"] <= 64 << 20
     assert not Path(res["cgroup"]).exists()
@@ -122,17 +123,17 @@ def test_a_run_over_the_limit_is_oom_killed_and_its_group_removed(tmp_path):
 
 def test_a_run_past_its_time_is_killed_as_timeout(tmp_path):
     _group_or_skip()
-    res = bench("peers").run_child(["sleep", "60"], 64 << 20, [], 1, "flashllm-peers-test-timeout", lambda m: None)
+    res = peers.run_child(["sleep", "60"], 64 << 20, [], 1, "flashllm-peers-test-timeout", lambda m: None)
     assert res["outcome"] == "timeout" and res["wall_s"] < 30 and not Path(res["cgroup"]).exists()
 
 
 def test_moe_model_runs_once_per_routing_with_budget_of_the_gguf(tmp_path):
-    mm = bench("make_model")
+    mm = make_model
     spec = dataclasses.replace(mm.spec_for("tiny-moe"), n_experts=16)  # the replayed trace routes 2 of 16
     model = mm.write_model(spec, tmp_path / "m", progress=False, shape_name="tiny-moe")
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"\0" * 400_000)  # only its size is used: llama-bench is not where --llama-cpp points
-    report = bench("peers").main(["--flashllm", str(model), "--gguf", str(gguf), "--budget-of", "gguf",
+    report = peers.main(["--flashllm", str(model), "--gguf", str(gguf), "--budget-of", "gguf",
                                   "--dram-budget", "0.5", "--tokens", "2", "--warmup", "1", "--llama-cpp",
                                   str(tmp_path / "none"), "--peers", "flashllm,llama.cpp", "--quiet",
                                   "--moe-routing", "model,replay+prefetch,uniform", "--quantize-resident", "int4",
@@ -148,20 +149,20 @@ def test_moe_model_runs_once_per_routing_with_budget_of_the_gguf(tmp_path):
     assert "(50% of the GGUF's" in md and "experts streamed, replayed routing, prefetch), resident int4" in md
     assert "uniform random routing" in md and "| expert cache hit rate | prefetch recall |" in md
     assert "computes only the top-2 experts" in md and "llama-bench 1 warm-up + 2 timed; random token ids" in md
-    ra = bench("peers").read_ahead_kb(gguf)
+    ra = peers.read_ahead_kb(gguf)
     assert report["read_ahead_kb"] == ra and (ra is None or f"disk read-ahead {ra} KiB" in md)
 
 
 def test_cgroup_limit_is_the_groups_limit_and_the_budget_is_what_it_leaves(tmp_path):
     _group_or_skip()
-    mm = bench("make_model")
+    mm = make_model
     model = mm.write_model(mm.spec_for("tiny-moe"), tmp_path / "m", progress=False, shape_name="tiny-moe")
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"\0" * 4096)
     args = ["--flashllm", str(model), "--gguf", str(gguf), "--budget-of", "gguf", "--peers", "flashllm", "--quiet"]
     with pytest.raises(SystemExit, match="peers: error: --cgroup-limit 0.00 GB leaves no DRAM budget"):
-        bench("peers").main(args + ["--cgroup-limit", "0.5"])
-    report = bench("peers").main(args + ["--cgroup-limit", "1GiB", "--cgroup-slack", "64", "--moe-routing", "model",
+        peers.main(args + ["--cgroup-limit", "0.5"])
+    report = peers.main(args + ["--cgroup-limit", "1GiB", "--cgroup-slack", "64", "--moe-routing", "model",
                                          "--tokens", "1", "--warmup", "0", "--markdown", str(tmp_path / "p.md")])
     assert report["memory_limit"] == 1 << 30 and report["runs"][0]["cgroup_limit"] == 1 << 30
     assert report["dram_budget"] == (1 << 30) - report["baseline_rss"] - (64 << 20)
@@ -171,15 +172,15 @@ def test_cgroup_limit_is_the_groups_limit_and_the_budget_is_what_it_leaves(tmp_p
 
 def test_bad_moe_routing_and_budget_of_without_gguf_are_one_line_errors(tmp_path):
     with pytest.raises(SystemExit, match="peers: error: --moe-routing oracle"):
-        bench("peers").main(["--flashllm", str(tmp_path), "--moe-routing", "oracle"])
+        peers.main(["--flashllm", str(tmp_path), "--moe-routing", "oracle"])
     with pytest.raises(SystemExit, match="peers: error: --moe-routing model[+]lookahead"):
-        bench("peers").main(["--flashllm", str(tmp_path), "--moe-routing", "replay,model+lookahead"])
+        peers.main(["--flashllm", str(tmp_path), "--moe-routing", "replay,model+lookahead"])
     with pytest.raises(SystemExit, match="peers: error: --budget-of gguf needs --gguf"):
-        bench("peers").main(["--flashllm", str(tmp_path), "--budget-of", "gguf"])
+        peers.main(["--flashllm", str(tmp_path), "--budget-of", "gguf"])
 
 
 def _llama_cpp_or_skip() -> Path:
-    root = bench("gguf_write").DEFAULT_LLAMA_CPP
+    root = gguf_write.DEFAULT_LLAMA_CPP
     if not (root / "src" / "llama.cpp" / "gguf-py" / "gguf").is_dir():
         pytest.skip(f"no llama.cpp source at {root} (bench/build_llama_cpp.sh)")
     return root
@@ -187,7 +188,7 @@ def _llama_cpp_or_skip() -> Path:
 
 def test_gguf_write_holds_the_moe_weights_llama_cpp_loads(tmp_path):
     root = _llama_cpp_or_skip()
-    gw, mm = bench("gguf_write"), bench("make_model")
+    gw, mm = gguf_write, make_model
     spec = mm.spec_for("tiny-moe")
     out = gw.write(spec, tmp_path / "t.gguf", seed=3, llama_cpp=root, progress=False)
     gguf = gw.gguf_module(root)
@@ -214,22 +215,22 @@ def test_gguf_write_holds_the_moe_weights_llama_cpp_loads(tmp_path):
         res = subprocess.run([str(bench_bin), "-m", str(out), "-p", "0", "-n", "2", "-r", "1", "-t", "1", "-o", "json"],
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr[-500:]
-        assert bench("peers_report").parse_llama_bench(res.stdout)["model_type"].startswith("qwen3moe")
+        assert peers_report.parse_llama_bench(res.stdout)["model_type"].startswith("qwen3moe")
 
 
 def test_gguf_write_refuses_dense_families(tmp_path):
     with pytest.raises(SystemExit, match="gguf_write: error: family 'llama'"):
-        bench("gguf_write").write(bench("make_model").spec_for("tiny-llama"), tmp_path / "t.gguf")
+        gguf_write.write(make_model.spec_for("tiny-llama"), tmp_path / "t.gguf")
 
 
 def test_gguf_convert_of_a_shape_equals_the_conversion_of_its_hf_checkpoint(tmp_path):
     root = _llama_cpp_or_skip()
-    gc = bench("gguf_convert")
-    model = bench("make_model").main(["--shape", "tiny-llama", "--out", str(tmp_path / "m"), "--hf", "--seed", "5",
+    gc = gguf_convert
+    model = make_model.main(["--shape", "tiny-llama", "--out", str(tmp_path / "m"), "--hf", "--seed", "5",
                                       "--quiet"])
     a = gc.convert(model / "hf", tmp_path / "a.gguf", llama_cpp=root)
     b = gc.convert(None, tmp_path / "b.gguf", llama_cpp=root, shape="tiny-llama", seed=5)
-    gguf = bench("gguf_write").gguf_module(root)
+    gguf = gguf_write.gguf_module(root)
     ta, tb = ({t.name: t for t in gguf.GGUFReader(p).tensors} for p in (a, b))
     assert sorted(ta) == sorted(tb) and len(ta) == 3 + 2 * 9
     assert all(ta[n].tensor_type == tb[n].tensor_type and np.array_equal(ta[n].data, tb[n].data) for n in ta)
@@ -239,7 +240,7 @@ def test_gguf_convert_of_a_shape_equals_the_conversion_of_its_hf_checkpoint(tmp_
 
 
 def test_link_resident_reuses_the_same_bytes_and_refuses_another_seed(tmp_path):
-    mm = bench("make_model")
+    mm = make_model
     f16 = mm.main(["--shape", "tiny-llama", "--out", str(tmp_path / "a"), "--seed", "2", "--quiet"])
     written = mm.main(["--shape", "tiny-llama", "--out", str(tmp_path / "b"), "--seed", "2", "--quantize", "int4",
                        "--quiet"])
@@ -254,8 +255,7 @@ def test_link_resident_reuses_the_same_bytes_and_refuses_another_seed(tmp_path):
 
 
 def test_llama_cpp_runs_once_per_read_ahead_and_the_setting_is_restored(tmp_path):
-    peers = bench("peers")
-    model = bench("make_model").main(["--shape", "tiny", "--out", str(tmp_path / "m"), "--quiet"])
+    model = make_model.main(["--shape", "tiny", "--out", str(tmp_path / "m"), "--quiet"])
     args = peers.setup_arg_parser().parse_args(["--flashllm", str(model), "--gguf", str(tmp_path / "m.gguf"),
                                                 "--llama-config", "default,no-mmap", "--read-ahead-kb", "128,8192",
                                                 "--peers", "llama.cpp", "--llama-cpp", str(tmp_path / "none")])

@@ -1,10 +1,10 @@
-"""bench/train_tiny_model.py: a run resumed from its saved training state equals an uninterrupted one."""
+"""bench/models/train_dense.py: a run resumed from its saved training state equals an uninterrupted one."""
 
 from __future__ import annotations
 
 import torch
 
-from tiny import bench  # noqa: E402
+from bench.models import train_dense
 
 TEXTS = ["def add(a, b):\n    return a + b\n" * 20, "class Point:\n    x = 0\n    y = 1\n" * 20]
 
@@ -22,7 +22,7 @@ def _setup(tt, tmp_path, steps, ckpt):
 
 
 def test_resumed_training_equals_an_uninterrupted_run(tmp_path):
-    tt = bench("train_tiny_model")
+    tt = train_dense
     args, whole, stream, held = _setup(tt, tmp_path, 6, "a")
     done = tt.train(whole, stream, args, held)
     args, first, stream, held = _setup(tt, tmp_path, 2, "b")
@@ -38,7 +38,7 @@ def test_resumed_training_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_wsd_lr_before_the_decay_does_not_depend_on_the_step_count():
-    tt = bench("train_tiny_model")
+    tt = train_dense
     args = tt.build_parser().parse_args(["--schedule", "wsd", "--decay-frac", "0.25", "--warmup", "10", "--lr", "3e-3"])
     for step in (0, 9, 10, 500, 749):
         assert tt.lr_at(step, step / 1000, args) == tt.lr_at(step, step / 4000, args)

@@ -1,12 +1,9 @@
-"""The one tiny-model factory every test uses: random HF checkpoints of each supported family (and bench scripts
-loaded as modules)."""
+"""The one tiny-model factory every test uses: random HF checkpoints of each supported family."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -124,9 +121,9 @@ def write_random_predictors(model_dir: Path, rank: int = 8, seed: int = 0, train
                             frequencies: bool = False) -> None:
     """Random low-rank predictors in the runtime's predictor format (a stand-in for trained ones); with
     `frequencies`, random activation frequencies too (the runtime then pins hot neurons)."""
-    from flashllm import format as fmt
-    from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_FORMAT, PREDICTOR_META, PREDICTOR_VERSION
-    from flashllm.st_io import write_safetensors
+    from flashllm.format import manifest as fmt
+    from flashllm.modes.sparse.predictor import PREDICTOR_FILE, PREDICTOR_FORMAT, PREDICTOR_META, PREDICTOR_VERSION
+    from flashllm.format.safetensors_io import write_safetensors
 
     spec = fmt.read_manifest(model_dir).spec
     g = torch.Generator().manual_seed(seed)
@@ -145,15 +142,3 @@ def write_random_predictors(model_dir: Path, rank: int = 8, seed: int = 0, train
         meta["model"] = {"sha256": {"ffn": trained_for}}
     (model_dir / PREDICTOR_META).write_text(json.dumps(meta))
 
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def bench(name: str):
-    """A bench script as a module (loaded by path: bench/trace.py must not shadow the stdlib's trace)."""
-    key = f"flashllm_bench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, BENCH / f"{name}.py")
-        sys.modules[key] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[key])
-    return sys.modules[key]

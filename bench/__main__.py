@@ -25,18 +25,18 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def resolve(argv: list[str]) -> tuple[str, str, list[str]]:
-    """(suite, module, the command's own arguments) from the command line."""
+def resolve(argv: list[str]) -> tuple[str, str | None, str, list[str]]:
+    """(suite, command, module, the command's own arguments) from the command line."""
     if not argv or argv[0] not in SUITES:
         raise SystemExit(usage() if not argv or argv[0] in ("-h", "--help") else
                          f"python -m bench: unknown suite {argv[0]!r}\n\n{usage()}")
     suite, entry = argv[0], SUITES[argv[0]]
     if isinstance(entry, str):
-        return suite, entry, argv[1:]
+        return suite, None, entry, argv[1:]
     if len(argv) < 2 or argv[1] not in entry:
         given = f"unknown command {argv[1]!r} of " if len(argv) > 1 and not argv[1].startswith("-") else ""
         raise SystemExit(f"python -m bench {suite}: {given}one of: {', '.join(entry)}")
-    return suite, entry[argv[1]], argv[2:]
+    return suite, argv[1], entry[argv[1]], argv[2:]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,13 +48,12 @@ def main(argv: list[str] | None = None) -> None:
 
         report.main(argv[1:])
         return
-    suite, module, args = resolve(argv)
+    suite, command, module, args = resolve(argv)
     from bench import harness
 
     load = harness.load()
     result = importlib.import_module(module).main(args)
     if keep and isinstance(result, (dict, list)) and result:
-        command = module.rsplit(".", 1)[-1] if isinstance(SUITES[suite], dict) else suite
         path = harness.append(harness.record(suite, command, args, result, load))
         print(f"bench: result appended to {path.relative_to(harness.ROOT)}", file=sys.stderr)
     if isinstance(result, int) and not isinstance(result, bool):

@@ -12,7 +12,7 @@ Models: the embedded model at the demo's settings (bfloat16 compute, 50% budget)
 standard-library lines; with --opt13 DIR an OPT-1.3B-shaped model (bench/models/make_model.py; random weights,
 random rank-16 predictors selecting ~16% per token as in bench/plan.py), random prompt ids.
 
-    python -m bench batch [--opt13 /tmp/opt13] [--out bench/results/batch_throughput]
+    python -m bench batch [--opt13 /tmp/opt13] [--out bench/results/batch/throughput]
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ shape=${SHAPE:-opt-1.3b}; device=${DEVICE:-cuda}; tokens=${TOKENS:-16}; budget=$
 mkdir -p "$out" "$work"
 trap 'rm -rf "$work"' EXIT
 export PYTHONUNBUFFERED=1
-python3 -m bench models make --shape "$shape" --dtype float16 --seed 0 --out "$work/model" --quiet
-python3 -m bench models corpus --split heldout --out "$work/heldout.txt" --max-bytes 400000
-python3 -m bench models trace record flashllm/data/tiny-opt --data "$work/heldout.txt" --out "$work/trace.npz" \
+python3 -m bench --no-record models make --shape "$shape" --dtype float16 --seed 0 --out "$work/model" --quiet
+python3 -m bench --no-record models corpus --split heldout --out "$work/heldout.txt" --max-bytes 400000
+python3 -m bench --no-record models trace record flashllm/data/tiny-opt --data "$work/heldout.txt" --out "$work/trace.npz" \
     --tokens $((tokens * 4)) --predictor auto
 gpu=$([ "$device" = cpu ] && echo "" || echo "--gpu-budget $budget")
-python3 -m bench paper tables "$work/model" --device "$device" $gpu --dram-budget "$budget" --trace "$work/trace.npz" \
+python3 -m bench --no-record paper tables "$work/model" --device "$device" $gpu --dram-budget "$budget" --trace "$work/trace.npz" \
     --only naive,hybrid,all --tokens "$tokens" --warmup 4 --naive-tokens 2 --hybrid-tokens 2 --fig7-windows 4 \
     --fig8-tokens 0 --json-out "$out/table3_$device.json" --markdown "$out/table3_$device.md" \
     --command "SHAPE=$shape DEVICE=$device BUDGET=$budget TOKENS=$tokens bash bench/gpu_table3.sh"

@@ -268,9 +268,12 @@ def machine_desc(m: dict | None = None) -> str:
             + (f", torch {m['torch']}" if m.get("torch") else ""))
 
 
-def record(suite: str, command: str, argv: list[str], result, load_start: float | None) -> dict:
-    """One result record: what ran, on which code and machine, how busy it was, and what it measured."""
-    return {"suite": suite, "command": command, "argv": list(argv), "git_sha": git_sha(), "code": code_version(),
+def record(suite: str, command: str | None, argv: list[str], result, load_start: float | None) -> dict:
+    """One result record: what ran (suite, command, arguments), on which code and machine, how busy it was,
+    and what it measured."""
+    line = " ".join(["python -m bench", suite, *([command] if command else []), *map(str, argv)])
+    return {"suite": suite, "command": command, "command_line": line, "argv": list(argv), "git_sha": git_sha(),
+            "code": code_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "load_start": load_start, "load_end": load(), "result": result}
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# fio random 16 KiB O_DIRECT reads of a file: CPU per read and IOPS, libaio vs io_uring (bench/results/cpu_overhead.md).
+# fio random 16 KiB O_DIRECT reads of a file: CPU per read and IOPS, libaio vs io_uring (bench/results/compute/cpu_overhead.md).
 # Usage: flock /work/wt/bench.lock bench/fio_engines.sh [FILE]   (reads only; JSON under $TMPDIR)
 F=${1:-/work/big/7b/llama-7b/ffn.bin}; OUT=${TMPDIR:-/tmp}; mkdir -p "$OUT"
 uptime

@@ -1,4 +1,4 @@
-/* Inner loops of a float16 mat-vec against each other (issue #23, bench/results/compute_roofline.md, session 14):
+/* Inner loops of a float16 mat-vec against each other (issue #23, bench/results/compute/roofline.md, session 14):
  * the native kernel's AVX2 loop (kernels.c dot_of), the same with 8 accumulators, AVX-512, and two rows sharing x,
  * interleaved per round over COPIES x 32 MB of 4096 x 4096 matrices (default 24: 768 MB), on 2 threads that spin
  * between calls (as llama.cpp's do), rows split in halves. Prints each loop's best and mean GB/s of weights.

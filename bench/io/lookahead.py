@@ -19,7 +19,7 @@ whose running precision is >= 0.9: SparsePlan.AHEAD_CUTS), and, for `--json-out`
 of the layer's needed neurons (quantiles) and the count of the others above each cut per needed neuron,
 which bench/io/runtime.py's `--lookahead-model` replays on the 7B shape (bench/models/activation_trace.py TracePredictor).
 
-    python -m bench io lookahead [MODEL_DIR] --tokens 48 --markdown bench/results/io_lookahead.md
+    python -m bench io lookahead [MODEL_DIR] --tokens 48 --markdown bench/results/io/lookahead.md
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ stats give reads, bytes and I/O time per decode token. Beside the engine's measu
 with gap filling g" replays the same loads (predicted now, not in the window's earlier tokens; unlimited
 cache) and merges needed bundles at most g bundles apart into one read (the bytes then include the gaps).
 
-    python -m bench io order [--tokens 1024] [--budget 0.5] [--out bench/results/neuron_order]
+    python -m bench io order [--tokens 1024] [--budget 0.5] [--out bench/results/io/neuron_order]
 
 The co-activation order `flashllm demo` uses is the one this computes, shipped with the embedded model
 (flashllm/data/tiny-opt-predictors/neuron_order.safetensors); `--ship` computes it and writes that file

@@ -11,7 +11,7 @@ and [min, max] over the rounds, and ratios are taken within each round (the mach
 noisy). Process CPU time per decode token is reported beside the wall time: on a loaded machine a
 token's wall time is mostly its wait for a core, in proportion to the CPU it needs.
 
-    python -m bench io pipeline [MODEL_DIR] --rounds 5 --tokens 24 --markdown bench/results/io_pipeline.md
+    python -m bench io pipeline [MODEL_DIR] --rounds 5 --tokens 24 --markdown bench/results/io/pipeline.md
 
 Without MODEL_DIR the embedded model at the demo's settings (`flashllm demo`) is used.
 """

@@ -33,7 +33,7 @@ Beside the runs, a replay (no I/O, unlimited cache) counts reads and bundles per
 bundles before and after ordering, on trace tokens not used to compute the order.
 
     python -m bench io runtime MODEL --trace trace.npz --configs no-overlap,default --json-out r1.json
-    python -m bench io runtime --report r1.json r2.json --markdown bench/results/io_runtime_7b.md
+    python -m bench io runtime --report r1.json r2.json --markdown bench/results/io/runtime_7b.md
 
 Timed runs belong under the bench lock (`flock /work/wt/bench.lock ...`), a few configurations at a time.
 """

@@ -22,7 +22,7 @@ them (a big layer with C slots behaves as the small layer with C / (k/2) slots).
 not: only 16 * k/2 of the E experts of a big layer are ever routed to (64 of Qwen3-30B-A3B's 128),
 and real 128-expert routing may be more or less concentrated than 16-expert routing.
 
-    python -m bench models routing record flashllm/data/tiny-moe --out bench/results/tiny_moe_routing.npz --tokens 2048
+    python -m bench models routing record flashllm/data/tiny-moe --out bench/results/models/tiny_moe_routing.npz --tokens 2048
 """
 
 from __future__ import annotations

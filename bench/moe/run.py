@@ -13,7 +13,7 @@ hold the model). Model files are dropped from the page cache before each run. Th
 script wrote is removed at the end (--keep keeps it).
 
     python -m bench moe run --shape qwen3-30b-a3b --layers 20 --quantize int4 --work /tmp/moe-bench \\
-        --budget 0.25 --routing replay:bench/results/tiny_moe_routing.npz,uniform [--json] [--out FILE.md]
+        --budget 0.25 --routing replay:bench/results/models/tiny_moe_routing.npz,uniform [--json] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=32, help="flash reads in flight (default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch compute threads (default: %(default)s; on this loaded 2-core machine a second "
-                   "thread made an int4 expert 50x slower, bench/results/moe_expert_kernels.md)")
+                   "thread made an int4 expert 50x slower, bench/results/moe/expert_kernels.md)")
     p.add_argument("--policies", default="lru,lfu,window", help="expert-cache policies (default: %(default)s)")
     p.add_argument("--routing", default="model,uniform",
                    help="model: the model's own router; uniform: k experts drawn uniformly per token and layer, "

@@ -1,4 +1,4 @@
-"""Regenerate bench/results/paper_tables.{md,json} and the plots with one command.
+"""Regenerate bench/results/paper/tables.md, its JSON and the plots with one command.
 
 1. held-out text: bench/models/stdlib_corpus.py --split heldout (files never seen in training);
 2. activation trace: bench/models/activation_trace.py record on the embedded model flashllm/data/tiny-opt (converted
@@ -7,7 +7,7 @@
 3. the 7B-shaped random model (bench/models/make_model.py --shape opt-6.7b, float16, seed 0) and its
    unbundled copy (same seed, --no-bundle) in the work directory;
 4. bench/paper/tables.py on it at a 50% DRAM budget, in a cgroup memory limit where possible,
-   writing the report, the JSON and the PNGs into bench/results/;
+   writing the report, the JSON and the PNGs into bench/results/paper/;
 5. the model files are deleted afterwards (unless --keep-models).
 
     python -m bench paper all [--work-dir /tmp/flashllm-paper] [--shape opt-6.7b] [--tokens 32]
@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from bench.harness import ROOT
+from bench.harness import RESULTS, ROOT
 
 DATA = ROOT / "flashllm" / "data"
 
@@ -38,9 +38,9 @@ def sh(argv: list[str]) -> None:
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work-dir", default="/tmp/flashllm-paper", help="models, trace and text go here")
-    p.add_argument("--results", default=str(ROOT / "bench" / "results"), help="where the report is written")
-    p.add_argument("--name", default="paper_tables", help="report file stem: NAME.md, NAME.json (plots: "
-                   "paper_*.png for the default name, else NAME_*.png)")
+    p.add_argument("--results", default=str(RESULTS / "paper"), help="where the report is written")
+    p.add_argument("--name", default="tables", help="report file stem: NAME.md, NAME.json (plots: "
+                   "*.png for the default name, else NAME_*.png)")
     p.add_argument("--predictor", choices=["auto", "lowrank", "oracle"], default="auto",
                    help="for the trace: auto = the embedded predictors if trained on this model, else oracle")
     p.add_argument("--shape", default="opt-6.7b")
@@ -94,7 +94,7 @@ def main(argv=None) -> None:
            "--warmup", args.warmup, "--naive-tokens", args.naive_tokens, "--hybrid-tokens", args.hybrid_tokens,
            "--fig7-tokens", args.fig7_tokens, "--fig8-tokens", args.fig8_tokens, "--trace", trace,
            "--unbundled-dir", unbundled, "--plot", results, "--markdown", results / f"{args.name}.md",
-           "--plot-prefix", "paper_" if args.name == "paper_tables" else f"{args.name}_",
+           "--plot-prefix", "" if args.name == "tables" else f"{args.name}_",
            "--json-out", results / f"{args.name}.json", "--isolate", "--profile"]
     if not args.no_cgroup:
         cmd.append("--cgroup")

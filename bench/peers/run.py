@@ -62,7 +62,7 @@ LLAMA_CONFIGS = {"default": [], "no-mmap": ["-lm", "none"], "no-repack": ["--rep
 MOE_ROUTINGS = {"model": "its own", "replay": "replayed", "uniform": "uniform random"}
 PREFETCH = "+prefetch"
 
-DEFAULT_MOE_TRACE = RESULTS / "tiny_moe_routing.npz"
+DEFAULT_MOE_TRACE = RESULTS / "models" / "tiny_moe_routing.npz"
 
 
 

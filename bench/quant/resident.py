@@ -1,6 +1,6 @@
 """Resident matrices and MLX cache rows held quantized: compute per call and bytes, measured ways.
 
-    python -m bench quant resident [--repeat 10] [--out bench/results/quant_resident.md]
+    python -m bench quant resident [--repeat 10] [--out bench/results/quant/resident.md]
 
 torch CPU, one resident [out, in] matrix times T tokens (T=1: a decode step; T=16: a short prefill):
 float32 and bfloat16 `F.linear`; torch's weight-only kernels (`_weight_int8pack_mm`,

@@ -1,7 +1,7 @@
 """The Table 3 analogue with quantized storage: float16 vs int4 bundles vs int4 bundles + int4 resident
 matrices, side by side in one run, at the same DRAM budget fraction.
 
-    python -m bench quant table3 [--shape opt-1.3b] [--work-dir /tmp/flashllm-quant3] [--out bench/results/quant_table3.md]
+    python -m bench quant table3 [--shape opt-1.3b] [--work-dir /tmp/flashllm-quant3] [--out bench/results/quant/table3.md]
 
 1. held-out text and an activation trace of the embedded model (as bench/paper/run.py makes them);
 2. the random model of `--shape` twice (bench/models/make_model.py, same seed), one on disk at a time:

@@ -1,0 +1,1 @@
+"""The MLX backend (Metal on Apple silicon; MLX's CPU build elsewhere)."""

@@ -1,0 +1,1 @@
+"""The torch backend (CPU and CUDA)."""

@@ -1,0 +1,1 @@
+"""How layer weights are obtained per token: dense, naive, hybrid, sparse and MoE modes."""

@@ -1,0 +1,1 @@
+"""Sparse mode: predictors, the sliding-window neuron cache, read-ahead."""

@@ -1,0 +1,1 @@
+"""`flashllm plan`: machine profile, cost model, predictor replay and the placement solver."""

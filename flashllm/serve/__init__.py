@@ -1,0 +1,1 @@
+"""`flashllm serve`: an OpenAI-compatible HTTP server over one loaded model."""

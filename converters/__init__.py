@@ -1,5 +1,5 @@
 """HF checkpoint -> flashllm model directory (one adapter per architecture family + the writer)."""
 
-from .writer import convert
+from flashllm.converters.writer import convert
 
 __all__ = ["convert"]

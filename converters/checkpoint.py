@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from flashllm import format as fmt
+from flashllm.format import manifest as fmt
 from flashllm.errors import FlashLLMError
-from flashllm.st_io import SafetensorsFile
+from flashllm.format.safetensors_io import SafetensorsFile
 
 
 class Checkpoint:

@@ -10,16 +10,16 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from flashllm import format as fmt
+from flashllm.format import manifest as fmt
 from flashllm.errors import FlashLLMError
 from flashllm.progress import progress_bar
-from flashllm.quant import DEFAULT_GROUP, DEFAULT_SCHEME, QuantScheme
-from flashllm.spec import ArchSpec
-from flashllm.st_io import storage_bytes, write_safetensors
+from flashllm.format.quant import DEFAULT_GROUP, DEFAULT_SCHEME, QuantScheme
+from flashllm.format.spec import ArchSpec
+from flashllm.format.safetensors_io import storage_bytes, write_safetensors
 
-from .checkpoint import Checkpoint
-from .families import family_for
-from .moe_families import expert_bundles, expert_packing, write_experts
+from flashllm.converters.checkpoint import Checkpoint
+from flashllm.converters.families import family_for
+from flashllm.converters.families.moe import expert_bundles, expert_packing, write_experts
 
 
 def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize: str = "none",
@@ -29,7 +29,7 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
     """Convert the HF checkpoint in `src` into a flashllm model directory at `out`; returns `out`.
 
     `quantize` int8/int4 stores the FFN bundles group-wise quantized (groups of `group_size`
-    along d_model, `quant_scheme` asymmetric or symmetric; see flashllm/quant.py); resident
+    along d_model, `quant_scheme` asymmetric or symmetric; see flashllm/format/quant.py); resident
     tensors stay in `dtype`. `force` replaces `out` only if it is a flashllm model directory or
     empty. Everything is written into a temporary directory beside `out` and renamed into place at
     the end; on any error it is removed and `out` is untouched. `bundled=False` stores up rows and

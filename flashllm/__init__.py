@@ -9,9 +9,9 @@ import os
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-from .errors import DroppedNeuronsWarning, FlashLLMError, OptionsWarning
-from .model import Model
-from .options import LoadOptions
+from flashllm.errors import DroppedNeuronsWarning, FlashLLMError, OptionsWarning
+from flashllm.model import Model
+from flashllm.options import LoadOptions
 
 __version__ = "0.1.0"
 

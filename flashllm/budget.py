@@ -16,7 +16,7 @@ import ctypes
 import math
 import re
 
-from .errors import FlashLLMError, OptionsError
+from flashllm.errors import FlashLLMError, OptionsError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 MIN_BYTES = 4096

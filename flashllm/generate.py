@@ -9,7 +9,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .errors import FlashLLMError
+from flashllm.errors import FlashLLMError
 
 STOP_REASONS = ("eos", "stop", "length", "context")  # end-of-sequence token, stop string, max_new_tokens, KV full
 

@@ -10,21 +10,21 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from . import format as fmt
-from . import modes
-from .budget import budget_bytes, return_freed_memory, too_small
-from .chat_template import ChatTemplate
-from .errors import DroppedNeuronsWarning, FlashLLMError, OptionsError
-from .experts import MOE_PLANS
-from .ffn_reader import LayerChecksums
-from .hooks import Hooks
-from .generate import Generation, TextStream, eos_token_ids, generate_batch, generate_tokens
-from .options import LoadOptions
-from .plan_context import PlanContext
-from .st_io import SafetensorsFile
-from .sparsity import read_sparsity
-from .stats import TokenCost, summarize
-from .tokenizer import Tokenizer
+from flashllm.format import manifest as fmt
+from flashllm.modes import registry as modes
+from flashllm.budget import budget_bytes, return_freed_memory, too_small
+from flashllm.text.chat_template import ChatTemplate
+from flashllm.errors import DroppedNeuronsWarning, FlashLLMError, OptionsError
+from flashllm.modes.moe import MOE_PLANS
+from flashllm.io.ffn_reader import LayerChecksums
+from flashllm.hooks import Hooks
+from flashllm.generate import Generation, TextStream, eos_token_ids, generate_batch, generate_tokens
+from flashllm.options import LoadOptions
+from flashllm.modes.context import PlanContext
+from flashllm.format.safetensors_io import SafetensorsFile
+from flashllm.modes.sparse.activation_sparsity import read_sparsity
+from flashllm.stats import TokenCost, summarize
+from flashllm.text.tokenizer import Tokenizer
 
 DEFAULT_CONTEXT = 4096
 
@@ -32,11 +32,11 @@ DEFAULT_CONTEXT = 4096
 def make_backend(name: str, spec, device: str, dtype: str | None, storage_dtype, context: int,
                  quantized_ffn: bool = False, kv_bits: int = 16, kernels: str = "tuned", threads: int | None = None):
     if name == "torch":
-        from .backends.torch_backend import TorchBackend
+        from flashllm.backends.torch.backend import TorchBackend
         return TorchBackend(spec, device, dtype, storage_dtype, context, quantized_ffn, kv_bits, kernels, threads)
     if name == "mlx":
         try:
-            from .backends.mlx_backend import MLXBackend
+            from flashllm.backends.mlx.backend import MLXBackend
         except ModuleNotFoundError as exc:
             if not (exc.name or "").startswith("mlx"):
                 raise

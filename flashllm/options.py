@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from .budget import parse_budget
-from .errors import FlashLLMError
+from flashllm.budget import parse_budget
+from flashllm.errors import FlashLLMError
 
 BACKENDS = ("torch", "mlx")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -15,6 +15,10 @@ ON_OVERFLOW = ("drop", "error")
 KERNELS = ("tuned", "plain")
 QUANTIZE_RESIDENT = ("none", "int8", "int4")
 KV_BITS = (8, 16)
+# The names of the registries the runtime builds from (tests check each registry against its names).
+MODES = ("dense", "naive", "hybrid", "sparse")  # modes.registry.MODES; MoE models take dense and sparse
+EXPERT_POLICIES = ("lru", "lfu", "window")  # modes.moe: which cached expert a new one replaces
+PREDICTORS = ("auto", "lowrank", "oracle", "gate")  # modes.sparse.predictor.PREDICTORS, and auto
 
 
 @dataclass(frozen=True)
@@ -26,8 +30,8 @@ class LoadOptions:
 
     backend: str = "torch"
     device: str | None = None  # None: torch cpu, mlx Metal where present
-    mode: str = "dense"  # a key of modes.PLANS
-    # sparse mode: auto, a key of predictor.PREDICTORS, or a builder; auto: the resident gate rows for a
+    mode: str = "dense"  # one of MODES
+    # sparse mode: auto, one of PREDICTORS, or a builder; auto: the resident gate rows for a
     # gated FFN with calibrated thresholds (when the budget holds them), else the low-rank predictors
     predictor: str | Callable = "auto"
     dram_budget: float | int | str | None = None
@@ -51,7 +55,7 @@ class LoadOptions:
     # cache holds beside the window's expected need (needs the frequencies `predictors train` saves)
     pin_hot: bool = True
     on_overflow: str = "drop"  # sparse: when a token's predicted set exceeds a cache, drop (warned) or error
-    expert_policy: str = "lru"  # MoE sparse: which cached expert a new one replaces (experts.POLICIES)
+    expert_policy: str = "lru"  # MoE sparse: which cached expert a new one replaces (EXPERT_POLICIES)
     expert_prefetch: bool = False  # MoE sparse: read layer l+1's predicted experts while layer l computes
     # MoE: (layer, router logits [T, n_experts], early) -> expert ids [T, top_k] chosen instead of the router's
     # top-k (e.g. routing replayed from a trace; `early`: a prefetch guess); None: the router decides
@@ -66,20 +70,17 @@ class LoadOptions:
     batch_size: int = 1  # sequences decoded together (Model.generate_batch), each with its own KV cache
 
     def __post_init__(self):
-        from .experts import POLICIES
-        from .modes import PLANS
-        from .predictor import PREDICTOR_NAMES
-
         def check(ok: bool, what: str):
             if not ok:
                 raise FlashLLMError(what)
 
         check(self.backend in BACKENDS, f"backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
-        check(self.mode in PLANS, f"mode {self.mode!r}: expected one of {', '.join(PLANS)}")
-        check(callable(self.predictor) or self.predictor in PREDICTOR_NAMES,
-              f"predictor {self.predictor!r}: expected one of {', '.join(PREDICTOR_NAMES)}")
+        check(self.mode in MODES, f"mode {self.mode!r}: expected one of {', '.join(MODES)}")
+        check(callable(self.predictor) or self.predictor in PREDICTORS,
+              f"predictor {self.predictor!r}: expected one of {', '.join(PREDICTORS)}")
         check(self.dtype is None or self.dtype in DTYPES, f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
-        check(self.expert_policy in POLICIES, f"expert_policy {self.expert_policy!r}: expected one of {', '.join(POLICIES)}")
+        check(self.expert_policy in EXPERT_POLICIES,
+              f"expert_policy {self.expert_policy!r}: expected one of {', '.join(EXPERT_POLICIES)}")
         check(self.expert_routing is None or callable(self.expert_routing),
               f"expert_routing {self.expert_routing!r}: expected None or a function (layer, logits, early) -> ids")
         check(self.quantize_resident in QUANTIZE_RESIDENT,

@@ -12,7 +12,7 @@ Then `--sparsity S`: every layer starts dense and the layer whose squared error 
 the next grid step, until the mean sparsity reaches S (TEAL's greedy allocation; layers whose
 outputs barely change go sparser). `--ffn-error E`: each layer at the largest grid sparsity with
 e <= E. `--activation-threshold T`: T in every layer. The thresholds, and the sparsity and error
-measured with them, go to sparsity.json (flashllm/sparsity.py) and label the predictors' training.
+measured with them, go to sparsity.json (flashllm/modes/sparse/activation_sparsity.py) and label the predictors' training.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from flashllm.errors import FlashLLMError
-from flashllm.sparsity import DENSE_ACTIVATIONS, SPARSITY_FILE, sparsity_document
+from flashllm.modes.sparse.activation_sparsity import DENSE_ACTIVATIONS, SPARSITY_FILE, sparsity_document
 
 GRID_STEP = 0.025
 MAX_SPARSITY = 0.95

@@ -1,4 +1,4 @@
-"""`flashllm predictors train|eval`: argument parsers and handlers (flashllm/cli.py mounts them)."""
+"""`flashllm predictors train|eval`: argument parsers and handlers (flashllm/cli/main.py mounts them)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ manifest's "neuron_order" entry. Without trained predictors the true activations
 
 
 def _train_epilog() -> str:
-    from .train import describe_estimate
+    from flashllm.predictors.train import describe_estimate
 
     return ("Active neurons: pre-activation > threshold for relu/fatrelu models. Dense activations "
             "(silu, gelu) need --sparsity S (or --ffn-error E, or --activation-threshold T): per-layer "
@@ -42,7 +42,7 @@ def _train_epilog() -> str:
 
 
 def _budgets(text: str) -> list:
-    from flashllm.cli import _budget  # the budget syntax of every load option
+    from flashllm.cli.main import _budget  # the budget syntax of every load option
 
     return [None if v == "unlimited" else _budget(v) for v in text.split(",")]
 
@@ -58,9 +58,9 @@ def _dtypes(text: str) -> list[str]:
 
 def add_parsers(sub) -> None:
     """Add `train` and `eval` to the subparsers of `flashllm predictors`."""
-    from flashllm.cli import DEFAULT_DTYPE_HELP, add_load_options, add_model_dir
+    from flashllm.cli.main import DEFAULT_DTYPE_HELP, add_load_options, add_model_dir
 
-    from .train import DEFAULT_MAX_TOKENS, RANK_LADDER, TrainSettings
+    from flashllm.predictors.train import DEFAULT_MAX_TOKENS, RANK_LADDER, TrainSettings
 
     d = TrainSettings()
     t = sub.add_parser("train", help="collect calibration data and train the predictors",
@@ -106,8 +106,8 @@ def add_parsers(sub) -> None:
     t.add_argument("--json", action="store_true", help="print predictors.json's content as one JSON object")
     t.set_defaults(func=cmd_train)
 
-    from .coactivation import DEFAULT_NEIGHBOURS, STATISTICS
-    from .order import DEFAULT_MAX_TOKENS as ORDER_TOKENS, DEFAULT_WINDOW
+    from flashllm.predictors.coactivation import DEFAULT_NEIGHBOURS, STATISTICS
+    from flashllm.predictors.order import DEFAULT_MAX_TOKENS as ORDER_TOKENS, DEFAULT_WINDOW
 
     o = sub.add_parser("order", help="rewrite the model with neurons that are read together stored adjacently",
                        description=ORDER_DESCRIPTION)
@@ -164,8 +164,8 @@ def _chatter(args) -> dict:
 
 
 def cmd_train(args) -> None:
-    from .calibrate import Target
-    from .train import TrainSettings, train_predictors
+    from flashllm.predictors.calibrate import Target
+    from flashllm.predictors.train import TrainSettings, train_predictors
 
     target = next((Target(method, value) for method, value in (("sparsity", args.sparsity),
                    ("ffn_error", args.ffn_error), ("explicit", args.activation_threshold)) if value is not None), None)
@@ -177,11 +177,11 @@ def cmd_train(args) -> None:
                             target=target, low_memory=args.low_memory,
                             dtype=args.dtype, workdir=args.workdir, **chatter)
     if args.order == "coactivation":
-        from .order import order_model
+        from flashllm.predictors.order import order_model
 
-        from flashllm.predictor import PREDICTOR_META
+        from flashllm.modes.sparse.predictor import PREDICTOR_META
 
-        from .order import DEFAULT_MAX_TOKENS as ORDER_TOKENS, order_model
+        from flashllm.predictors.order import DEFAULT_MAX_TOKENS as ORDER_TOKENS, order_model
 
         order_model(args.model_dir, args.data, max_tokens=min(args.max_tokens, ORDER_TOKENS), seq_len=args.seq_len,
                     low_memory=args.low_memory, dtype=args.dtype, device=args.device, window=args.window,
@@ -203,7 +203,7 @@ def cmd_train(args) -> None:
 
 
 def cmd_order(args) -> None:
-    from .order import order_model
+    from flashllm.predictors.order import order_model
 
     info = order_model(args.model_dir, args.data, max_tokens=args.max_tokens, window=args.window,
                        statistic=args.statistic, neighbours=args.neighbours, seq_len=args.seq_len,
@@ -217,10 +217,10 @@ def cmd_order(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from flashllm.cli import load_options
+    from flashllm.cli.main import load_options
 
-    from .evaluate import evaluate
-    from .report import check_out_prefix, format_report, write_sweep
+    from flashllm.predictors.evaluate import evaluate
+    from flashllm.predictors.report import check_out_prefix, format_report, write_sweep
 
     if args.out:
         check_out_prefix(args.out)

@@ -8,7 +8,7 @@ the neuron axis); only one chunk's activations are ever in RAM during collection
 later loads one layer's shard at a time.
 
 Which neurons count as active:
-- relu / relu2 / fatrelu models: the runtime's own rule, `flashllm.predictor.activation_threshold`:
+- relu / relu2 / fatrelu models: the runtime's own rule, `flashllm.modes.sparse.predictor.activation_threshold`:
   pre-activation (gate for gated FFNs, up otherwise, bias included) > threshold (0 for relu);
 - dense activations (silu, gelu) with per-layer thresholds t_l (calibrate.py: `--sparsity S`,
   `--ffn-error E` or `--activation-threshold T`): |act(pre)| > t_l, act being the model's
@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from flashllm.errors import FlashLLMError
-from flashllm.predictor import activation_threshold
-from flashllm.sparsity import SPARSITY_FILE
+from flashllm.modes.sparse.predictor import activation_threshold
+from flashllm.modes.sparse.activation_sparsity import SPARSITY_FILE
 
 DEFAULT_SEQ_LEN = 256
 MIN_TOKENS = 16  # fewer calibration tokens cannot be split into train and held-out parts

@@ -30,7 +30,7 @@ import numpy as np
 
 from flashllm.errors import FlashLLMError
 
-from . import collect as col
+from flashllm.predictors import collect as col
 
 NAIVE_PROMPT, NAIVE_DECODE = 4, 4
 
@@ -105,7 +105,7 @@ def dense_reference(model_dir, data, options, max_tokens: int | None, gen_tokens
                     seq_len: int | None, progress: bool | None) -> Reference:
     """One dense pass over the held-out text (in the evaluated dtype) plus the greedy continuation."""
     import flashllm
-    from flashllm.predictor import LowRankPredictor
+    from flashllm.modes.sparse.predictor import LowRankPredictor
     from flashllm.progress import progress_bar
 
     if gen_tokens < 1 or prompt_tokens < 1:

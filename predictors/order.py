@@ -16,7 +16,7 @@ import numpy as np
 
 from flashllm.errors import FlashLLMError
 
-from . import coactivation as co
+from flashllm.predictors import coactivation as co
 
 DEFAULT_MAX_TOKENS = 20_000
 DEFAULT_WINDOW = 4
@@ -52,7 +52,7 @@ def _masks_of(model, chunks, predictor, progress: bool | None) -> list[list[np.n
     """Per layer, per sequence: the predicted (or, with no predictor, true) masks of every token."""
     from flashllm.progress import progress_bar
 
-    from .collect import activation_rule, recording
+    from flashllm.predictors.collect import activation_rule, recording
 
     per_layer: list[list[np.ndarray]] = [[] for _ in range(model.spec.n_layers)]
     if predictor is not None:
@@ -74,11 +74,11 @@ def order_model(model_dir: str | Path, data: str | Path, max_tokens: int = DEFAU
                 device: str = "cpu", progress: bool | None = None, log=None) -> dict:
     """Order every layer's neurons by co-activation on `data` and rewrite `model_dir` in that order.
     Returns the manifest's new "neuron_order" entry."""
-    from flashllm.predictor import PREDICTOR_META, LowRankPredictor
+    from flashllm.modes.sparse.predictor import PREDICTOR_META, LowRankPredictor
 
-    from . import collect as col
-    from .reorder import apply_order
-    from .train import check_writable
+    from flashllm.predictors import collect as col
+    from flashllm.predictors.reorder import apply_order
+    from flashllm.predictors.train import check_writable
 
     log = log or (lambda msg: None)
     if window < 1:

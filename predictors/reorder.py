@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from flashllm import format as fmt
+from flashllm.format import manifest as fmt
 from flashllm.errors import FlashLLMError
-from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_META, PREDICTOR_FORMAT, PREDICTOR_VERSION
-from flashllm.sparsity import SPARSITY_FILE
-from flashllm.st_io import SafetensorsFile, write_safetensors
+from flashllm.modes.sparse.predictor import PREDICTOR_FILE, PREDICTOR_META, PREDICTOR_FORMAT, PREDICTOR_VERSION
+from flashllm.modes.sparse.activation_sparsity import SPARSITY_FILE
+from flashllm.format.safetensors_io import SafetensorsFile, write_safetensors
 
 ORDER_FILE = "neuron_order.safetensors"
 PREDICTOR_INPUT_TENSORS = ("A",)  # per-layer predictor tensors NOT indexed by neuron

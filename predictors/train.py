@@ -36,12 +36,12 @@ from pathlib import Path
 import numpy as np
 
 from flashllm.errors import FlashLLMError
-from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_FORMAT, PREDICTOR_META, PREDICTOR_VERSION
+from flashllm.modes.sparse.predictor import PREDICTOR_FILE, PREDICTOR_FORMAT, PREDICTOR_META, PREDICTOR_VERSION
 
-from flashllm.sparsity import SPARSITY_FILE
+from flashllm.modes.sparse.activation_sparsity import SPARSITY_FILE
 
-from .calibrate import Target, calibrate, write_sparsity
-from . import collect as col
+from flashllm.predictors.calibrate import Target, calibrate, write_sparsity
+from flashllm.predictors import collect as col
 
 RANK_LADDER = (16, 32, 64, 128, 256)
 # Calibration tokens by default. Collection time and temporary disk grow linearly with tokens

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import flashllm
-from flashllm.cli import main
+from flashllm.cli.main import main
 
 rng = np.random.default_rng(1)
 PROMPTS = [[int(t) for t in rng.integers(3, 96, size=n)] for n in (5, 9, 2)]  # different lengths

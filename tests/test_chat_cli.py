@@ -33,7 +33,7 @@ class Terminal:
 
     def __init__(self, *args: str):
         master, slave = pty.openpty()
-        self.proc = subprocess.Popen([sys.executable, "-m", "flashllm.cli", "chat", *args], stdin=slave,
+        self.proc = subprocess.Popen([sys.executable, "-m", "flashllm.cli.main", "chat", *args], stdin=slave,
                                      stdout=slave, stderr=subprocess.PIPE, close_fds=True, preexec_fn=_own_terminal,
                                      env={**os.environ, "TERM": "dumb"})
         os.close(slave)
@@ -122,7 +122,7 @@ def test_ctrl_c_at_the_prompt_exits_cleanly(chat_model):
 
 
 def test_chat_without_a_template_is_one_clear_line_before_loading(chat_model, capsys, monkeypatch):
-    from flashllm.cli import main
+    from flashllm.cli.main import main
 
     def no_load(*args, **kwargs):
         raise AssertionError("loaded the model before checking its chat template")
@@ -141,7 +141,7 @@ def test_chat_states_a_context_beyond_the_model(chat_model, capsys, monkeypatch)
     """As generate does: a --context above the model's positions is capped with a warning, not silently."""
     import io
 
-    from flashllm.cli import main
+    from flashllm.cli.main import main
 
     limit = flashllm.load(chat_model).spec.context_limit
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # end of input at the first prompt

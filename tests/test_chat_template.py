@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 import flashllm
-from flashllm.chat_template import ChatTemplate
+from flashllm.text.chat_template import ChatTemplate
 from flashllm.errors import FlashLLMError
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "

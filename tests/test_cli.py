@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import flashllm
-from flashllm.cli import build_parser, main
+from flashllm.cli.main import build_parser, main
 
 PROMPT = "the quick brown"
 
@@ -223,7 +223,7 @@ def test_missing_predictors_names_file_and_option(capsys, tiny_models, tmp_path)
 
 def test_closed_pipe_is_quiet(flash):
     """`flashllm generate ... | head -c 1`: no traceback, no 'Exception ignored' at exit."""
-    proc = subprocess.Popen([sys.executable, "-m", "flashllm.cli", "generate", str(flash), "--prompt", PROMPT,
+    proc = subprocess.Popen([sys.executable, "-m", "flashllm.cli.main", "generate", str(flash), "--prompt", PROMPT,
                              "--max-new-tokens", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader is gone before the first byte
     err = proc.stderr.read().decode()
@@ -249,7 +249,7 @@ def test_a_warning_while_text_streams_starts_on_its_own_line_in_a_terminal(capsy
     are one terminal (it was glued to the streamed text); redirected output is left as it is."""
     import warnings
 
-    from flashllm import cli
+    from flashllm.cli import main as cli
     from flashllm.model import Model
 
     def warn_midway(self, *a, **k):

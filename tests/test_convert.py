@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import flashllm
-from flashllm import format as fmt
-from flashllm.cli import main
+from flashllm.format import manifest as fmt
+from flashllm.cli.main import main
 from flashllm.converters import convert
-from flashllm.st_io import SafetensorsFile
+from flashllm.format.safetensors_io import SafetensorsFile
 from tiny import make_hf_model, save_checkpoint
 
 IDS = [1, 17, 33, 5, 60, 8, 21, 90, 44, 12]
@@ -29,7 +29,7 @@ def hf_logits(hf, ids):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_storage_bytes_round_as_torch_casts(dtype):
     """The converter stores values without torch: its rounding (bfloat16 included) is torch's, bit for bit."""
-    from flashllm.st_io import storage_bytes
+    from flashllm.format.safetensors_io import storage_bytes
 
     rng = np.random.default_rng(0)
     f32 = np.finfo(np.float32)
@@ -189,9 +189,9 @@ def test_force_replaces_only_a_model_directory_or_an_empty_one(capsys, ckpt, tmp
 
 
 def test_companion_files_are_the_ones_flashllm_commands_write():
-    from flashllm.planner import PLAN_FILE
-    from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_META
-    from flashllm.sparsity import SPARSITY_FILE
+    from flashllm.planner.solver import PLAN_FILE
+    from flashllm.modes.sparse.predictor import PREDICTOR_FILE, PREDICTOR_META
+    from flashllm.modes.sparse.activation_sparsity import SPARSITY_FILE
 
     assert sorted(fmt.COMPANION_FILES) == sorted([PLAN_FILE, PREDICTOR_FILE, PREDICTOR_META, SPARSITY_FILE])
 

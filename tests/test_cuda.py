@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flashllm
-from flashllm.backends.staging import StagingRing
+from flashllm.backends.torch.staging import StagingRing
 
 IDS = [1, 17, 33, 5, 60, 8, 21, 90, 44, 12, 3, 71, 29, 55, 9, 40, 7, 19, 23, 31]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
@@ -147,7 +147,7 @@ def test_cuda_batch_equals_one_at_a_time(tiny_models, mode):
 def test_cuda_trained_predictors_generate_what_the_cpu_generates(tmp_path):
     """The embedded model with its trained low-rank predictors, sparse at a 90% budget (float32, context
     256): the GPU's greedy tokens equal the CPU's."""
-    from flashllm.demo import prepare
+    from flashllm.cli.demo import prepare
 
     model_dir = prepare(tmp_path / "tiny-opt")
     cpu = flashllm.load(model_dir, mode="sparse", dram_budget=0.9, context=256)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flashllm.cli import main
+from flashllm.cli.main import main
 
 
 def test_demo_json(tmp_path, monkeypatch, capsys):
@@ -39,7 +39,7 @@ def test_demo_runs_on_mlx(tmp_path, monkeypatch, capsys, variant):
 
 
 def test_report_says_slower_when_sparse_is_slower():
-    from flashllm.demo import report
+    from flashllm.cli.demo import report
 
     def stats(total_ms, bytes_read):
         return {"bytes_read": bytes_read, "reads": 1, "io_ms": 1.0, "total_ms": total_ms, "dram_bytes": 1 << 20,
@@ -74,7 +74,7 @@ def test_demo_moe_json(tmp_path, monkeypatch, capsys):
 
 def test_demo_swiglu_json(tmp_path, monkeypatch, capsys):
     """The embedded SwiGLU model runs sparse through its shipped thresholds, with the gate rows resident."""
-    from flashllm.demo import dropped_note
+    from flashllm.cli.demo import dropped_note
     from flashllm.errors import DroppedNeuronsWarning
 
     monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path))
@@ -103,7 +103,8 @@ def test_demo_model_is_prepared_in_the_shipped_neuron_order(tmp_path):
     import numpy as np
 
     import flashllm
-    from flashllm import demo, format as fmt
+    from flashllm.cli import demo
+    from flashllm.format import manifest as fmt
 
     ordered, plain = demo.prepare(tmp_path / "ordered"), demo.prepare(tmp_path / "plain", order=False)
     sha = fmt.read_manifest(ordered).data["neuron_order"]["shipped_sha256"]
@@ -125,7 +126,7 @@ def test_demo_model_is_prepared_in_the_shipped_neuron_order(tmp_path):
 def test_demo_needs_a_decode_token_to_compare(capsys, variant, tokens):
     """0 or 1 new tokens leave no decode token: one clear line (it crashed on --moe, and printed ratios of
     zeros otherwise), before anything is converted."""
-    from flashllm.cli import main
+    from flashllm.cli.main import main
 
     assert main(["demo", "--max-new-tokens", tokens, *variant]) == 1
     err = capsys.readouterr().err
@@ -139,7 +140,7 @@ def test_readme_python_snippet_runs_on_the_embedded_model(tmp_path, monkeypatch,
     import re
 
     import flashllm
-    from flashllm import demo
+    from flashllm.cli import demo
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     snippet = re.search(r"```python\n(.*?)```", readme, re.S).group(1)

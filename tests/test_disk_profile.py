@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from flashllm import disk_profile
-from flashllm.disk_profile import DiskProfile
+from flashllm.io import disk_profile
+from flashllm.io.disk_profile import DiskProfile
 from flashllm.errors import FlashLLMError
-from flashllm.flashio import IOStats
+from flashllm.io.reader import IOStats
 
 
 def synthetic(per_read_us: float, mib_s: float) -> DiskProfile:
@@ -68,7 +68,7 @@ def test_measured_gap_is_the_simulated_disks_break_even(tmp_path, monkeypatch):
 def test_call_cost_is_measured_apart_from_the_reads(tmp_path, monkeypatch):
     """On a disk where an engine call costs 500 us besides its reads, one-wave cells carry that cost in every
     read; the profile's call cost model recovers it, so a call of many reads is not charged it per wave."""
-    from flashllm import costmodel
+    from flashllm.planner import cost_model as costmodel
 
     disk = SimulatedDisk(per_read_s=20e-6, bandwidth=800 * 2**20, call_s=500e-6)
     monkeypatch.setattr(disk_profile, "_clock", lambda: disk.now)

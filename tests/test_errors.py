@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import flashllm
-from flashllm.cli import main
+from flashllm.cli.main import main
 
 
 def run_cli(capsys, *argv):
@@ -144,7 +144,7 @@ def test_bad_mode_and_device(flash):
 
 def test_mlx_backend_without_mlx_says_how_to_install(flash, monkeypatch):
     """--backend mlx where MLX is not installed is a clear error, not a ModuleNotFoundError traceback."""
-    monkeypatch.delitem(sys.modules, "flashllm.backends.mlx_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "flashllm.backends.mlx.backend", raising=False)
     monkeypatch.setitem(sys.modules, "mlx", None)  # import mlx.core now fails as if MLX were absent
     monkeypatch.setitem(sys.modules, "mlx.core", None)
     with pytest.raises(flashllm.FlashLLMError, match=r"MLX is not installed; install it with `pip install -e \"\.\[mlx\]\"`"):
@@ -154,7 +154,7 @@ def test_mlx_backend_without_mlx_says_how_to_install(flash, monkeypatch):
 def test_serve_without_its_extra_says_how_to_install(monkeypatch):
     """The install hint is the checkout's extra (flashllm is not a PyPI package: `pip install flashllm[serve]`
     would fetch something else or nothing)."""
-    from flashllm import serve
+    from flashllm.serve import app as serve
 
     monkeypatch.setitem(sys.modules, "starlette", None)
     with pytest.raises(flashllm.FlashLLMError, match=r"starlette is missing\): in the flashllm checkout, pip install -e \"\.\[serve\]\""):
@@ -162,7 +162,7 @@ def test_serve_without_its_extra_says_how_to_install(monkeypatch):
 
 
 def test_console_script_exit_code(flash, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "flashllm.cli", "inspect", str(tmp_path / "nope")],
+    proc = subprocess.run([sys.executable, "-m", "flashllm.cli.main", "inspect", str(tmp_path / "nope")],
                           capture_output=True, text=True)
     assert proc.returncode == 1
     assert "no such model directory" in proc.stderr and "Traceback" not in proc.stderr
@@ -171,7 +171,7 @@ def test_console_script_exit_code(flash, tmp_path):
 def test_a_wrong_model_path_says_which_mistake_it_is(capsys, tmp_path):
     """A path that does not exist, a directory without a manifest, a Hugging Face checkpoint given where a
     converted model goes and a file: each its own one-line error, the checkpoint's naming the convert command to run."""
-    from flashllm.cli import main
+    from flashllm.cli.main import main
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "ckpt").mkdir()

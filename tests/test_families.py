@@ -10,7 +10,7 @@ import torch
 import flashllm
 from flashllm.converters import convert
 from flashllm.converters.families import family_for
-from flashllm.rope import Rope
+from flashllm.format.rope import Rope
 from tiny import COMMON, make_hf_model, save_checkpoint
 
 BACKENDS = ["torch", pytest.param("mlx", marks=pytest.mark.skipif(importlib.util.find_spec("mlx") is None,

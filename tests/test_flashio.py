@@ -13,11 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import flashllm.flashio as flashio
-import flashllm.flashio_threads as flashio_threads
+import flashllm.io.reader as flashio
+import flashllm.io.threads as flashio_threads
 from flashllm.errors import FlashLLMError
-from flashllm.flashio import FlashIOError, FlashReader, IOStats, aligned_empty
-from flashllm.uring import MIN_BUFFER, UringContext
+from flashllm.io.reader import FlashIOError, FlashReader, IOStats, aligned_empty
+from flashllm.io.uring import MIN_BUFFER, UringContext
 
 CONTEXTS = {"io_uring": UringContext, "aio": flashio.AioContext}  # the kernel interfaces under AioQueue
 
@@ -438,7 +438,7 @@ def test_aligned_empty_is_aligned():
 
 def test_open_reader_does_not_hang_interpreter_exit(data_file):
     path, _ = data_file
-    code = ("import numpy as np; from flashllm.flashio import FlashReader, aligned_empty; "
+    code = ("import numpy as np; from flashllm.io.reader import FlashReader, aligned_empty; "
             f"r = FlashReader({path!r}); r.read_range(0, 4096, aligned_empty(4096, np.uint8))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], cwd=root, timeout=60, check=True)
@@ -503,10 +503,10 @@ def test_submitted_calls_overlap_and_wait_returns_their_stats(data_file, monkeyp
 
 def test_io_throughput_bench_prints_one_json_object(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, os.path.join(root, "bench", "io_throughput.py"), "--file", str(tmp_path / "io.bin"),
+    cmd = [sys.executable, "-m", "bench", "--no-record", "io", "throughput", "--file", str(tmp_path / "io.bin"),
            "--size", "8MiB", "--chunks", "32K", "--threads", "2", "--rounds", "1", "--seconds", "0.05",
            "--layer-bytes", "4M", "--no-fio", "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
     if "no direct I/O" in out.stderr:
         pytest.skip("no direct I/O on this file system")
     result = json.loads(out.stdout)

@@ -10,7 +10,7 @@ import flashllm
 from flashllm.converters import convert
 from flashllm.errors import FlashLLMError
 from flashllm.generate import Generation, TextStream, generate_tokens
-from flashllm.tokenizer import Tokenizer
+from flashllm.text.tokenizer import Tokenizer
 from tiny import make_hf_model, save_checkpoint
 
 PROMPT = "the quick brown"
@@ -107,7 +107,7 @@ def test_every_eos_id_in_config_stops_generation(tiny_models, tmp_path):
     assert 2 not in free[:4]
     later = free[3]  # a token the model emits; make it the second eos id, as Llama-3 lists <|eot_id|>
     model_dir = llama_with_eos(tmp_path, [2, later])
-    spec = flashllm.format.read_manifest(model_dir).spec
+    spec = flashllm.format.manifest.read_manifest(model_dir).spec
     assert spec.eos_token_id == 2 and spec.eos_token_ids == (2, later)
     model = flashllm.load(model_dir)
     got = list(model.generate_ids(prompt, 12))

@@ -61,7 +61,7 @@ def test_decode_attention_over_the_head_major_cache_is_attention(kv_heads):
     import torch
     import torch.nn.functional as F
 
-    from flashllm.backends.torch_backend import TorchBackend
+    from flashllm.backends.torch.backend import TorchBackend
 
     g = torch.Generator().manual_seed(0)
     q, keys, vals = (torch.randn(shape, generator=g) for shape in ((4, 16), (kv_heads, 9, 16), (kv_heads, 9, 16)))
@@ -73,7 +73,8 @@ def test_decode_attention_over_the_head_major_cache_is_attention(kv_heads):
 def test_compute_threads_requested_or_every_core(tiny_models, monkeypatch):
     import torch
 
-    from flashllm.backends import base, torch_backend
+    from flashllm.backends import base
+    from flashllm.backends.torch import backend as torch_backend
 
     before = torch.get_num_threads()
     try:
@@ -103,10 +104,10 @@ def test_openmp_workers_sleep_unless_the_user_chose():
 
 
 def test_compute_roofline_bench_reports_every_part(tiny_models, tmp_path):
-    from tiny import bench
+    from bench.compute import roofline
 
     out = tmp_path / "roof.md"
-    bench("compute_roofline").main([str(tiny_models("llama").model_dir), "--mode", "sparse", "--configs", "before", "after-1t",
+    roofline.main([str(tiny_models("llama").model_dir), "--mode", "sparse", "--configs", "before", "after-1t",
                                     "--rounds", "1", "--tokens", "2", "--warmup", "1", "--backends", "torch",
                                     "--roofline-dtypes", "float32", "--roofline-rounds", "1", "--out", str(out)])
     text = out.read_text()
@@ -117,13 +118,13 @@ def test_compute_roofline_bench_reports_every_part(tiny_models, tmp_path):
 
 
 def test_compute_roofline_sets_each_run_against_the_roofline_beside_its_tokens(tiny_models, tmp_path, capsys):
-    from tiny import bench
+    from bench.compute import roofline
 
     from flashllm.backends import native
     if native.library() is None:
         pytest.skip(f"no native kernels: {native.describe()}")
     out = tmp_path / "roof.md"
-    bench("compute_roofline").main([str(tiny_models("llama").model_dir), "--mode", "sparse", "--dtype", "float16",
+    roofline.main([str(tiny_models("llama").model_dir), "--mode", "sparse", "--dtype", "float16",
                                     "--configs", "after-1t", "--rounds", "1", "--tokens", "2", "--warmup", "1",
                                     "--backends", "native", "--roofline-dtypes", "float16", "--roofline-rounds", "0",
                                     "--out", str(out), "--json"])

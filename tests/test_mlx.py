@@ -12,7 +12,7 @@ import pytest
 mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install -e '.[mlx]')")
 
 import flashllm  # noqa: E402
-from flashllm import format as fmt  # noqa: E402
+from flashllm.format import manifest as fmt  # noqa: E402
 from tiny import write_random_predictors  # noqa: E402
 
 rng = np.random.default_rng(1)
@@ -141,7 +141,7 @@ def test_mlx_caches_hold_as_many_rows_as_torch_at_the_demos_settings(tmp_path):
     its shipped predictors): MLX's one staging buffer costs what torch's does, so its neuron caches get
     the same rows. At the old 8 MiB bound the buffer was a whole layer (2 MiB of an 11.3 MiB budget)
     and MLX's caches held 1585 rows against torch's 3370 (more flash reads, dropped neurons)."""
-    from flashllm import demo
+    from flashllm.cli import demo
 
     model_dir = demo.prepare(tmp_path / "tiny-opt")
     models = {b: flashllm.load(model_dir, backend=b, mode="sparse", dram_budget=0.5, window=4, dtype="bfloat16",

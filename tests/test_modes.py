@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import flashllm
-from flashllm import format as fmt
+from flashllm.format import manifest as fmt
 
 rng = np.random.default_rng(0)
 IDS = [int(t) for t in rng.integers(3, 96, size=40)]  # an 8-token prompt, then 32 decode steps
@@ -93,7 +93,7 @@ def test_submitting_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeyp
     FFN read submitted during a forward, the read-ahead's included, is inside the forward's io_ms."""
     import time
 
-    from flashllm.ffn_reader import FFNReader
+    from flashllm.io.ffn_reader import FFNReader
 
     tiny = tiny_models("opt")
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True)
@@ -117,7 +117,7 @@ def test_reaping_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeypatc
     inside the forward's io_ms."""
     import time
 
-    from flashllm.ffn_reader import PendingNeurons
+    from flashllm.io.ffn_reader import PendingNeurons
 
     tiny = tiny_models("opt")
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True)
@@ -266,7 +266,7 @@ def test_lowrank_predictors_of_other_weights_are_refused(tiny_models, tmp_path):
 
 
 def test_cache_rows_follow_each_layers_need():
-    from flashllm.modes import split_rows
+    from flashllm.budget import split_rows
 
     assert split_rows(100, [1.0, 1.0], 80) == [50, 50]
     assert split_rows(100, [3.0, 1.0], 60) == [60, 40]  # the capped layer's share goes to the other
@@ -280,8 +280,8 @@ def test_pinned_hot_neurons_keep_the_result_and_save_reads(tiny_models, dense_lo
     logits as dense (pinned rows are computed like cached ones), fewer bytes than without pinning."""
     import shutil
 
-    from flashllm.predictor import PREDICTOR_FILE
-    from flashllm.st_io import write_safetensors
+    from flashllm.modes.sparse.predictor import PREDICTOR_FILE
+    from flashllm.format.safetensors_io import write_safetensors
 
     tiny = tiny_models("opt")
     model_dir = tmp_path / "model"

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import flashllm
-from flashllm import format as fmt
+from flashllm.format import manifest as fmt
 from flashllm.errors import FlashLLMError
-from flashllm.experts import ExpertCache, by_expert, route
+from flashllm.modes.moe import ExpertCache, by_expert, route
 
 IDS = [1, 17, 33, 5, 60, 8, 21, 90, 44, 12, 3, 71]
 
@@ -111,8 +111,8 @@ def quantized_moe(request, tiny_models, tmp_path_factory):
 
 def test_moe_quantized_expert_bundles_are_aligned_and_within_bounds(quantized_moe):
     """Each stored expert row dequantizes to within half a group step of the checkpoint's weights."""
-    from flashllm.experts import expert_values
-    from flashllm.quant import QuantScheme
+    from flashllm.modes.moe import expert_values
+    from flashllm.format.quant import QuantScheme
 
     tiny, out, name = quantized_moe
     manifest, plain = fmt.read_manifest(out), fmt.read_manifest(tiny.model_dir)
@@ -142,7 +142,7 @@ def test_moe_quantized_streamed_equals_dense_and_transformers_on_the_dequantized
     (The plain kernels: dequantized experts; the int4 kernel slots are checked against them below.)"""
     import copy
 
-    from flashllm.experts import expert_values
+    from flashllm.modes.moe import expert_values
 
     tiny, out, name = quantized_moe
     dense_model = flashllm.load(out, mode="dense", kernels="plain")
@@ -236,7 +236,7 @@ def test_moe_mlx_quantized_slots_equal_dense_and_the_dequantized_experts(quantiz
 
 def test_int4_kernel_packing_matches_torchs_converter():
     """The nibble permutation that repacks int4 codes equals torch's own converter (or falls back to it)."""
-    from flashllm.backends.torch_quant import pack_int4
+    from flashllm.backends.torch.quant import pack_int4
 
     codes = torch.randint(0, 16, (192, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     want = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)

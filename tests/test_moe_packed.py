@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import flashllm
-from flashllm import format as fmt
-from flashllm.backends import torch_quant
+from flashllm.format import manifest as fmt
+from flashllm.backends.torch import quant as torch_quant
 from flashllm.converters import convert
 from flashllm.errors import FlashLLMError
-from flashllm.expert_format import PACKING_BLOCKS, pack_nibbles, packing_name, unpack_nibbles
+from flashllm.format.experts import PACKING_BLOCKS, pack_nibbles, packing_name, unpack_nibbles
 
 from test_moe import IDS, _budget_for_slots
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import flashllm
 from flashllm.backends import native
-from flashllm.backends.torch_native import NativeKernels
+from flashllm.backends.torch.native import NativeKernels
 from flashllm.converters import convert
 
 LIB = native.library()
@@ -202,7 +202,7 @@ def test_ffn_index_list_accumulates_in_two_calls(threads):
 def test_ffn_output_in_the_call_has_ffn_results_bits(dtype):
     """`y` and `zero`: the kernel starts its sum from zero (whatever acc held) and writes the FFN's output as
     TorchBackend.ffn_result rounds it, plus the down bias, bit for bit (machine and portable builds)."""
-    from flashllm.backends.torch_backend import TorchBackend
+    from flashllm.backends.torch.backend import TorchBackend
     n, d = 90, 72
     m = store(n, d, 3, dtype, seed=5)
     rows = {p: m[:, k * d:(k + 1) * d] for k, p in enumerate(("gate", "up", "down"))}
@@ -318,7 +318,8 @@ def test_no_compiler_falls_back_to_torch(monkeypatch, tmp_path, tiny_models):
 def test_built_kernels_live_under_flashllms_cache(monkeypatch, tmp_path):
     """$FLASHLLM_NATIVE_CACHE, else native/ under $FLASHLLM_CACHE (with the demo's models and the profiles), else
     under $XDG_CACHE_HOME/flashllm: setting FLASHLLM_CACHE moves everything flashllm writes outside a model."""
-    from flashllm import disk_profile, profile
+    from flashllm.io import disk_profile
+    from flashllm.planner import profile
 
     monkeypatch.delenv("FLASHLLM_NATIVE_CACHE", raising=False)
     monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path / "app"))
@@ -344,12 +345,12 @@ def test_build_is_cached_by_source_and_flags(monkeypatch, tmp_path):
 
 @needs_native
 def test_compute_roofline_bench_lists_the_native_kernels(tiny_models, tmp_path):
-    """bench/compute_roofline.py: native mat-vec roofline rows, the FFN survey's one-pass kernel, and a native
+    """bench/compute/roofline.py: native mat-vec roofline rows, the FFN survey's one-pass kernel, and a native
     run beside a torch one (FLASHLLM_NATIVE=0), shares against the best rate of any backend."""
-    from tiny import bench
+    from bench.compute import roofline
 
     out = tmp_path / "roof.md"
-    bench("compute_roofline").main([str(tiny_models("llama").model_dir), "--mode", "sparse", "--dtype", "float16",
+    roofline.main([str(tiny_models("llama").model_dir), "--mode", "sparse", "--dtype", "float16",
                                     "--configs", "torch-1t", "after-1t", "--rounds", "1", "--tokens", "2", "--warmup",
                                     "1", "--backends", "torch", "native", "--roofline-dtypes", "float16",
                                     "--roofline-rounds", "1", "--attention-keys", "16", "--out", str(out)])
@@ -362,10 +363,10 @@ def test_compute_roofline_bench_lists_the_native_kernels(tiny_models, tmp_path):
 
 @needs_native
 def test_compute_roofline_bench_on_an_int4_model(tiny_models, tmp_path, monkeypatch):
-    """bench/compute_roofline.py on an int4 model: the FFN survey's int4 rows (native over the codes, torch over
+    """bench/compute/roofline.py on an int4 model: the FFN survey's int4 rows (native over the codes, torch over
     dequantized rows, the dequantization itself), and the native run's FFN bytes are the cache's int4 rows (fewer
     bytes per cached neuron than the torch run's bfloat16 rows)."""
-    from tiny import bench
+    from bench.compute import roofline
 
     model = convert(tiny_models("llama").ckpt, tmp_path / "int4", dtype="float16", quantize="int4", group_size=16,
                     progress=False)
@@ -373,12 +374,12 @@ def test_compute_roofline_bench_on_an_int4_model(tiny_models, tmp_path, monkeypa
             "1", "--tokens", "2", "--warmup", "1", "--backends", "native", "--roofline-dtypes", "int4",
             "--roofline-rounds", "1", "--attention-keys", "16"]
     out = tmp_path / "roof.md"
-    bench("compute_roofline").main(args + ["--out", str(out)])
+    roofline.main(args + ["--out", str(out)])
     text = out.read_text()
     for case in ("native one pass", "torch (session 5's path)", "dequantize the rows to bfloat16"):
         assert case in text
     assert "| int4 g64 (bfloat16 x), 2 threads | " in text
-    roof = bench("compute_roofline")
+    roof = roofline
     per_neuron = {}
     for native in ("1", "0"):
         monkeypatch.setenv("FLASHLLM_NATIVE", native)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import flashllm
 from flashllm.backends import native
-from flashllm.backends.torch_native import NativeKernels
+from flashllm.backends.torch.native import NativeKernels
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"no native kernels here: {native.describe()}")
 

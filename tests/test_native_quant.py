@@ -1,4 +1,4 @@
-"""The native int8/int4 kernels over quantized bundle parts as stored (quant.py's layout): each kernel against the
+"""The native int8/int4 kernels over quantized bundle parts as stored (flashllm/format/quant.py's layout): each kernel against the
 float32 math of the dequantized values (every scheme, group sizes, strided rows, row-index lists accumulated in two
 calls, threads, the portable C path), and the runtime against its torch path (FLASHLLM_NATIVE=0, rows dequantized
 when read) and dense mode, for every family the quantized tests cover."""
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import flashllm
-from flashllm.backends.torch_native import NativeKernels
-from flashllm.backends.torch_quant import QuantRows
+from flashllm.backends.torch.native import NativeKernels
+from flashllm.backends.torch.quant import QuantRows
 from flashllm.converters import convert
-from flashllm.quant import QuantScheme
+from flashllm.format.quant import QuantScheme
 from test_native import IDS, kernel_sets, needs_native, reference_ffn
 
 SCHEMES = [(name, scheme) for name in ("int4", "int8") for scheme in ("asymmetric", "symmetric")]

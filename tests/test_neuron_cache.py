@@ -6,11 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashllm.backends.torch_backend import TorchBackend
-from flashllm.flashio import FlashIOError, FlashReader
-from flashllm.format import FFNLayout
-from flashllm.neuron_cache import NeuronCache
-from flashllm.spec import ArchSpec
+from flashllm.backends.torch.backend import TorchBackend
+from flashllm.io.reader import FlashIOError, FlashReader
+from flashllm.format.manifest import FFNLayout
+from flashllm.modes.sparse.neuron_cache import NeuronCache
+from flashllm.format.spec import ArchSpec
 
 D_FFN, D = 40, 8
 
@@ -173,7 +173,7 @@ def test_a_layout_of_some_parts_reads_just_those(tmp_path, bundled):
     """`FFNLayout.only`: the gate rows stay resident, so a neuron's read is its up and down rows,
     into memory rows of those parts only; parts that are not adjacent in a bundle are refused."""
     from flashllm.errors import FlashLLMError
-    from flashllm.ffn_reader import FFNReader
+    from flashllm.io.ffn_reader import FFNReader
 
     parts, stride = ("gate", "up", "down"), 3 * D * 4 + 32  # a padded bundle
     full = FFNLayout(parts, D, D_FFN, 4, stride, (0,), bundled)
@@ -232,7 +232,7 @@ def test_pinned_neurons_stay_and_the_window_works_on_the_other_rows(ffn_file, se
 
 
 def test_pinned_rows_leave_the_window_its_expected_need():
-    from flashllm.neuron_cache import pinned_rows
+    from flashllm.modes.sparse.neuron_cache import pinned_rows
 
     freq = np.array([0.9] * 10 + [0.02] * 90)
     h = pinned_rows(freq, 40, 4)

@@ -7,8 +7,8 @@ import pytest
 
 import flashllm
 from flashllm.budget import GiB, MiB, parse_budget
-from flashllm.cli import build_parser, load_options, main
-from flashllm.modes import PLANS
+from flashllm.cli.main import build_parser, load_options, main
+from flashllm.modes.registry import PLANS
 from flashllm.options import LoadOptions
 
 
@@ -135,7 +135,7 @@ def test_budget_above_the_model_is_named_as_a_size_the_parser_accepts(tiny_model
 def test_dropped_neurons_warning_names_options_as_the_caller_passes_them(tiny_models, recwarn):
     """The once-per-model warning about predicted neurons the caches could not hold: API keywords in Python,
     flags in the CLI's one-line form."""
-    from flashllm import cli
+    from flashllm.cli import main as cli
     from flashllm.errors import DroppedNeuronsWarning
 
     tiny = tiny_models("llama-relu")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import flashllm
-from flashllm import format as fmt
-from flashllm.cli import main as cli_main
+from flashllm.format import manifest as fmt
+from flashllm.cli.main import main as cli_main
 from flashllm.errors import FlashLLMError
 from flashllm.predictors import coactivation as co
 from flashllm.predictors.order import layer_counts

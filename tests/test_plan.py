@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 import flashllm
-from flashllm import format as fmt
-from flashllm import plan_sparse, planner
+from flashllm.format import manifest as fmt
+from flashllm.planner import sparse as plan_sparse
+from flashllm.planner import solver as planner
 from flashllm.budget import parse_budget
-from flashllm.replay import replay
+from flashllm.planner.replay import replay
 from flashllm.errors import FlashLLMError
-from flashllm.profile import MachineProfile
+from flashllm.planner.profile import MachineProfile
 from tiny import write_random_predictors
 
 
@@ -49,8 +50,8 @@ def test_replay_counts_what_the_runtime_reads(tiny_models, tmp_path, predictor, 
     """The replay of the runtime's own predicted sets, with the geometry probed from the loaded runtime,
     gives its reads, bytes and loads per decode token exactly (staging chunks, alignment, pinned hot
     neurons, a resident gate's up+down reads)."""
-    from flashllm import plan_sparse
-    from flashllm.replay import Replays
+    from flashllm.planner import sparse as plan_sparse
+    from flashllm.planner.replay import Replays
 
     family = "llama-relu" if predictor == "gate" else "opt"  # a gated ReLU FFN for the gate predictor
     model_dir = shutil.copytree(tiny_models(family).model_dir, tmp_path / family)
@@ -114,7 +115,7 @@ def test_plan_fits_its_budget_and_runs(planned_model):
 
 
 def test_calibration_reproduces_its_measurement_and_scales_terms():
-    from flashllm.calibration import Measured, calibrate
+    from flashllm.planner.calibration import Measured, calibrate
 
     m = Measured(total_ms=100.0, compute_ms=40.0, ffn_ms=10.0, predictor_ms=5.0, io_ms=50.0, mem_ms=5.0,
                  bytes_read=1e6, reads=10, spread=0.08, tokens=8)
@@ -156,7 +157,7 @@ def test_cache_rows_option_is_checked(planned_model):
 
 @pytest.mark.parametrize("mode", ["dense", "hybrid", "naive"])
 def test_cache_rows_outside_sparse_mode_is_an_error_naming_the_option(planned_model, capsys, mode):
-    from flashllm.cli import main
+    from flashllm.cli.main import main
 
     capsys.readouterr()
     assert main(["generate", str(planned_model), "--prompt", "def", "--max-new-tokens", "1", "--mode", mode,
@@ -168,7 +169,8 @@ def test_cache_rows_outside_sparse_mode_is_an_error_naming_the_option(planned_mo
 @pytest.fixture
 def cached_profiles(planned_model, tmp_path, monkeypatch):
     """This machine's profiles as if measured before: fake numbers in a private cache."""
-    from flashllm import disk_profile, profile
+    from flashllm.io import disk_profile
+    from flashllm.planner import profile
 
     monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path / "cache"))
     profile.save(MACHINE)
@@ -179,7 +181,7 @@ def cached_profiles(planned_model, tmp_path, monkeypatch):
 def test_plan_cli_and_plan_auto(planned_model, cached_profiles, capsys):
     import json
 
-    from flashllm.cli import main
+    from flashllm.cli.main import main
 
     (planned_model / planner.PLAN_FILE).unlink(missing_ok=True)
     capsys.readouterr()
@@ -203,7 +205,7 @@ def test_plan_cli_and_plan_auto(planned_model, cached_profiles, capsys):
 def test_plan_errors_are_one_line(planned_model, cached_profiles, capsys, recwarn):
     import json
 
-    from flashllm.cli import main
+    from flashllm.cli.main import main
 
     meta_file = planned_model / "predictors.json"
     saved = meta_file.read_text()
@@ -236,7 +238,7 @@ def test_plan_auto_at_another_context_says_whether_it_uses_the_saved_plan(planne
     says so; at a larger one a line says the saved plan is not used, and why, before planning again."""
     import json
 
-    from flashllm.cli import main
+    from flashllm.cli.main import main
 
     (planned_model / planner.PLAN_FILE).unlink(missing_ok=True)
     assert main(["plan", str(planned_model), "--dram-budget", "345KiB", "--context", "32", "--json", "--data",
@@ -260,7 +262,7 @@ def test_plan_auto_at_another_context_says_whether_it_uses_the_saved_plan(planne
 
 def test_plan_auto_that_finds_nothing_says_how_to_plan_over_more(planned_model, cached_profiles, capsys):
     """generate has no --dtypes/--max-dropped: a --plan auto refusal points to `flashllm plan`, which has them."""
-    from flashllm.cli import main
+    from flashllm.cli.main import main
 
     (planned_model / planner.PLAN_FILE).unlink(missing_ok=True)
     capsys.readouterr()
@@ -294,7 +296,7 @@ def test_plan_output_carries_no_warnings_meant_for_generate(planned_model, cache
     import json
 
     from flashllm.budget import BudgetTooSmall
-    from flashllm.cli import main
+    from flashllm.cli.main import main
     from flashllm.errors import DroppedNeuronsWarning
 
     with pytest.raises(BudgetTooSmall) as small:
@@ -314,7 +316,7 @@ def test_plan_weighs_the_gate_predictor_against_lowrank(tiny_models, tmp_path):
     """A gated FFN with a sparse activation can run the low-rank predictors or its resident gate rows: the
     plan costs both (the gate's rows charged to the budget, its reads up and down rows only) and the
     cheaper prediction wins."""
-    from flashllm import plan_sparse
+    from flashllm.planner import sparse as plan_sparse
 
     model_dir = shutil.copytree(tiny_models("llama-relu").model_dir, tmp_path / "llama-relu")
     write_random_predictors(model_dir, trained_for=fmt.read_manifest(model_dir).data["files"]["ffn"]["sha256"])
@@ -340,8 +342,9 @@ def test_plan_weighs_the_gate_predictor_against_lowrank(tiny_models, tmp_path):
 def test_plan_of_a_directory_that_is_no_model_fails_before_profiling(tmp_path, capsys, monkeypatch):
     """`flashllm plan DIR` on a directory that holds no model says so at once, without measuring the machine first
     (that takes minutes where no profile is cached)."""
-    from flashllm import disk_profile, profile
-    from flashllm.cli import main
+    from flashllm.io import disk_profile
+    from flashllm.planner import profile
+    from flashllm.cli.main import main
 
     def measured(*a, **k):
         raise AssertionError("the machine was profiled before the directory was checked")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashllm
-from flashllm.cli import main as cli_main
+from flashllm.cli.main import main as cli_main
 from flashllm.predictors import collect as col
 from flashllm.predictors import train as tr
 from tiny import TEXT, make_hf_model, save_checkpoint, write_random_predictors
@@ -429,8 +429,8 @@ def test_eval_checks_its_out_directory_before_evaluating(tiny_models, texts, tmp
 def test_inspect_lists_trained_predictors_and_checks_them_as_load_does(tiny_models, tmp_path, capsys):
     """`inspect` checks the trained predictors beside the model as a sparse load with them does (their sha256
     in full, with or without --verify): it never passes predictors that load refuses."""
-    from flashllm import format as fmt
-    from flashllm.predictor import PREDICTOR_FILE, PREDICTOR_META
+    from flashllm.format import manifest as fmt
+    from flashllm.modes.sparse.predictor import PREDICTOR_FILE, PREDICTOR_META
 
     model_dir = own_copy(tiny_models, "opt", tmp_path)
     write_random_predictors(model_dir)

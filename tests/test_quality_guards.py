@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import flashllm
-from flashllm.cli import format_stats
+from flashllm.cli.main import format_stats
 from flashllm.errors import DroppedNeuronsWarning
 
 IDS = [1, 5, 9, 12, 7, 3, 20, 4, 8, 11]
@@ -108,10 +108,10 @@ def test_cli_prints_the_load_time_drop_warning_as_one_line(tmp_path):
     import subprocess
     import sys
 
-    from flashllm import demo
+    from flashllm.cli import demo
 
     model_dir = demo.prepare(tmp_path / "tiny-opt")
-    run = subprocess.run([sys.executable, "-m", "flashllm.cli", "generate", str(model_dir), "--prompt", "def f():",
+    run = subprocess.run([sys.executable, "-m", "flashllm.cli.main", "generate", str(model_dir), "--prompt", "def f():",
                           "--max-new-tokens", "2", "--mode", "sparse", "--dram-budget", "45%", "--dtype", "bfloat16"],
                          capture_output=True, text=True, timeout=300)
     err = run.stderr.splitlines()

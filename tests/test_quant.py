@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from flashllm import format as fmt
-from flashllm.cli import main
+from flashllm.format import manifest as fmt
+from flashllm.cli.main import main
 from flashllm.converters import convert
 from flashllm.errors import FlashLLMError
-from flashllm.quant import QuantScheme
+from flashllm.format.quant import QuantScheme
 
 EPS16 = 2.0 ** -10  # relative spacing of float16 (a stored scale is at most this much above the exact one)
 EPS32 = 2.0 ** -23
@@ -96,7 +96,7 @@ def test_quantized_bundles_on_disk(tiny_models, tmp_path, name, bits):
 
 def test_bundles_stay_aligned_where_padding_is_cheap():
     """A 7B-shaped gated FFN (d_model 4096): int4 and int8 bundles pad to 512 bytes (< 1/16 waste)."""
-    from flashllm.spec import ArchSpec
+    from flashllm.format.spec import ArchSpec
 
     spec = ArchSpec(family="llama", vocab_size=32000, d_model=4096, n_layers=2, n_heads=32, n_kv_heads=32,
                     head_dim=128, d_ffn=11008, max_positions=4096, norm="rmsnorm", positional="rotary",
@@ -203,7 +203,7 @@ def test_every_mode_on_quantized_bundles_matches_dense(tiny_models, tmp_path, ba
 
 def test_quantized_hybrid_holds_no_float32_copy_of_a_layer(tmp_path):
     """Hybrid mode on int8 bundles, peak bytes of a fresh child process (the kernel's VmHWM;
-    bench/quant_load_peak.py):
+    bench/quant/load_peak.py):
     - with glibc returning every block over 64 KiB: loading the resident share and streaming the rest
       dequantize a few rows at a time into the compute-dtype rows, so the peak stays within what the
       model holds plus the rows as read (loading) and less than one float32 copy of a layer's streamed
@@ -212,10 +212,10 @@ def test_quantized_hybrid_holds_no_float32_copy_of_a_layer(tmp_path):
       blocks (budget.return_freed_memory), so decoding needs less than one layer's streamed rows on
       top (without it 106 MiB here, 33 with it: freed blocks kept in glibc's heaps, what took the int8
       hybrid Table-3 run over its cgroup limit)."""
-    from flashllm.spec import ArchSpec
-    from tiny import bench
+    from flashllm.format.spec import ArchSpec
+    from bench.models import make_model
+    from bench.quant import load_peak
 
-    make_model, load_peak = bench("make_model"), bench("quant_load_peak")
     d, d_ffn, MiB = 512, 32768, 1 << 20
     spec = ArchSpec(**make_model._shape(make_model.OPT, 32768, d, 2, 8, d_ffn, 64))
     model_dir = make_model.write_model(spec, tmp_path / "m", "float16", progress=False, quantize="int8")
@@ -231,9 +231,9 @@ def test_quantized_hybrid_holds_no_float32_copy_of_a_layer(tmp_path):
 
 
 def test_quant_quality_rows_name_their_stored_model_and_load_options():
-    from tiny import bench
+    from bench.quant import quality as quant_quality
 
-    parse = bench("quant_quality").parse_row
+    parse = quant_quality.parse_row
     assert parse("float32") == ("float32", {})
     assert parse("int4 g32 + resident int8") == ("int4 g32", {"quantize_resident": "int8"})
     assert parse("int4 g64 + resident int4 + KV int8") == ("int4 g64", {"quantize_resident": "int4", "kv_bits": 8})

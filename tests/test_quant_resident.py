@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashllm
-from flashllm.cli import main
+from flashllm.cli.main import main
 from flashllm.converters import convert
 
 IDS = [1, 17, 33, 5, 60, 8, 21, 90, 44, 12, 3, 77]
@@ -24,7 +24,7 @@ def test_quant_matrix_error_is_half_a_step_and_the_kernel_agrees(bits, shape):
     """Every dequantized weight is within half a stored step of the float one (int4: plus the bfloat16
     rounding of the group's zero point); the kernel's product equals x @ dequantized.T to bfloat16
     precision; row lookups return the same dequantized rows."""
-    from flashllm.backends.torch_quant import QuantMatrix
+    from flashllm.backends.torch.quant import QuantMatrix
 
     gen = torch.Generator().manual_seed(bits + shape[0])
     w = torch.randn(shape, generator=gen) * torch.rand(shape[0], 1, generator=gen) * 3
@@ -51,7 +51,7 @@ def test_quant_matrix_error_is_half_a_step_and_the_kernel_agrees(bits, shape):
 def test_int8_kv_cache_stores_within_half_a_step():
     from types import SimpleNamespace
 
-    from flashllm.backends.torch_quant import KVCache
+    from flashllm.backends.torch.quant import KVCache
 
     spec = SimpleNamespace(n_layers=2, n_kv_heads=3, head_dim=128)
     kv = KVCache(spec, 16, torch.float32, "cpu", bits=8)
@@ -94,7 +94,7 @@ def test_every_mode_with_everything_quantized_matches_dense(tiny_models, tmp_pat
         np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-4, rtol=1e-4)
         assert model.stats["quantization"] == {"ffn": "int4 asymmetric g64", "resident": "int4", "kv_bits": 8}
     if backend == "mlx":
-        from flashllm.backends.mlx_quant import QuantArray
+        from flashllm.backends.mlx.quant import QuantArray
 
         store = model.plan.caches[0].store
         assert isinstance(store.parts["up"], QuantArray) and store.parts["up"].bits == 4
@@ -156,14 +156,14 @@ def test_predictors_train_on_a_quantized_model(tiny_models, tmp_path, capsys):
 def test_resident_matrices_are_quantized_as_they_are_read(tmp_path):
     """Loading with --quantize-resident quantizes each resident tensor straight from its stored bytes:
     the rise of the process's resident set during the load (the kernel's VmHWM in a fresh child
-    process; bench/quant_load_peak.py) stays below the float copy of the resident weights and within
+    process; bench/quant/load_peak.py) stays below the float copy of the resident weights and within
     what the loaded model holds plus one stored tensor and 32 MiB (the quantizer's CHUNK_VALUES
     temporaries, first-use buffers). Quantizing after loading every matrix in the compute dtype, as
     before, rose to 2x the float copy here (transient 237-264 MiB)."""
-    from flashllm.spec import ArchSpec
-    from tiny import bench
+    from flashllm.format.spec import ArchSpec
+    from bench.models import make_model
+    from bench.quant import load_peak
 
-    make_model, load_peak = bench("make_model"), bench("quant_load_peak")
     # embeddings and lm_head 32768 x 512 (32 MiB each in float16, 64 MiB in float32): far above the noise
     spec = ArchSpec(**make_model._shape(make_model.LLAMA, 32768, 512, 2, 8, 128, 64))
     model_dir = make_model.write_model(spec, tmp_path / "m", "float16", progress=False)
@@ -182,7 +182,7 @@ def test_naive_mode_quantizes_resident_layers_once_at_load(tiny_models, monkeypa
     used to be re-quantized from the stored floats on every token: 65.9 of 68.7 s per token on the 7B
     shape): no quantization while decoding, fewer bytes read per token than the stored floats, and
     the same logits as dense mode with the same options."""
-    from flashllm.backends.torch_backend import TorchBackend
+    from flashllm.backends.torch.backend import TorchBackend
 
     calls = []
     real = TorchBackend.quantized

@@ -1,11 +1,11 @@
-"""Reads.plan (flashllm/read_plan.py): every row's bytes land where asked, reads respect max_chunk and the
+"""Reads.plan (flashllm/io/read_list.py): every row's bytes land where asked, reads respect max_chunk and the
 iovec limit, rows join exactly where the rules allow; `inplace` answers per (address, alignments)."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashllm.read_plan import Reads
+from flashllm.io.read_list import Reads
 
 
 def land(reads: Reads, nbytes: int) -> np.ndarray:

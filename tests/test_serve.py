@@ -14,7 +14,7 @@ import pytest
 
 import flashllm
 
-from flashllm.serve import Server, create_app
+from flashllm.serve.app import Server, create_app
 
 openai = pytest.importorskip("openai")
 
@@ -228,7 +228,7 @@ def test_prompt_too_long_names_the_numbers_through_the_client(served, reference)
 
 
 def test_prompt_too_long_below_the_models_limit_suggests_a_larger_context(model_dir):
-    from flashllm.openai_api import APIError
+    from flashllm.serve.openai_api import APIError
 
     server = Server(flashllm.load(model_dir, context=16), name="tiny")
     with pytest.raises(APIError) as err:
@@ -371,7 +371,7 @@ def test_the_serve_command_listens_where_it_says_and_stops_on_ctrl_c(model_dir):
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from flashllm.cli import main; sys.exit(main())",
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from flashllm.cli.main import main; sys.exit(main())",
                              "serve", str(model_dir), "--port", "0"], stderr=subprocess.PIPE, text=True)
     try:
         banner = proc.stderr.readline()
@@ -398,7 +398,7 @@ def test_the_serve_command_listens_where_it_says_and_stops_on_ctrl_c(model_dir):
 
 
 def test_a_port_in_use_is_a_one_line_error_before_the_model_loads(tmp_path, capsys):
-    from flashllm.cli import main
+    from flashllm.cli.main import main
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]

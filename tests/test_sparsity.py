@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import flashllm
-from flashllm.cli import format_stats
-from flashllm.cli import main as cli_main
+from flashllm.cli.main import format_stats
+from flashllm.cli.main import main as cli_main
 from flashllm.predictors import calibrate as calib
-from flashllm.predictor import auto_predictor
+from flashllm.modes.sparse.predictor import auto_predictor
 from flashllm.predictors import collect as col
-from flashllm.sparsity import sparsity_document
+from flashllm.modes.sparse.activation_sparsity import sparsity_document
 from tiny import TEXT
 
 BACKENDS = ["torch", pytest.param("mlx", marks=pytest.mark.skipif(importlib.util.find_spec("mlx") is None,

@@ -1,7 +1,7 @@
 """Mixture-of-experts adapters (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) and the expert-file writer.
 
 The router and the shared expert are resident tensors named through `Family.layer`; the routed
-experts go to the expert file, one contiguous bundle per expert (flashllm.expert_format).
+experts go to the expert file, one contiguous bundle per expert (flashllm.format.experts).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 
 from flashllm.errors import FlashLLMError
-from flashllm.expert_format import ExpertLayout, packing_block
-from flashllm.spec import ArchSpec
-from flashllm.st_io import storage_bytes
+from flashllm.format.experts import ExpertLayout, packing_block
+from flashllm.format.spec import ArchSpec
+from flashllm.format.safetensors_io import storage_bytes
 
-from .checkpoint import Checkpoint
-from .families import _LLAMA_GLOBALS, _LLAMA_LAYER, Family, _llama_spec
+from flashllm.converters.checkpoint import Checkpoint
+from flashllm.converters.families.common import LLAMA_GLOBALS, LLAMA_LAYER, Family, llama_spec
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def _moe(cfg: dict, family: str, d_expert: int, **kw) -> ArchSpec:
     n_experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
     moe = dict(d_ffn=d_expert, n_experts=n_experts, top_k=cfg["num_experts_per_tok"],
                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
-    return dataclasses.replace(_llama_spec(cfg, family), **{**moe, **kw})
+    return dataclasses.replace(llama_spec(cfg, family), **{**moe, **kw})
 
 
 def _mixtral_spec(cfg: dict) -> ArchSpec:
@@ -108,15 +108,15 @@ _SHARED = {"shared_gate": "mlp.shared_expert.gate_proj", "shared_up": "mlp.share
            "shared_down": "mlp.shared_expert.down_proj", "shared_expert_gate": "mlp.shared_expert_gate"}
 
 MOE_FAMILIES = [
-    MoEFamily(("mixtral",), _mixtral_spec, _LLAMA_GLOBALS, "model.layers.{i}.",
-              {**_LLAMA_LAYER, "router": ("block_sparse_moe.gate", "mlp.gate")}, {},
+    MoEFamily(("mixtral",), _mixtral_spec, LLAMA_GLOBALS, "model.layers.{i}.",
+              {**LLAMA_LAYER, "router": ("block_sparse_moe.gate", "mlp.gate")}, {},
               experts="block_sparse_moe.experts", expert_parts=(("gate", "w1"), ("up", "w3"), ("down", "w2"))),
-    MoEFamily(("qwen2_moe",), _qwen2_moe_spec, _LLAMA_GLOBALS, "model.layers.{i}.",
-              {**_LLAMA_LAYER, **_ROUTER, **_SHARED}, {}),
-    MoEFamily(("qwen3_moe",), _qwen3_moe_spec, _LLAMA_GLOBALS, "model.layers.{i}.",
-              {**_LLAMA_LAYER, **_ROUTER, **_QK_NORM}, {}),
-    MoEFamily(("olmoe",), _olmoe_spec, _LLAMA_GLOBALS, "model.layers.{i}.",
-              {**_LLAMA_LAYER, **_ROUTER, **_QK_NORM}, {}),
+    MoEFamily(("qwen2_moe",), _qwen2_moe_spec, LLAMA_GLOBALS, "model.layers.{i}.",
+              {**LLAMA_LAYER, **_ROUTER, **_SHARED}, {}),
+    MoEFamily(("qwen3_moe",), _qwen3_moe_spec, LLAMA_GLOBALS, "model.layers.{i}.",
+              {**LLAMA_LAYER, **_ROUTER, **_QK_NORM}, {}),
+    MoEFamily(("olmoe",), _olmoe_spec, LLAMA_GLOBALS, "model.layers.{i}.",
+              {**LLAMA_LAYER, **_ROUTER, **_QK_NORM}, {}),
 ]
 
 
@@ -144,14 +144,14 @@ EXPERT_LAYOUTS = ("portable", "torch-cpu")  # --expert-layout choices
 
 
 def expert_packing(expert_layout: str, spec: ArchSpec, quant) -> str | None:
-    """The packing `--expert-layout` asks for: None (quant.py's rows, which every backend reads as they
+    """The packing `--expert-layout` asks for: None (flashllm/format/quant.py's rows, which every backend reads as they
     are) or `torch-cpu`, this torch build's int4 kernel layout on this CPU (torch reads experts straight
     into its cache slots; other backends and CPUs unpack them on insert)."""
     if expert_layout not in EXPERT_LAYOUTS:
         raise FlashLLMError(f"--expert-layout {expert_layout}: expected one of {', '.join(EXPERT_LAYOUTS)}")
     if expert_layout == "portable":
         return None
-    from flashllm.backends.torch_quant import INT4_GROUPS, int4_packing
+    from flashllm.backends.torch.quant import INT4_GROUPS, int4_packing
 
     if not spec.is_moe or quant is None or quant.bits != 4 or quant.group_size not in INT4_GROUPS:
         raise FlashLLMError(f"--expert-layout torch-cpu: stores the int4 experts of an MoE model, groups of "

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..budget import row_bytes
-from ..errors import FlashLLMError
+from flashllm.budget import row_bytes
+from flashllm.errors import FlashLLMError
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 RESIDENT_QUANT_BITS = {"none": None, "int8": 8, "int4": 4}  # --quantize-resident choices
@@ -137,7 +137,7 @@ class Backend:
         raise NotImplementedError
 
     def rope_array(self, table: np.ndarray):
-        """A [count, rope dim] float32 cos or sin table (flashllm.rope) as the backend's rotary operand."""
+        """A [count, rope dim] float32 cos or sin table (flashllm.format.rope) as the backend's rotary operand."""
         raise NotImplementedError
 
     # -- backend: math -----------------------------------------------------------------------

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import FlashLLMError
+from flashllm.errors import FlashLLMError
 
 
 def read_batch_file(path: str) -> list[str]:
@@ -27,8 +27,8 @@ def read_batch_file(path: str) -> list[str]:
 
 def batch_context(model_dir: str, prompts: list[str], max_new_tokens: int) -> int:
     """A KV cache length that holds the longest prompt and its new tokens (each sequence has its own)."""
-    from . import format as fmt
-    from .tokenizer import Tokenizer
+    from flashllm.format import manifest as fmt
+    from flashllm.text.tokenizer import Tokenizer
 
     manifest = fmt.read_manifest(model_dir, verify=False)
     tokenizer = Tokenizer(manifest.root, manifest.spec.bos_token_id)
@@ -37,8 +37,8 @@ def batch_context(model_dir: str, prompts: list[str], max_new_tokens: int) -> in
 
 def cmd_generate_batch(args) -> None:
     """Decode the prompts of --batch-file in batches of --batch-size (default: all at once)."""
-    from . import load
-    from .cli import format_stats, load_options
+    from flashllm import load
+    from flashllm.cli.main import format_stats, load_options
 
     prompts = read_batch_file(args.batch_file)
     size = args.batch_size = args.batch_size or len(prompts)

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import sys
 
-from .errors import FlashLLMError
+from flashllm.errors import FlashLLMError
 
 HELP = "/reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
 
 def add_parser(sub) -> None:
     """The `flashllm chat` subcommand."""
-    from .cli import add_load_options, add_model_dir, add_sampling_options
+    from flashllm.cli.main import add_load_options, add_model_dir, add_sampling_options
 
     c = sub.add_parser("chat", help="chat with a model in the terminal",
                        description="An interactive multi-turn chat through the model's chat template, streamed "
@@ -31,10 +31,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> None:
-    from . import load
-    from .chat_template import ChatTemplate
-    from .cli import format_stats, load_options, warn_if_context_cut
-    from .format import read_manifest
+    from flashllm import load
+    from flashllm.text.chat_template import ChatTemplate
+    from flashllm.cli.main import format_stats, load_options, warn_if_context_cut
+    from flashllm.format.manifest import read_manifest
 
     # a model without a template (or a bad --chat-template) fails here, before the weights are loaded
     template = ChatTemplate.resolve(read_manifest(args.model_dir, verify=False).root, args.chat_template)

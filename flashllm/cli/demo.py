@@ -9,12 +9,12 @@ import shutil
 import warnings
 from pathlib import Path
 
-from . import format as fmt
-from .errors import DroppedNeuronsWarning, FlashLLMError
-from .paths import cache_home
-from .predictor import PREDICTOR_META
+from flashllm.format import manifest as fmt
+from flashllm.errors import DroppedNeuronsWarning, FlashLLMError
+from flashllm.paths import cache_home
+from flashllm.modes.sparse.predictor import PREDICTOR_META
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"  # flashllm/data: the embedded models
 EMBEDDED = DATA / "tiny-opt"
 EMBEDDED_PREDICTORS = DATA / "tiny-opt-predictors"
 EMBEDDED_MOE = DATA / "tiny-moe"
@@ -36,7 +36,7 @@ def prepare(out: Path | None = None, embedded: Path = EMBEDDED, extras: Path = E
     """The converted embedded model with its shipped predictors (and thresholds, if any: every file of
     `extras`) and, with `order`, in the neuron order `extras` ships, if any; converted once, then reused
     (again when the shipped order differs from the directory's)."""
-    from .converters import convert
+    from flashllm.converters import convert
 
     out = out or cache_home() / embedded.name
     if not (embedded / "config.json").is_file():
@@ -54,8 +54,8 @@ def prepare(out: Path | None = None, embedded: Path = EMBEDDED, extras: Path = E
         for name in names + [PREDICTOR_META]:  # the file that marks the directory ready comes last
             shutil.copyfile(extras / name, out / name)
         if shipped:
-            from .predictors.reorder import apply_order
-            from .st_io import SafetensorsFile
+            from flashllm.predictors.reorder import apply_order
+            from flashllm.format.safetensors_io import SafetensorsFile
 
             st = SafetensorsFile(shipped)
             perms = [st.read(f"layers.{i}.perm") for i in range(len(st.entries))]
@@ -74,7 +74,7 @@ def run(prompt: str = PROMPT, max_new_tokens: int = 48, naive_tokens: int = 16, 
     """Sparse generation at `budget` of the model size, and a short naive run to compare with, on `backend`.
     The SwiGLU model is sparse through its shipped thresholds; `auto` picks its resident gate rows as the
     predictor."""
-    from . import load
+    from flashllm import load
 
     if swiglu:
         model_dir, predictor = prepare(embedded=EMBEDDED_SWIGLU, extras=EMBEDDED_SWIGLU_SPARSITY), "auto"
@@ -148,7 +148,7 @@ MOE_SETTINGS = dict(dtype="float16", context=256)
 def prepare_moe(out: Path | None = None) -> Path:
     """The converted embedded MoE model (converted once per checkpoint, then reused: the cache directory
     is named by the checkpoint's hash, so a newer embedded model is converted again)."""
-    from .converters import convert
+    from flashllm.converters import convert
 
     weights = EMBEDDED_MOE / "model.safetensors"
     if not (EMBEDDED_MOE / "config.json").is_file() or not weights.is_file():
@@ -164,7 +164,7 @@ def prepare_moe(out: Path | None = None) -> Path:
 def run_moe(prompt: str = PROMPT, max_new_tokens: int = 48, budget: float = 0.5, backend: str = "torch") -> dict:
     """Experts streamed at `budget` of the model size (LRU slots, router prefetch), against all resident, on
     `backend`."""
-    from . import load
+    from flashllm import load
 
     model_dir = prepare_moe()
     sparse = load(model_dir, mode="sparse", dram_budget=budget, expert_prefetch=True, backend=backend, **MOE_SETTINGS)

@@ -1,4 +1,4 @@
-"""`flashllm inspect`: validate a model directory and describe it (thin CLI over format.py)."""
+"""`flashllm inspect`: validate a model directory and describe it (thin CLI over flashllm/format/manifest.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 
 def add_parser(sub) -> None:
-    from .cli import add_model_dir
+    from flashllm.cli.main import add_model_dir
 
     i = sub.add_parser("inspect", help="describe a model directory", description="Validate a model directory "
                        "(sizes; checksums of the files load checks, up to 256 MiB each, or of all with --verify) and "
@@ -19,9 +19,9 @@ def add_parser(sub) -> None:
 
 
 def cmd_inspect(args) -> None:
-    from . import format as fmt
-    from .predictor import PREDICTOR_FILE, PREDICTOR_META, verify_predictor_files
-    from .sparsity import read_sparsity
+    from flashllm.format import manifest as fmt
+    from flashllm.modes.sparse.predictor import PREDICTOR_FILE, PREDICTOR_META, verify_predictor_files
+    from flashllm.modes.sparse.activation_sparsity import read_sparsity
 
     manifest = fmt.read_manifest(args.model_dir, verify=True if args.verify else None)  # None: what load checks
     sparsity = read_sparsity(manifest)

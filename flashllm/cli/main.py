@@ -11,8 +11,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from . import __version__
-from .errors import FlashLLMError
+from flashllm import __version__
+from flashllm.errors import FlashLLMError
 
 # what backends.base.default_compute_dtype picks when --dtype is not given
 DEFAULT_DTYPE_HELP = ("the storage dtype; bfloat16 on torch CPU for int8/int4 FFN bundles with float16 resident "
@@ -88,7 +88,7 @@ def _rows(text: str) -> tuple[int, ...]:
 
 def _budget(text: str):
     """argparse type for budgets: see flashllm.budget for the accepted forms."""
-    from .budget import parse_budget
+    from flashllm.budget import parse_budget
 
     try:
         return parse_budget(text)
@@ -104,10 +104,9 @@ def add_model_dir(parser: argparse.ArgumentParser) -> None:
 def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """Every LoadOptions field (but those named in `skip`) as a CLI option, with its default and a line
     of help (generate, serve, chat, predictors eval)."""
-    from .experts import POLICIES
-    from .modes import PLANS
-    from .options import BACKENDS, DTYPES, KERNELS, KV_BITS, ON_OVERFLOW, QUANTIZE_RESIDENT, LoadOptions
-    from .predictor import PREDICTOR_NAMES
+    from flashllm.modes.registry import PLANS
+    from flashllm.options import (BACKENDS, DTYPES, EXPERT_POLICIES, KERNELS, KV_BITS, ON_OVERFLOW, PREDICTORS,
+                                  QUANTIZE_RESIDENT, LoadOptions)
 
     d = LoadOptions()
     group = parser.add_argument_group("loading")
@@ -121,7 +120,7 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--mode", default=d.mode, choices=list(PLANS), help="how layer weights are obtained: " + "; ".join(
         f"{name}: {cls.summary}" for name, cls in PLANS.items())
         + " (default: %(default)s)")
-    g.add_argument("--predictor", default=d.predictor, choices=list(PREDICTOR_NAMES),
+    g.add_argument("--predictor", default=d.predictor, choices=list(PREDICTORS),
                    help="sparse mode: trained low-rank predictors, the true activations (oracle), or a gated "
                    "model's own gate rows kept resident (gate: exact; neurons are read without their gate row); "
                    "auto: gate for a gated FFN made sparse by calibrated thresholds when the budget holds its "
@@ -141,7 +140,7 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--on-overflow", default=d.on_overflow, choices=ON_OVERFLOW,
                    help="sparse mode, when a token's predicted neurons exceed a layer's cache: drop the "
                    "lowest-scored ones (warned once on stderr) or stop with an error (default: %(default)s)")
-    g.add_argument("--expert-policy", default=d.expert_policy, choices=POLICIES,
+    g.add_argument("--expert-policy", default=d.expert_policy, choices=EXPERT_POLICIES,
                    help="mixture-of-experts sparse mode: which cached expert a newly read one replaces when a "
                    "layer's slots are full: least recently used, least frequently used, or the paper's window "
                    "(experts unused for --window tokens are dropped first) (default: %(default)s)")
@@ -158,7 +157,7 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     g.add_argument("--gap-bytes", type=_gap_bytes, default=d.gap_bytes,
                    help="sparse mode: read through gaps of up to this many bytes between needed bundles instead "
                         "of issuing another read; 'auto': from the disk's measured per-read cost and bandwidth "
-                        "(flashllm.disk_profile) (default: %(default)s, off: measured slower here, see "
+                        "(flashllm.io.disk_profile) (default: %(default)s, off: measured slower here, see "
                         "bench/results/io_pipeline.md)")
     g.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=d.prefetch,
                    help="read layer l+1's weights while layer l computes (sparse: the neurons layer l+1's "
@@ -222,14 +221,14 @@ def load_options(args: argparse.Namespace):
     """The LoadOptions that `add_load_options` parsed."""
     import dataclasses
 
-    from .options import LoadOptions
+    from flashllm.options import LoadOptions
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(LoadOptions) if hasattr(args, f.name)}
     if values.get("batch_size", 1) is None:  # not given: one sequence (--batch-file sets it to its prompts)
         del values["batch_size"]
     options = LoadOptions(**values)
     if getattr(args, "plan", "none") == "auto":
-        from .plan_cli import auto_options
+        from flashllm.cli.plan import auto_options
 
         options = auto_options(args.model_dir, options)
     return options
@@ -243,7 +242,7 @@ def warn_if_context_cut(args, model) -> None:
 
 
 def cmd_convert(args) -> None:
-    from .converters import convert
+    from flashllm.converters import convert
 
     old = Path(args.out)
     before = set(os.listdir(old)) if args.force and old.is_dir() else set()
@@ -280,10 +279,10 @@ def read_prompt(args) -> str:
 
 
 def cmd_generate(args) -> None:
-    from . import load
+    from flashllm import load
 
     if args.batch_file is not None:
-        from .batch import cmd_generate_batch
+        from flashllm.cli.batch import cmd_generate_batch
 
         return cmd_generate_batch(args)
 
@@ -351,7 +350,7 @@ def format_stats(stats: dict) -> str:
 
 
 def cmd_demo(args) -> None:
-    from . import demo
+    from flashllm.cli import demo
 
     if args.max_new_tokens < 2:  # the first new token comes from the prompt's forward: no decode token to compare
         raise FlashLLMError(f"--max-new-tokens {args.max_new_tokens}: the demo compares decode tokens, so it needs at "
@@ -418,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "context), stats (default: off)")
     g.set_defaults(func=cmd_generate)
 
-    from . import inspect_cli  # inspect
+    from flashllm.cli import inspect as inspect_cli  # inspect
 
     inspect_cli.add_parser(sub)
 
@@ -431,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "least 2 (default: %(default)s)")
     d.add_argument("--json", action="store_true", help="print one JSON object: model_dir, text, stats "
                    "(default: off)")
-    from .options import BACKENDS, LoadOptions
+    from flashllm.options import BACKENDS, LoadOptions
 
     d.add_argument("--backend", default=LoadOptions.backend, choices=BACKENDS, help="array library: torch (CPU), "
                    "or mlx (Metal on Apple silicon; on Linux its CPU build, 10-30x slower than torch) "
@@ -445,13 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("predictors", help="train and evaluate the low-rank activation predictors",
                         description="Predictors decide which FFN neurons each token needs (sparse mode).")
-    from .predictors.cli import add_parsers as add_predictor_parsers  # train, eval and their handlers
+    from flashllm.predictors.cli import add_parsers as add_predictor_parsers  # train, eval and their handlers
 
     commands = pr.add_subparsers(dest="predictors_command", required=True)
     add_predictor_parsers(commands)
     commands.metavar = "{" + ",".join(commands.choices) + "}"  # named so in "required" errors, not by its dest
-    from . import chat, serve  # each adds its subcommand
-    from . import plan_cli  # profile and plan
+    from flashllm.cli import chat  # each adds its subcommand
+    from flashllm.serve import app as serve
+    from flashllm.cli import plan as plan_cli  # profile and plan
 
     plan_cli.add_parsers(sub)
 

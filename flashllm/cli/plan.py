@@ -1,4 +1,4 @@
-"""`flashllm profile`, `flashllm plan` and `--plan auto`: thin CLI over profile.py and planner.py."""
+"""`flashllm profile`, `flashllm plan` and `--plan auto`: thin CLI over flashllm/planner/profile.py and flashllm/planner/solver.py."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import FlashLLMError
+from flashllm.errors import FlashLLMError
 
 
 def _disk(model_dir, refresh: bool, log, engine: str = "preadv"):
     """The profile of the model's disk read with `engine` (reader threads, or native AIO as sparse reads)."""
     try:
-        from . import disk_profile
+        from flashllm.io import disk_profile
     except ImportError:
-        raise FlashLLMError("this flashllm has no disk profiler (flashllm.disk_profile)") from None
+        raise FlashLLMError("this flashllm has no disk profiler (flashllm.io.disk_profile)") from None
     p = disk_profile.profile(model_dir, refresh=refresh, progress=log, engine=engine)
     if p.call_us is None:  # cached before engine calls were costed (the cost model needs them): measure again
         p = disk_profile.profile(model_dir, refresh=True, progress=log, engine=engine)
@@ -37,9 +37,9 @@ def _log(quiet: bool):
 
 
 def add_parsers(sub) -> None:
-    from .cli import _budget, add_model_dir
-    from .options import DTYPES
-    from .planner import CALIBRATE_TOKENS, MAX_DROPPED, SAMPLE_TOKENS
+    from flashllm.cli.main import _budget, add_model_dir
+    from flashllm.options import DTYPES
+    from flashllm.planner.solver import CALIBRATE_TOKENS, MAX_DROPPED, SAMPLE_TOKENS
 
     p = sub.add_parser("profile", help="measure this machine once (disk, DRAM, matvec) and cache it",
                        description="Measure what reads, copies and matrix-vector products cost on this machine: "
@@ -81,7 +81,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_profile(args) -> None:
-    from . import profile
+    from flashllm.planner import profile
 
     log = _log(args.json)
     disk = _disk(args.path, args.refresh, log)
@@ -96,7 +96,7 @@ def cmd_profile(args) -> None:
 
 
 def _dtypes(text: str | None) -> list[str] | None:
-    from .options import DTYPES
+    from flashllm.options import DTYPES
 
     if text is None:
         return None
@@ -109,8 +109,9 @@ def _dtypes(text: str | None) -> list[str] | None:
 def plan_for(model_dir, budget, dtypes=None, context=None, data=None, sample_tokens=None, max_dropped=None,
              refresh: bool = False, log=None, calibrate_tokens: int | None = None):
     """A plan for `model_dir` at `budget` (profiles measured when missing), saved into the directory."""
-    from . import format as fmt
-    from . import planner, profile
+    from flashllm.format import manifest as fmt
+    from flashllm.planner import solver as planner
+    from flashllm.planner import profile
 
     fmt.read_manifest(model_dir, verify=False)  # not a model directory: say so before minutes of profiling
     if not 0 <= (max_dropped or 0) < 1:
@@ -141,8 +142,9 @@ def auto_options(model_dir, options):
     context, or for a larger context (what it holds fits: the KV cache only shrinks, and a line says so);
     else a new one (saved; where the saved plan differs only in its context, a line says that too).
     Returns `options` with the plan's settings."""
-    from . import format as fmt
-    from . import planner, profile
+    from flashllm.format import manifest as fmt
+    from flashllm.planner import solver as planner
+    from flashllm.planner import profile
 
     log = _log(False)
     saved = planner.saved_plan(model_dir)

@@ -3,7 +3,7 @@
 An expert bundle holds the expert's three matrices back to back, so one read brings a whole expert
 into one cache slot: gate and up rows [d_ffn, d_model], and the down projection, transposed
 ([d_ffn, d_model]) in a float model or as it is ([d_model, d_ffn]) in a quantized one. Quantized
-parts are group-wise quantized along each row (quant.py's part layout per row: codes, scales, mins),
+parts are group-wise quantized along each row (flashllm/format/quant.py's part layout per row: codes, scales, mins),
 so every part has its groups along its matmul's input dimension, the layout of weight-only int4
 kernels (torch's, MLX's quantized_matmul). int4 experts may instead be stored *packed* in torch's
 CPU int4 kernel layout (`packing`, named in the manifest), so that reads land in cache slots with no
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import FlashLLMError
-from .quant import QuantScheme
-from .spec import ArchSpec
+from flashllm.errors import FlashLLMError
+from flashllm.format.quant import QuantScheme
+from flashllm.format.spec import ArchSpec
 
 EXPERTS_FILE = "experts.bin"
 EXPERT_ALIGN = 4096
@@ -41,7 +41,7 @@ def packing_block(name: str) -> int:
 
 
 def pack_nibbles(stored: np.ndarray, out: np.ndarray, block: int) -> None:
-    """int4 codes packed along K as quant.py stores them (value 2j in the low nibble, 2j+1 in the high;
+    """int4 codes packed along K as flashllm/format/quant.py stores them (value 2j in the low nibble, 2j+1 in the high;
     uint8 [N, K / 2], rows may be strided) -> `out` (uint8 [N, K / 2]) in torch's CPU int4 layout for
     `block`: [N / block, K, block / 2] nibbles, rows n and n + block/2 of a block in one byte's low and
     high nibble."""
@@ -162,7 +162,7 @@ class ExpertLayout:
 
     def stored_codes(self, raw: np.ndarray, name: str) -> np.ndarray:
         """The int4 codes of packed piece `name` (`up_gate` or `down`) of a bundle as stored (rows or
-        packed) in quant.py's nibble order: uint8 [rows, K / 2], value 2j in the low nibble."""
+        packed) in flashllm/format/quant.py's nibble order: uint8 [rows, K / 2], value 2j in the low nibble."""
         if self.packing:
             return unpack_nibbles(self.packed(raw, name), packing_block(self.packing))
         parts = ("up", "gate") if name == "up_gate" else ("down",)

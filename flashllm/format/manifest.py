@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import FlashLLMError
-from .expert_format import EXPERTS_FILE, ExpertLayout, expert_resident_shapes  # noqa: F401 (EXPERTS_FILE re-exported)
-from .quant import QuantScheme
-from .spec import ArchSpec
+from flashllm.errors import FlashLLMError
+from flashllm.format.experts import EXPERTS_FILE, ExpertLayout, expert_resident_shapes  # noqa: F401 (EXPERTS_FILE re-exported)
+from flashllm.format.quant import QuantScheme
+from flashllm.format.spec import ArchSpec
 
 FORMAT_NAME = "flashllm-model"
 FORMAT_VERSION = 1
@@ -42,7 +42,7 @@ class FFNLayout:
     Bundled (the default): one read per neuron at layer_offsets[l] + i * stride. Unbundled (for the
     paper's "without bundling" baseline): each part in its own region of the layer, one read per part.
     In memory a neuron is always one row of `stride` bytes holding its parts back to back.
-    With `quant`, each part is d_model group-quantized values (codes, scales, mins; see quant.py).
+    With `quant`, each part is d_model group-quantized values (codes, scales, mins; see flashllm/format/quant.py).
     `only(parts)` is the layout of reading some parts of each neuron (the gate rows resident): its
     memory rows hold just those parts; `file_parts`/`file_stride` keep the file's own.
     """

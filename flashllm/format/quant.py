@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import FlashLLMError
+from flashllm.errors import FlashLLMError
 
 BITS = {"int8": 8, "int4": 4}  # --quantize name -> bits per code
 SCHEMES = ("symmetric", "asymmetric")

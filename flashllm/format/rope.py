@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import FlashLLMError
+from flashllm.errors import FlashLLMError
 
 # rope_type -> the parameters it needs (beyond rope_theta)
 ROPE_TYPES = {

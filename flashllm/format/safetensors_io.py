@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .errors import FlashLLMError
+from flashllm.errors import FlashLLMError
 
 # safetensors dtype -> (neutral name, bytes per element); array libraries map the names themselves
 DTYPES = {

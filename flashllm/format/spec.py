@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from .errors import FlashLLMError
-from .rope import check_scaling
+from flashllm.errors import FlashLLMError
+from flashllm.format.rope import check_scaling
 
 NORMS = ("layernorm", "rmsnorm")
 POSITIONALS = ("learned", "rotary")  # alibi: not yet supported
@@ -32,7 +32,7 @@ class ArchSpec:
     positional: str = "rotary"
     rope_theta: float = 10000.0
     rotary_dim: int = 0  # 0 = head_dim; smaller = partial rotary (Phi, Persimmon)
-    rope_scaling: dict = field(default_factory=dict)  # transformers' rope_parameters: rope_type, factor, ... (flashllm.rope)
+    rope_scaling: dict = field(default_factory=dict)  # transformers' rope_parameters: rope_type, factor, ... (flashllm.format.rope)
     sliding_window: int = 0  # 0 = full causal attention
     layer_types: tuple[str, ...] = ()  # per layer "full" or "sliding" (uses sliding_window); () = all layers alike
     local_rope_theta: float = 0.0  # rope base of the sliding layers, unscaled (Gemma 3); 0 = as the others

@@ -7,10 +7,10 @@ import os
 
 import numpy as np
 
-from flashllm.aio import IOVEC, AioContext, AioJob, AioQueue, gathered_iocbs, make_iocbs
-from flashllm.flashio_call import FlashIOError, PendingRead, short_read
-from flashllm.read_plan import Reads
-from flashllm.uring import UringContext
+from flashllm.io.aio import IOVEC, AioContext, AioJob, AioQueue, gathered_iocbs, make_iocbs
+from flashllm.io.call import FlashIOError, PendingRead, short_read
+from flashllm.io.read_list import Reads
+from flashllm.io.uring import UringContext
 
 
 class AioReads:

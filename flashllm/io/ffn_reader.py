@@ -6,9 +6,9 @@ import hashlib
 
 import numpy as np
 
-from .errors import FlashLLMError
-from .flashio import FlashReader, IOStats
-from .format import FFNLayout
+from flashllm.errors import FlashLLMError
+from flashllm.io.reader import FlashReader, IOStats
+from flashllm.format.manifest import FFNLayout
 
 
 class LayerChecksums:
@@ -91,7 +91,7 @@ class FFNReader:
         """`gap_bytes`: read through file gaps up to this size (None: the disk profile's cost model)."""
         self.layout, self.checksums, self.hooks = layout, checksums, hooks
         if gap_bytes is None:
-            from . import disk_profile
+            from flashllm.io import disk_profile
 
             gap_bytes = disk_profile.profile(path, quick=True).gap_bytes(threads)
         self.io = FlashReader(path, threads=threads, aio_depth=aio_depth, gap_bytes=gap_bytes)

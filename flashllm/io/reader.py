@@ -5,8 +5,8 @@ threads work through in a loop of blocking ``os.preadv`` calls (which release th
 from one shared iterator so that none idles while reads are left. Rows adjacent in the file become
 one read even when their destinations are not (a vectored read), and with ``gap_bytes`` so do rows
 separated by at most that many bytes: the gap is read into a junk buffer, because one read through
-it costs less than a second read (disk_profile.py measures where that holds). With ``aio_depth > 0`` aligned
-direct reads go through Linux native AIO instead (aio.py): the calling thread submits a call's reads
+it costs less than a second read (flashllm/io/disk_profile.py measures where that holds). With ``aio_depth > 0`` aligned
+direct reads go through Linux native AIO instead (flashllm/io/aio.py): the calling thread submits a call's reads
 in one syscall, ``aio_depth`` in flight, and reaps them when it waits; no thread is woken, which on
 a loaded machine is most of what a small call costs (bench/results/io_pipeline.md). Unaligned
 reads still go to the threads. ``read_*`` wait for the reads;
@@ -14,7 +14,7 @@ reads still go to the threads. ``read_*`` wait for the reads;
 One Python task per read is measurably slower (bench/io_throughput.py --per-read-tasks).
 
 Here: `FlashReader` (opening, checking and planning a call, choosing its engine); the reader threads are
-in flashio_threads.py, the AIO submission in flashio_aio.py, a call's handle and stats in flashio_call.py.
+in flashllm/io/threads.py, the AIO submission in flashllm/io/aio_engine.py, a call's handle and stats in flashllm/io/call.py.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ import weakref
 
 import numpy as np
 
-from flashllm.aio import AioContext, AioQueue, device_queue
-from flashllm.flashio_aio import AioReads
-from flashllm.flashio_call import FlashIOError, IOStats, PendingRead  # noqa: F401  (re-exported)
-from flashllm.flashio_threads import ReaderThreads
-from flashllm.read_plan import Reads, split
-from flashllm.uring import UringContext
+from flashllm.io.aio import AioContext, AioQueue, device_queue
+from flashllm.io.aio_engine import AioReads
+from flashllm.io.call import FlashIOError, IOStats, PendingRead  # noqa: F401  (re-exported)
+from flashllm.io.threads import ReaderThreads
+from flashllm.io.read_list import Reads, split
+from flashllm.io.uring import UringContext
 
 _STATX_DIOALIGN = 0x2000
 _AT_FDCWD = -100
@@ -98,7 +98,7 @@ class FlashReader:
     ``threads``: reads in flight as one blocking preadv per read in each of ``threads`` threads.
     ``aio_depth > 0`` sends aligned reads through the kernel's asynchronous interface from the calling thread
     where it works (Linux, direct I/O), ``aio_depth`` in flight: Linux AIO, or io_uring with the destinations
-    registered as fixed buffers (``flashllm.uring``) where $FLASHLLM_IO_ENGINE asks for it (at most
+    registered as fixed buffers (``flashllm.io.uring``) where $FLASHLLM_IO_ENGINE asks for it (at most
     URING_QUEUE_SHARE of the device's queue in flight). ``engine`` says "aio" (either) or "preadv" (threads),
     ``kernel_io`` which interface ("io_uring", "linux-aio", "preadv"); $FLASHLLM_IO_ENGINE forces one.
     ``gap_bytes``: rows at most this far apart in the file are read with the gap in one read.

@@ -10,8 +10,8 @@ import threading
 
 import numpy as np
 
-from flashllm.flashio_call import FlashIOError, PendingRead, short_read
-from flashllm.read_plan import Reads
+from flashllm.io.call import FlashIOError, PendingRead, short_read
+from flashllm.io.read_list import Reads
 
 _preadv = os.preadv  # module-level so tests can inject I/O errors
 _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()  # False on free-threaded Python: no shared iterator

@@ -20,7 +20,7 @@ import weakref
 
 import numpy as np
 
-from .aio import EVENT
+from flashllm.io.aio import EVENT
 
 MIN_BUFFER = 1 << 20  # destinations smaller than this stay plain reads (registering pins the whole array)
 _state: dict = {}
@@ -30,7 +30,7 @@ def _library():
     if "lib" not in _state:
         _state["lib"] = None
         if sys.platform.startswith("linux"):
-            from .backends import native
+            from flashllm.backends import native
             try:
                 lib = ctypes.CDLL(str(native.build(source=native.SOURCE.with_name("uring.c"))))
                 p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

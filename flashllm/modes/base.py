@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .plan_context import PlanContext
+from flashllm.modes.context import PlanContext
 
 
 class Plan:

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import budget as budget_mod
-from . import format as fmt
-from .ffn_reader import FFNReader, LayerChecksums
-from .hooks import Hooks
-from .options import LoadOptions
-from .sparsity import CalibratedSparsity
+from flashllm import budget as budget_mod
+from flashllm.format import manifest as fmt
+from flashllm.io.ffn_reader import FFNReader, LayerChecksums
+from flashllm.hooks import Hooks
+from flashllm.options import LoadOptions
+from flashllm.modes.sparse.activation_sparsity import CalibratedSparsity
 
 
 @dataclass
@@ -28,7 +28,7 @@ class PlanContext:
     model_bytes: int
     hooks: Hooks
     checksums: LayerChecksums
-    sparsity: CalibratedSparsity | None = None  # calibrated thresholds of a SiLU/GELU FFN (sparsity.py)
+    sparsity: CalibratedSparsity | None = None  # calibrated thresholds of a SiLU/GELU FFN (flashllm/modes/sparse/activation_sparsity.py)
     _loader: FFNReader | None = field(default=None, repr=False)
 
     @property

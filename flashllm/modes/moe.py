@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import FlashLLMError
-from .modes import Plan
-from .plan_context import PlanContext
+from flashllm.errors import FlashLLMError
+from flashllm.options import EXPERT_POLICIES
+from flashllm.modes.registry import Plan
+from flashllm.modes.context import PlanContext
 
 NEVER = -(1 << 62)
-POLICIES = ("lru", "lfu", "window")
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -97,8 +97,8 @@ class ExpertCache:
     """
 
     def __init__(self, capacity: int, n_experts: int, window: int, policy: str = "lru"):
-        if policy not in POLICIES:
-            raise FlashLLMError(f"expert cache policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        if policy not in EXPERT_POLICIES:
+            raise FlashLLMError(f"expert cache policy {policy!r}: expected one of {', '.join(EXPERT_POLICIES)}")
         self.capacity, self.n_experts, self.window, self.policy = capacity, n_experts, window, policy
         self.reset()
 
@@ -150,7 +150,7 @@ class ExpertCache:
 
 def expert_values(ctx: PlanContext, raw: np.ndarray):
     """One stored expert bundle (uint8, >= bundle_bytes) as its values [parts, d_ffn, d_model]: a view
-    in the storage dtype, or float32 dequantized (quant.py) when the experts are quantized."""
+    in the storage dtype, or float32 dequantized (flashllm/format/quant.py) when the experts are quantized."""
     lay = ctx.layout
     values = lay.dequantize(raw) if lay.quant else ctx.backend.storage_view(raw[:lay.bundle_bytes])
     return values.reshape(len(lay.parts), lay.d_ffn, lay.d_model)

@@ -16,9 +16,9 @@ import tempfile
 
 import numpy as np
 
-from .backends.base import QUANTIZED_RESIDENT, RESIDENT_QUANT_BITS
-from .errors import FlashLLMError
-from .flashio import FlashReader
+from flashllm.backends.base import QUANTIZED_RESIDENT, RESIDENT_QUANT_BITS
+from flashllm.errors import FlashLLMError
+from flashllm.io.reader import FlashReader
 
 ALIGN = 64  # each piece starts on a multiple of this (any dtype view of it is aligned)
 BLOCK_ALIGN = 4096  # each layer's block starts on a page (direct I/O reads it in place)

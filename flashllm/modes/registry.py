@@ -3,23 +3,21 @@
 Each plan is built from a `PlanContext` (layout, backend, FFN reader, budget, options), answers
 `ffn(layer, x, cost)`, may load weights around a layer (`before_layer`, `after_layer`) and reports
 its own memory (`host_bytes`, `device_bytes`) and stats (`describe`); the model's per-token path is
-the same for all of them. The protocol and the streaming plans' base are in modes_base.py, the sparse
-plan in modes_sparse.py (its read-ahead in modes_read_ahead.py).
+the same for all of them. The protocol and the streaming plans' base are in flashllm/modes/base.py, the sparse
+plan in flashllm/modes/sparse/mode.py (its read-ahead in flashllm/modes/sparse/read_ahead.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import budget as budget_mod
-from .budget import split_rows  # noqa: F401  (re-exported: cache sizing lives in budget)
-from .flashio import FlashReader
-from .modes_base import Plan, StreamingPlan
-from .modes_sparse import SparsePlan, activation_frequencies  # noqa: F401  (re-exported)
-from .plan_context import PlanContext
-from .predictor import union  # noqa: F401  (re-exported)
-from .quant_layers import QuantizedLayers
-from .st_io import SafetensorsFile
+from flashllm import budget as budget_mod
+from flashllm.io.reader import FlashReader
+from flashllm.modes.base import Plan, StreamingPlan
+from flashllm.modes.sparse.mode import SparsePlan
+from flashllm.modes.context import PlanContext
+from flashllm.modes.quant_layers import QuantizedLayers
+from flashllm.format.safetensors_io import SafetensorsFile
 
 
 class DensePlan(Plan):
@@ -51,7 +49,7 @@ class NaivePlan(StreamingPlan):
         st = SafetensorsFile(ctx.manifest.path("resident"))
         names = [[n for n in st.entries if n.startswith(f"layers.{i}.")] for i in range(ctx.spec.n_layers)]
         opts, self.quantized = ctx.options, None
-        if opts.quantize_resident != "none":  # quantized once here, read per token (quant_layers.py)
+        if opts.quantize_resident != "none":  # quantized once here, read per token (flashllm/modes/quant_layers.py)
             self.quantized = QuantizedLayers(st, names, self.backend, opts.quantize_resident, opts.threads,
                                              opts.aio_depth or 0)
             self.spans, self.attn_reader = self.quantized.spans, self.quantized.reader

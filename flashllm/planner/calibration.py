@@ -47,7 +47,7 @@ def token_costs(model, ids: list[int], prefill: int, warmup: int = 2, min_second
     `warm_passes` whole passes are decoded first and not counted: a model just loaded pays once for
     touching its resident weights and cache rows for the first time (page faults) and for filling its
     caches from empty, which a running model does not."""
-    from .stats import PartTimer
+    from flashllm.stats import PartTimer
 
     for _ in range(warm_passes):
         model.logits(ids, prefill)
@@ -97,7 +97,7 @@ class Calibration:
 
     def apply(self, ffn_s: float, io_s: float, mem_s: float):
         """Calibrated costmodel.Parts from the cost model's FFN, I/O and memory seconds of a configuration."""
-        from .costmodel import Parts
+        from flashllm.planner.cost_model import Parts
 
         ffn, io, mem = (scale * x + c for scale, x, c in zip((self.ffn_scale, self.io_scale, self.mem_scale),
                                                             (ffn_s, io_s, mem_s), self.const_s))

@@ -1,5 +1,5 @@
 """The decode-token cost model (docs/cost_model.md): predicted seconds per token from a machine profile
-(profile.py), the disk profile (disk_profile.py) and a model's shapes and per-layer read statistics.
+(flashllm/planner/profile.py), the disk profile (flashllm/io/disk_profile.py) and a model's shapes and per-layer read statistics.
 
     token = head + sum over layers of [attention + predictor + FFN(rows held) + fixed(mode)   compute
                                        + reads * per_read(inflight) + bytes / bandwidth       I/O

@@ -1,6 +1,6 @@
 """`flashllm profile`: what this machine's compute and memory cost, measured once and cached.
 
-Beside the disk profile (disk_profile.py: random-read throughput and latency per request size and
+Beside the disk profile (flashllm/io/disk_profile.py: random-read throughput and latency per request size and
 reads in flight, cached per disk), this measures for one backend and device:
 - DRAM copy bandwidth (numpy copies of 64 MiB blocks) and the cast bandwidth from each storage dtype
   to each compute dtype (what placing a streamed row costs when the dtypes differ);
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import FlashLLMError
-from .paths import cache_home
+from flashllm.errors import FlashLLMError
+from flashllm.paths import cache_home
 
 FORMAT, VERSION = "flashllm-machine-profile", 1
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -106,9 +106,10 @@ def measure_layer_overhead(profile: MachineProfile, tokens: int = 24, seconds: f
     """Fixed seconds per layer and decode token of the runtime (dense and sparse), from the embedded model:
     its compute time minus what its matvecs explain (costmodel), divided by its layers; the typical token
     (calibration.typical) of a warmed-up model decoding for `seconds`."""
-    from . import calibration
-    from . import costmodel as cm
-    from . import demo, load
+    from flashllm.planner import calibration
+    from flashllm.planner import cost_model as cm
+    from flashllm import load
+    from flashllm.cli import demo
 
     model_dir = demo.prepare()
     out = {}
@@ -130,7 +131,7 @@ def measure_layer_overhead(profile: MachineProfile, tokens: int = 24, seconds: f
 
 def measure(backend: str = "torch", device: str = "cpu", progress=None) -> MachineProfile:
     """Measure this machine now (about ten seconds)."""
-    from .backends import torch_profile
+    from flashllm.backends.torch import profile as torch_profile
 
     if backend != "torch":
         raise FlashLLMError(f"flashllm profile: backend {backend!r} is not profiled yet (torch only)")

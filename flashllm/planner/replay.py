@@ -36,7 +36,7 @@ class ReadGeometry:
 
     def reads(self, layer: int, ids: np.ndarray) -> tuple[int, int, int]:
         """(reads, bytes transferred, engine calls) the engine issues for sorted neuron `ids` of `layer`."""
-        from .read_plan import Reads
+        from flashllm.io.read_list import Reads
 
         if not len(ids):
             return 0, 0, 0
@@ -78,7 +78,7 @@ def replay(masks: list[np.ndarray], window: int, capacity: int, d_ffn: int, geom
     plan drives it: per token means of bundles loaded, reads, bytes and engine calls the engine issues for them, rows
     held; the share of predicted neurons dropped for lack of rows; and the rows pinned. `hot`: the layer's
     activation frequencies (pinning as the runtime's `pin_hot`; None: no pinning)."""
-    from .neuron_cache import NeuronCache, pinned_rows
+    from flashllm.modes.sparse.neuron_cache import NeuronCache, pinned_rows
 
     cache = NeuronCache(capacity, d_ffn, _NoStore())
     pinned = pinned_rows(hot, capacity, window) if hot is not None else 0
@@ -114,8 +114,8 @@ def sample_masks(model_dir, data: str | None, tokens: int, predictor: str = "low
     """Per layer, per sequence: the sets `predictor` (a predictor.PREDICTORS name: the trained low-rank
     predictors, or the resident gate's calibrated thresholds) selects on `tokens` tokens of sample text
     (the file `data`, or this Python's standard library sources when None)."""
-    from . import load
-    from .predictor import make_predictor
+    from flashllm import load
+    from flashllm.modes.sparse.predictor import make_predictor
 
     model = load(model_dir, mode="dense", context=seq_len) if _fits_dense(model_dir) else \
         load(model_dir, mode="naive", context=seq_len)
@@ -136,8 +136,8 @@ def sample_masks(model_dir, data: str | None, tokens: int, predictor: str = "low
 def sample_ids(model_dir, data: str | None, tokens: int) -> list[int]:
     """`tokens` token ids of sample text (the file `data`, or this Python's standard library sources);
     random ids for a model without a tokenizer."""
-    from . import format as fmt
-    from .tokenizer import Tokenizer
+    from flashllm.format import manifest as fmt
+    from flashllm.text.tokenizer import Tokenizer
 
     m = fmt.read_manifest(model_dir, verify=False)
     if not m.has("tokenizer.json"):
@@ -147,7 +147,7 @@ def sample_ids(model_dir, data: str | None, tokens: int) -> list[int]:
 
 
 def _fits_dense(model_dir) -> bool:
-    from . import format as fmt
+    from flashllm.format import manifest as fmt
 
     m = fmt.read_manifest(model_dir, verify=False)
     return m.data["files"]["ffn"]["size"] < (1 << 30)

@@ -1,20 +1,20 @@
 """`flashllm plan`: choose how to run a model at a DRAM budget by solving a small MILP on the cost model.
 
-Inputs: the machine profile (profile.py), the disk profile of the model's disk (disk_profile.py), the
-model's shapes, its predictors' sets on sample text replayed through the cache (replay.py), and a
-short run of the runtime itself per mode (calibration.py), which the cost model's terms are scaled to.
+Inputs: the machine profile (flashllm/planner/profile.py), the disk profile of the model's disk (flashllm/io/disk_profile.py), the
+model's shapes, its predictors' sets on sample text replayed through the cache (flashllm/planner/replay.py), and a
+short run of the runtime itself per mode (flashllm/planner/calibration.py), which the cost model's terms are scaled to.
 
 The MILP (scipy.optimize.milp / HiGHS), for each compute dtype: binary y_k picks one window; binary
 z[l,k,j] picks capacity c_j for layer l under window k (sum_j z[l,k,j] = y_k); the caches' bytes
 sum_l c * row fit what the runtime leaves them after resident weights, KV cache, staging and predictor;
 minimise sum z * cost[l,k,j], cost = FFN over the rows held + I/O of the loads + placing them
-(costmodel.py, each term scaled as calibrated). Capacities whose replay drops predicted neurons are
+(flashllm/planner/cost_model.py, each term scaled as calibrated). Capacities whose replay drops predicted neurons are
 excluded unless the user allows a share (`--max-dropped`; no silent quality trade). Dense (all
 resident) and hybrid (the largest resident share that fits, rest streamed) have one configuration
 each and are costed as measured. Sparse is planned per predictor the model can run (the low-rank
 predictors; for a gated FFN with a sparse activation or calibrated thresholds also the resident gate,
 whose rows count against the budget and leave 2/3 of a bundle to read), each loaded at the budget so
-that memory and reads are the runtime's own (plan_sparse.py). The cheapest wins, unless its predicted
+that memory and reads are the runtime's own (flashllm/planner/sparse.py). The cheapest wins, unless its predicted
 gain over the runtime's defaults is within the measured noise: then the defaults are kept. Threads
 and the I/O engine stay at the runtime's defaults; hot neurons are pinned as the runtime pins them;
 FFN quantization is as converted.
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import costmodel as cm
-from .errors import DroppedNeuronsWarning, FlashLLMError
-from .replay import Replays, sample_ids, sample_masks
+from flashllm.planner import cost_model as cm
+from flashllm.errors import DroppedNeuronsWarning, FlashLLMError
+from flashllm.planner.replay import Replays, sample_ids, sample_masks
 
 PLAN_FILE = "plan.json"
 PLAN_FORMAT, PLAN_VERSION = "flashllm-plan", 2
@@ -100,8 +100,8 @@ class Plan:
 # -- memory of dense and hybrid (sparse: read from the runtime, plan_sparse.probe) ----------------
 def fixed_bytes(manifest, dtype: str, context: int) -> dict:
     """Bytes dense and hybrid hold besides their FFN rows, as `Model.counted` adds them up on a CPU."""
-    from . import format as fmt
-    from .budget import row_bytes
+    from flashllm.format import manifest as fmt
+    from flashllm.budget import row_bytes
 
     spec, lay, it = manifest.spec, manifest.layout, cm.ITEMSIZE[dtype]
     resident = sum(int(np.prod(s)) for s in fmt.resident_shapes(spec).values()) * it
@@ -112,7 +112,7 @@ def fixed_bytes(manifest, dtype: str, context: int) -> dict:
 
 
 def _budget_bytes(budget, manifest) -> int | None:
-    from .budget import budget_bytes
+    from flashllm.budget import budget_bytes
 
     model_bytes = sum(e["size"] for k, e in manifest.data["files"].items() if k in ("resident", "ffn"))
     return budget_bytes(budget, model_bytes)
@@ -149,8 +149,8 @@ def _profile_only(parts: cm.Parts) -> dict:
 def predictor_choices(manifest) -> list[str]:
     """The predictors a sparse plan may run besides what `auto` picks: the low-rank predictors where
     trained, and for a gated FFN with a sparse activation or calibrated thresholds the resident gate."""
-    from .predictor import PREDICTOR_META, SPARSE_ACTIVATIONS
-    from .sparsity import SPARSITY_FILE
+    from flashllm.modes.sparse.predictor import PREDICTOR_META, SPARSE_ACTIVATIONS
+    from flashllm.modes.sparse.activation_sparsity import SPARSITY_FILE
 
     spec, root = manifest.spec, manifest.root
     kinds = ["lowrank"] if (root / PREDICTOR_META).is_file() else []
@@ -161,7 +161,7 @@ def predictor_choices(manifest) -> list[str]:
 
 # -- the plan ------------------------------------------------------------------------------------
 def _key(manifest, machine, disk, budget, context: int) -> dict:
-    from .predictor import PREDICTOR_FILE
+    from flashllm.modes.sparse.predictor import PREDICTOR_FILE
 
     pred = manifest.root / PREDICTOR_FILE
     return {"ffn_sha256": manifest.data["files"]["ffn"]["sha256"],
@@ -183,14 +183,15 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
     Sparse mode is loaded at the budget once per candidate predictor, so its memory (what the caches may
     take, a row's bytes, the default capacities) and its reads (layout, staging, alignment, pinning) are
     the runtime's own. With `calibrate_tokens` > 0 each loaded reference configuration also decodes that
-    many tokens (calibration.py): dense and hybrid are then costed as measured, sparse by the cost model
+    many tokens (flashllm/planner/calibration.py): dense and hybrid are then costed as measured, sparse by the cost model
     scaled per term to its measurement at the runtime's default caches; and a plan whose predicted gain
     over those defaults is below the measured noise keeps the defaults."""
-    from . import calibration, load
-    from . import format as fmt
-    from . import plan_sparse
-    from .backends.base import default_compute_dtype
-    from .budget import BudgetTooSmall, format_size
+    from flashllm import load
+    from flashllm.planner import calibration
+    from flashllm.format import manifest as fmt
+    from flashllm.planner import sparse as plan_sparse
+    from flashllm.backends.base import default_compute_dtype
+    from flashllm.budget import BudgetTooSmall, format_size
 
     log = log or (lambda msg: None)
     disk_for = disk if callable(disk) else (lambda engine: disk)  # the profile measured with an I/O engine

@@ -5,7 +5,7 @@ that picks the window and per-layer capacities.
 The runtime is loaded once per candidate predictor at the budget (`probe`): the bytes its caches may
 take, a cache row's bytes, its default capacities, the read layout (a resident gate leaves up and
 down rows to read), the staging chunk and direct-I/O alignment its reads go through, and whether it
-pins hot neurons. The replay (replay.py) then counts reads and bytes as that reader issues them.
+pins hot neurons. The replay (flashllm/planner/replay.py) then counts reads and bytes as that reader issues them.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import costmodel as cm
-from .replay import ReadGeometry
+from flashllm.planner import cost_model as cm
+from flashllm.planner.replay import ReadGeometry
 
 
 @dataclass
@@ -38,7 +38,7 @@ class SparseFacts:
 
 def probe(model) -> SparseFacts:
     """The facts of a model loaded in sparse mode (flashllm.load(..., mode="sparse"))."""
-    from .modes import activation_frequencies
+    from flashllm.modes.sparse.mode import activation_frequencies
 
     plan, ctx, B = model.plan, model.plan_context, model.backend
     pred = plan.predictor

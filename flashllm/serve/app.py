@@ -16,9 +16,9 @@ import time
 import uuid
 from pathlib import Path
 
-from .decode_queue import DecodeQueue, Job
-from .errors import FlashLLMError
-from .openai_api import APIError, Params, parse_request
+from flashllm.serve.decode_queue import DecodeQueue, Job
+from flashllm.errors import FlashLLMError
+from flashllm.serve.openai_api import APIError, Params, parse_request
 
 MAX_BODY_BYTES = 4 << 20
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
@@ -331,7 +331,7 @@ def run(server: Server, sock: socket.socket, log_level: str = "info") -> None:
 
 def add_parser(sub) -> None:
     """The `flashllm serve` subcommand."""
-    from .cli import _checked, _count, _positive, add_load_options, add_model_dir
+    from flashllm.cli.main import _checked, _count, _positive, add_load_options, add_model_dir
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Load MODEL once and answer POST /v1/chat/completions, POST /v1/completions "
@@ -353,8 +353,8 @@ def add_parser(sub) -> None:
 
 
 def _cmd_serve(args) -> None:
-    from . import load
-    from .cli import load_options
+    from flashllm import load
+    from flashllm.cli.main import load_options
 
     _require()
     sock = listen(args.host, args.port)

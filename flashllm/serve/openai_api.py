@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .chat_template import check_messages
-from .errors import FlashLLMError
+from flashllm.text.chat_template import check_messages
+from flashllm.errors import FlashLLMError
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
 # field -> the value that means "off"; anything else asks for something not implemented

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import FlashLLMError
+from flashllm.errors import FlashLLMError
 
 
 class Tokenizer:

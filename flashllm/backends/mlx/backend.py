@@ -17,12 +17,12 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from ..errors import FlashLLMError
-from ..rope import Rope, layer_ropes
-from ..stats import untimed
-from ..spec import ArchSpec
-from .base import Backend, default_compute_dtype
-from .mlx_quant import MLX_GROUPS, MLXExpertSlots, MLXKVCache, QuantArray, mlx_quantizable, quant_rows
+from flashllm.errors import FlashLLMError
+from flashllm.format.rope import Rope, layer_ropes
+from flashllm.stats import untimed
+from flashllm.format.spec import ArchSpec
+from flashllm.backends.base import Backend, default_compute_dtype
+from flashllm.backends.mlx.quant import (MLX_GROUPS, MLXExpertSlots, MLXKVCache, QuantArray, mlx_quantizable, quant_rows)
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # how raw bytes of a dtype cross into MLX: (numpy view, MLX view of it or None)
@@ -143,7 +143,7 @@ class MLXBackend(Backend):
 
     def staging(self, stride: int) -> np.ndarray:
         """One page-aligned staging buffer shared by every cache of this backend (reads are sequential)."""
-        from ..flashio import aligned_empty
+        from flashllm.io.reader import aligned_empty
 
         if self._staging is None or self._staging.shape[1] != stride:
             self._staging = aligned_empty((self.staging_rows(stride), stride), np.uint8)
@@ -151,7 +151,7 @@ class MLXBackend(Backend):
 
     def host_buffer(self, shape) -> np.ndarray:
         """A page-aligned host buffer for flash reads."""
-        from ..flashio import aligned_empty
+        from flashllm.io.reader import aligned_empty
 
         return aligned_empty(shape, np.uint8)
 
@@ -228,7 +228,7 @@ class MLXBackend(Backend):
         return self.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     def _rope(self, x: mx.array, rope: Rope, pos: int) -> mx.array:
-        """HF rotate-half rotary on the first rope_dim dims of [1, heads, T, head_dim], tables from flashllm.rope."""
+        """HF rotate-half rotary on the first rope_dim dims of [1, heads, T, head_dim], tables from flashllm.format.rope."""
         rd, T = self.spec.rope_dim, x.shape[2]
         cos, sin = self.rope_tables(rope, pos, T)
         xr, half = x[..., :rd].astype(mx.float32), rd // 2

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from ..expert_format import bf16_values
+from flashllm.format.experts import bf16_values
 
 KV_GROUP = 64
 
@@ -45,7 +45,7 @@ class QuantArray(NamedTuple):
 
     def host_pieces(self) -> tuple[dict, list[np.ndarray]]:
         """(what `from_host_pieces` needs beside the arrays, the arrays in numpy): to keep the matrix on
-        flash (quant_layers.py); 2-byte floats travel as their bits (numpy has no bfloat16)."""
+        flash (flashllm/modes/quant_layers.py); 2-byte floats travel as their bits (numpy has no bfloat16)."""
         def bits(a):
             return np.array(a.view(mx.uint16) if a.dtype.size == 2 and a.dtype != mx.uint16 else a)
 

@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ...paths import cache_home
+from flashllm.paths import cache_home
 
 SOURCE = Path(__file__).with_name("kernels.c")
 SOURCES = (SOURCE, SOURCE.with_name("kernels_quant.c"), SOURCE.with_name("kernels_pool.c"))  # one library
@@ -125,7 +125,7 @@ class Kernels:
             "attend": [i32, p, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, p, p, f32, p, i32],
             "attn_block": [i32, p, p, f32, i64, p, i64, p, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64,
                            p, p, f32, p, p, p, p, p, i32, p],
-            # quantized parts (quant.py's layout): bits, symmetric, group size first
+            # quantized parts (flashllm/format/quant.py's layout): bits, symmetric, group size first
             "qmatvec": [i32, i32, i64, p, i64, i64, i64, i32, p, p, p, i32],
             "qffn": [i32, i32, i64, p, p, p, i64, i64, p, i64, i32, p, p, p, p, i32, i32, f32, i32, f32, p, i32, i32, p,
                      p],

@@ -2,7 +2,7 @@
  * FFN over a neuron cache's rows, the float kernels' math (kernels.c) with the weights dequantized in registers. */
 #include "kernels.h"
 
-/* ---- quantized rows (flashllm/quant.py's FFN parts, as stored): one part of d values is its codes (int8: one
+/* ---- quantized rows (flashllm/format/quant.py's FFN parts, as stored): one part of d values is its codes (int8: one
  * byte each, two's complement when symmetric; int4: two per byte, value 2j in the low nibble, symmetric codes
  * stored as q + 8), then a float16 scale per group of `group` values, then (asymmetric) a float16 minimum per
  * group. A value is w = c * s + m with m the group's minimum (asymmetric), -8 s (symmetric int4) or 0

@@ -1,7 +1,7 @@
 /* flashllm's io_uring read engine (Linux): one ring per reader, the file registered, destinations registered
  * as fixed buffers where they fit a slot (no page pinning per read: bench/results/cpu_overhead.md).
  * Takes the same request records as the AIO engine (struct iocb of linux/aio_abi.h, built by numpy in
- * flashllm/aio.py) and hands back the same completion records (struct io_event), so one queue drives
+ * flashllm/io/aio.py) and hands back the same completion records (struct io_event), so one queue drives
  * either. Raw syscalls, no liburing. Built and loaded like kernels.c (flashllm/backends/native). */
 #include <errno.h>
 #include <linux/io_uring.h>

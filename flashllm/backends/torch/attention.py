@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..rope import Rope
-from .torch_quant import KVCache
+from flashllm.format.rope import Rope
+from flashllm.backends.torch.quant import KVCache
 
 
 class TorchAttention:

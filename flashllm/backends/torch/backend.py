@@ -8,17 +8,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import hugepages
-from ..errors import FlashLLMError
-from ..rope import Rope, layer_ropes
-from ..spec import ArchSpec
-from .base import Backend, compute_threads, default_compute_dtype
-from . import native
-from .staging import StagingRing, host_array
-from .torch_attention import TorchAttention
-from .torch_native import NATIVE_DTYPES, NativeKernels
-from .torch_quant import Int4ExpertSlots, KVCache, QuantMatrix, QuantRows, dequantize_rows
-from .torch_row_store import TorchRowStore
+from flashllm import hugepages
+from flashllm.errors import FlashLLMError
+from flashllm.format.rope import Rope, layer_ropes
+from flashllm.format.spec import ArchSpec
+from flashllm.backends.base import Backend, compute_threads, default_compute_dtype
+from flashllm.backends import native
+from flashllm.backends.torch.staging import StagingRing, host_array
+from flashllm.backends.torch.attention import TorchAttention
+from flashllm.backends.torch.native import NATIVE_DTYPES, NativeKernels
+from flashllm.backends.torch.quant import Int4ExpertSlots, KVCache, QuantMatrix, QuantRows, dequantize_rows
+from flashllm.backends.torch.rows import TorchRowStore
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # torch's intra-op threads before any load changed them (OMP_NUM_THREADS or the cores): the default

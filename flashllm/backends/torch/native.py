@@ -10,8 +10,8 @@ import weakref
 import numpy as np
 import torch
 
-from . import native
-from .torch_quant import QuantRows
+from flashllm.backends import native
+from flashllm.backends.torch.quant import QuantRows
 
 # compute dtypes the native kernels serve (bench/results/compute_roofline.md: float32 stays on torch's BLAS)
 NATIVE_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import FlashLLMError
-from ..expert_format import PACKING_BLOCKS, pack_nibbles, packing_name
+from flashllm.errors import FlashLLMError
+from flashllm.format.experts import PACKING_BLOCKS, pack_nibbles, packing_name
 
 KERNEL_DTYPE = torch.bfloat16  # activations and scales of the CPU kernels (float32/float16 paths are 3-6x slower)
 INT4_GROUPS = (64, 32, 128, 256)  # group sizes the int4 kernel takes, in order of preference
@@ -65,7 +65,7 @@ def _int4_codes(w: torch.Tensor, group: int):
 
 
 def dequantize_rows(raw: np.ndarray, scheme, d: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Quantized parts (uint8 [n, >= part_bytes], quant.py's layout) as a [n, d] tensor of `dtype` on `device`,
+    """Quantized parts (uint8 [n, >= part_bytes], flashllm/format/quant.py's layout) as a [n, d] tensor of `dtype` on `device`,
     dequantized DEQUANT_VALUES values at a time into the preallocated result: the float32 temporaries stay
     a few MiB whatever n is (dequantizing a whole layer at once took 2-4x the rows' size on top)."""
     out = torch.empty(len(raw), d, dtype=dtype, device=device)
@@ -76,7 +76,7 @@ def dequantize_rows(raw: np.ndarray, scheme, d: int, dtype: torch.dtype, device)
 
 
 class QuantRows:
-    """Rows of one quantized FFN part kept as stored (quant.py's layout), for the native kernels (which dequantize
+    """Rows of one quantized FFN part kept as stored (flashllm/format/quant.py's layout), for the native kernels (which dequantize
     in registers): part r is `d` values at bytes offset.. of row r of `raw` (uint8 [n, row bytes], e.g. a neuron
     cache's rows read in place). `values` dequantizes rows for torch's path (several tokens, no kernels)."""
 
@@ -165,7 +165,7 @@ class QuantMatrix:
 
     def host_pieces(self) -> tuple[dict, list[np.ndarray]]:
         """(what `from_host_pieces` needs beside the arrays, the codes and scales as numpy arrays): to
-        keep the matrix on flash (quant_layers.py); bfloat16 scales travel as int16 bits."""
+        keep the matrix on flash (flashllm/modes/quant_layers.py); bfloat16 scales travel as int16 bits."""
         meta = {"bits": self.bits, "out_dtype": self.out_dtype, "shape": self.shape, "group": getattr(self, "group", 0)}
         return meta, [self.codes.numpy(), self.scales.view(torch.int16).numpy()]
 

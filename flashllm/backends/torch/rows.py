@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
-from ..stats import untimed
-from .staging import bundle_values
-from .torch_quant import QuantRows
-
-if TYPE_CHECKING:
-    from .torch_backend import TorchBackend
+from flashllm.stats import untimed
+from flashllm.backends.torch.staging import bundle_values
+from flashllm.backends.torch.quant import QuantRows
 
 
 class TorchRowStore:
@@ -22,8 +17,8 @@ class TorchRowStore:
     matrix itself; otherwise they land in the backend's staging ring (pinned on CUDA) and are copied.
     """
 
-    def __init__(self, backend: TorchBackend, capacity: int, layout, biases: dict[str, torch.Tensor | None]):
-        from ..flashio import aligned_empty
+    def __init__(self, backend, capacity: int, layout, biases: dict[str, torch.Tensor | None]):
+        from flashllm.io.reader import aligned_empty
 
         storage_dtype = backend.storage_dtype
         self.layout, self.storage_dtype, self.backend = layout, storage_dtype, backend

@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from .errors import FlashLLMError
+from flashllm.errors import FlashLLMError
 
 SPARSITY_FILE = "sparsity.json"
 SPARSITY_FORMAT = "flashllm-sparsity"

@@ -7,14 +7,14 @@ import warnings
 
 import numpy as np
 
-from . import budget as budget_mod
-from .errors import DroppedNeuronsWarning, FlashLLMError, OptionsError, OptionsWarning, cli_option
-from .modes_base import StreamingPlan
-from .modes_read_ahead import ReadAhead
-from .neuron_cache import NeuronCache, pinned_rows
-from .plan_context import PlanContext
-from .predictor import PREDICTOR_FILE, make_predictor, predict_scored, union
-from .st_io import SafetensorsFile
+from flashllm import budget as budget_mod
+from flashllm.errors import DroppedNeuronsWarning, FlashLLMError, OptionsError, OptionsWarning, cli_option
+from flashllm.modes.base import StreamingPlan
+from flashllm.modes.sparse.read_ahead import ReadAhead
+from flashllm.modes.sparse.neuron_cache import NeuronCache, pinned_rows
+from flashllm.modes.context import PlanContext
+from flashllm.modes.sparse.predictor import PREDICTOR_FILE, make_predictor, predict_scored, union
+from flashllm.format.safetensors_io import SafetensorsFile
 
 
 class SparsePlan(ReadAhead, StreamingPlan):

@@ -3,7 +3,7 @@
 `lowrank` reads the trained predictors (written by `flashllm predictors train`) from the model
 directory; `oracle` computes the true activation from the real weights (tests, upper bound);
 `gate` uses a gated model's own gate projection, kept resident. For a dense activation (SiLU,
-GELU) "active" means above the calibrated thresholds of sparsity.json (flashllm/sparsity.py).
+GELU) "active" means above the calibrated thresholds of sparsity.json (flashllm/modes/sparse/activation_sparsity.py).
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import json
 
 import numpy as np
 
-from . import format as fmt
-from .errors import FlashLLMError
-from .sparsity import SPARSITY_FILE
-from .st_io import SafetensorsFile
+from flashllm.format import manifest as fmt
+from flashllm.errors import FlashLLMError
+from flashllm.options import PREDICTORS as NAMES_WITH_AUTO
+from flashllm.modes.sparse.activation_sparsity import SPARSITY_FILE
+from flashllm.format.safetensors_io import SafetensorsFile
 
 PREDICTOR_FILE = "predictors.safetensors"
 PREDICTOR_META = "predictors.json"
@@ -228,7 +229,6 @@ def auto_predictor(ctx) -> str:
 
 # Every predictor, by the name the API and the CLI use; "auto" picks one of them per model and budget.
 PREDICTORS = {"lowrank": LowRankPredictor, "oracle": OraclePredictor, "gate": GatePredictor}
-PREDICTOR_NAMES = ("auto", *PREDICTORS)
 
 
 def make_predictor(kind, ctx):
@@ -239,5 +239,5 @@ def make_predictor(kind, ctx):
     if callable(kind):
         return kind(ctx)
     if kind not in PREDICTORS:
-        raise FlashLLMError(f"predictor {kind!r}: expected one of {', '.join(PREDICTOR_NAMES)}")
+        raise FlashLLMError(f"predictor {kind!r}: expected one of {', '.join(NAMES_WITH_AUTO)}")
     return PREDICTORS[kind](ctx)

@@ -6,12 +6,12 @@ import math
 
 import numpy as np
 
-from . import budget as budget_mod
-from .predictor import predict_scored, union
+from flashllm import budget as budget_mod
+from flashllm.modes.sparse.predictor import predict_scored, union
 
 
 class ReadAhead:
-    """A part of `SparsePlan` (modes_sparse.py): the lookahead's prediction, its reads (into the rows a cache frees
+    """A part of `SparsePlan` (flashllm/modes/sparse/mode.py): the lookahead's prediction, its reads (into the rows a cache frees
     for them, or into a buffer of its own), their completion and placing, and the running precision per layer
     that decides how much of a lookahead set is worth reading. Uses the plan's caches, predictor, reader, window
     and layout."""

@@ -31,7 +31,6 @@ from flashllm.budget import BudgetTooSmall
 from flashllm.converters import convert
 from flashllm.predictors.evaluate import _nll as nll  # the same measure
 from bench.quant.quality import add_heldout_args, heldout, score_loaded  # the same scoring at a budget
-from bench.harness import ROOT
 
 DTYPES = ("float32", "float16", "bfloat16")
 CONTEXT = 256  # the demo's KV cache length

@@ -1,7 +1,7 @@
 #!/bin/bash
 # fio random 16 KiB O_DIRECT reads of a file: CPU per read and IOPS, libaio vs io_uring (bench/results/compute/cpu_overhead.md).
-# Usage: flock /work/wt/bench.lock bench/fio_engines.sh [FILE]   (reads only; JSON under $TMPDIR)
-F=${1:-/work/big/7b/llama-7b/ffn.bin}; OUT=${TMPDIR:-/tmp}; mkdir -p "$OUT"
+# Usage: bash bench/experiments/fio_engines.sh FFN_FILE   (reads only; JSON under $TMPDIR)
+F=${1:?usage: fio_engines.sh FFN_FILE}; OUT=${TMPDIR:-/tmp}; mkdir -p "$OUT"
 uptime
 run() { name=$1; shift
   fio --name=$name --filename=$F --readonly --rw=randread --bs=16k --direct=1 --runtime=8 --time_based \

@@ -52,7 +52,7 @@ import numpy as np
 
 from flashllm.format import manifest as fmt
 from flashllm.budget import budget_bytes, parse_budget
-from bench.harness import ROOT, MemoryGroup, baseline_rss, model_files
+from bench.harness import MemoryGroup, baseline_rss, model_files
 from bench.io import neuron_order as nm
 from bench.models import activation_trace as tr
 from bench.paper.measure import Runner

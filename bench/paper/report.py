@@ -4,9 +4,6 @@ targets, the markdown text, and the description of the setting (machine, code, m
 from __future__ import annotations
 
 import math
-import os
-import platform
-import subprocess
 from pathlib import Path
 
 import numpy as np

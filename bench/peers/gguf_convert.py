@@ -54,7 +54,7 @@ def _random_tensors(shape: str, seed: int):
 def _convert_in_process(src: Path, out: Path, llama_src: Path, shape: str | None = None, seed: int = 0) -> None:
     """Run convert_hf_to_gguf.main() with the builtin vocabulary when the checkpoint has no tokenizer
     (and, with `shape`, on make_model's random tensors drawn as the converter writes them)."""
-    virtual = _random_tensors(shape, seed)[0] if shape else None  # (make_model puts the checkout on sys.path)
+    virtual = _random_tensors(shape, seed)[0] if shape else None
     sys.path.insert(0, str(llama_src))  # _set_vocab_builtin finds models/ through sys.path[0]
     import convert_hf_to_gguf as conv
 

@@ -24,7 +24,6 @@ import os
 import statistics
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 

@@ -12,7 +12,6 @@ the same random token ids. `bytes_read` is what direct I/O transferred (alignmen
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import torch
 import flashllm
 from flashllm.format import manifest as fmt
 from flashllm.converters import convert
-from bench.harness import ROOT
 
 
 def checkpoint(path: Path, d: int, d_ffn: int, active: float) -> Path:

@@ -1,8 +1,8 @@
 """Observation hooks: benchmarks and calibration watch the per-token path without patching it.
 
 Events (arguments):
-- "ffn_input" (layer, x): the FFN input of a layer, before the plan computes the FFN (every mode);
-- "ffn_output" (layer, y): the FFN output of a layer, once the plan computed it (every mode);
+- "ffn_input" (layer, x): the FFN input of a layer, before the mode computes the FFN (every mode);
+- "ffn_output" (layer, y): the FFN output of a layer, once the mode computed it (every mode);
 - "predict" (layer, mask): a sparse predictor's decision, bool [tokens, d_ffn];
 - "read" (io): one call of the flash I/O engine (an IOStats, with its wall time in `wall_s`).
 Observers must not change what they are given.

@@ -11,16 +11,16 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from flashllm.format import manifest as fmt
-from flashllm.modes import registry as modes
+from flashllm.modes.registry import MODES
 from flashllm.budget import budget_bytes, return_freed_memory, too_small
 from flashllm.text.chat_template import ChatTemplate
 from flashllm.errors import DroppedNeuronsWarning, FlashLLMError, OptionsError
-from flashllm.modes.moe import MOE_PLANS
+from flashllm.modes.moe import MOE_MODES
 from flashllm.io.ffn_reader import LayerChecksums
 from flashllm.hooks import Hooks
 from flashllm.generate import Generation, TextStream, eos_token_ids, generate_batch, generate_tokens
 from flashllm.options import LoadOptions
-from flashllm.modes.context import PlanContext
+from flashllm.modes.context import ModeContext
 from flashllm.format.safetensors_io import SafetensorsFile
 from flashllm.modes.sparse.activation_sparsity import read_sparsity
 from flashllm.stats import TokenCost, summarize
@@ -67,7 +67,7 @@ class Model:
             raise OptionsError(f"{{gpu_budget}} sizes CUDA device memory, but this model runs on {where}, where "
                                f"{{dram_budget}} bounds all memory; drop {{gpu_budget}}, or run on a GPU with "
                                f"{{device=cuda}}")
-        self.backend.set_sequences(opts.batch_size)  # before the plans: every KV cache counts against the budget
+        self.backend.set_sequences(opts.batch_size)  # before the modes: every KV cache counts against the budget
         self._tokenizer = None
         self._chat_template = None
         self._warned_overflow = False
@@ -82,17 +82,17 @@ class Model:
         self.model_bytes = sum(e["size"] for k, e in self.manifest.data["files"].items() if k in ("resident", "ffn"))
         self.dram_budget = budget_bytes(opts.dram_budget, self.model_bytes)
         self.gpu_budget = budget_bytes(opts.gpu_budget, self.model_bytes)
-        plans = MOE_PLANS if self.spec.is_moe else modes.PLANS  # MoE: the router is the exact predictor
-        if opts.mode not in plans:
+        table = MOE_MODES if self.spec.is_moe else MODES  # MoE: the router is the exact predictor
+        if opts.mode not in table:
             raise FlashLLMError(f"mode {opts.mode!r} is not supported for this {self.spec.family} model "
-                                f"(expected one of {', '.join(plans)})")
-        self.plan_context = PlanContext(self.manifest, self.backend, opts,
+                                f"(expected one of {', '.join(table)})")
+        self.mode_context = ModeContext(self.manifest, self.backend, opts,
                                         self.gpu_budget if self.backend.on_gpu else self.dram_budget,
                                         self.model_bytes, self.hooks, self.checksums, read_sparsity(self.manifest))
         try:
-            self.plan = plans[opts.mode](self.plan_context)
+            self.mode_impl = table[opts.mode](self.mode_context)
         finally:
-            self.plan_context.close()
+            self.mode_context.close()
         host, _ = self.memory()
         if self.backend.on_gpu and self.dram_budget is not None and host > self.dram_budget:
             raise too_small(self.dram_budget, host, "the host staging buffers", self.model_bytes, [])
@@ -113,7 +113,7 @@ class Model:
 
     def compute_row_bytes(self) -> int:
         """DRAM one cached neuron costs (for sizing a budget): its bundle in the compute dtype plus biases."""
-        return self.plan_context.row_bytes()
+        return self.mode_context.row_bytes()
 
     # -- the per-token path --------------------------------------------------------------------
     def forward(self, ids: list[int], pos, slot=0) -> np.ndarray:
@@ -128,9 +128,9 @@ class Model:
         B, s = self.backend, self.spec
         x = B.embed(ids, pos)
         if pos == 0:
-            self.plan.reset()
+            self.mode_impl.reset()
         for layer in range(s.n_layers):
-            self.plan.before_layer(layer, cost)
+            self.mode_impl.before_layer(layer, cost)
             if s.parallel_attn:  # attention and FFN both read the block's input
                 attn, h = B.attention(layer, x, pos, slot)
                 f_in = B.norm(f"layers.{layer}.ffn_norm", x) if s.ffn_norm else h
@@ -143,7 +143,7 @@ class Model:
             else:
                 x, f_in = B.attention_residual(layer, x, pos, slot)
                 x = x + self._ffn(layer, f_in, cost, x)
-            self.plan.after_layer(layer)
+            self.mode_impl.after_layer(layer)
         logits = B.logits(x)
         cost.total_ms = (time.perf_counter() - t0) * 1e3
         cost.compute_ms = cost.total_ms - cost.io_ms - cost.mem_ms - cost.predictor_ms
@@ -154,16 +154,16 @@ class Model:
             warnings.warn(DroppedNeuronsWarning(
                 f"the neuron caches could not hold every predicted neuron: {cost.neurons_dropped} dropped on this "
                 f"token (lowest scores first; {share} of the predicted score mass); raise "
-                f"{{{self.plan_context.budget_field}}}, or {{on_overflow=error}} to refuse (shown once; the stats "
+                f"{{{self.mode_context.budget_field}}}, or {{on_overflow=error}} to refuse (shown once; the stats "
                 f"report the per-token average)"), stacklevel=2)
         return logits
 
     def _ffn(self, layer: int, x, cost, residual):
-        """The FFN of `layer` on its input `x`, computed by the plan (the only part that differs between
-        modes); the plan also sees the residual stream it was normed from (to predict the next layer)."""
-        self.plan.before_ffn(layer, residual, cost)
+        """The FFN of `layer` on its input `x`, computed by the mode (the only part that differs between
+        modes); the mode also sees the residual stream it was normed from (to predict the next layer)."""
+        self.mode_impl.before_ffn(layer, residual, cost)
         self.hooks.emit("ffn_input", layer, x)
-        y = self.plan.ffn(layer, x, cost)
+        y = self.mode_impl.ffn(layer, x, cost)
         self.hooks.emit("ffn_output", layer, y)
         return y
 
@@ -180,7 +180,7 @@ class Model:
                  "device": str(self.backend.device),
                  "dram_budget": self.dram_budget, "gpu_budget": self.gpu_budget, "model_bytes": self.model_bytes,
                  "gpu_bytes": self.memory()[1] if self.backend.on_gpu else 0, "quantization": self.quantization()}
-        extra.update(self.plan.describe())
+        extra.update(self.mode_impl.describe())
         return summarize(self._costs, self.dram_bytes(), extra, self._prompts)
 
     def quantization(self) -> dict:
@@ -196,16 +196,16 @@ class Model:
 
     def memory(self) -> tuple[int, int]:
         """(host bytes, device bytes) held: read buffers; resident weights, KV, caches, predictors."""
-        return self.plan.host_bytes(), self.backend.nbytes() + self.plan.device_bytes()
+        return self.mode_impl.host_bytes(), self.backend.nbytes() + self.mode_impl.device_bytes()
 
     def charged(self, host: int, device: int) -> int:
         """The bytes of (host, device) charged to the budget that sizes the caches."""
-        return self.plan_context.charged(host, device)
+        return self.mode_context.charged(host, device)
 
     @property
     def predictor(self):
-        """The sparse plans' predictor (None in the other modes)."""
-        return self.plan.predictor
+        """The sparse modes' predictor (None in the other modes)."""
+        return self.mode_impl.predictor
 
     def dram_bytes(self) -> int:
         """DRAM held by the runtime (on a GPU: only the host buffers; the rest is `gpu_bytes`)."""

@@ -77,7 +77,7 @@ def record_inputs(model, chunks: list[list[int]]) -> list[np.ndarray]:
 
     with model.hooks.observing("ffn_input", observe):
         for chunk in chunks:
-            model.plan.reset()
+            model.mode_impl.reset()
             model.forward(chunk, 0)
     return [np.concatenate(x) for x in xs]
 
@@ -86,8 +86,8 @@ def layer_curve(model, layer: int, x: np.ndarray, error_tokens: int = ERROR_TOKE
     """The layer's grid curve, |act| of the sample and a function threshold -> relative error."""
     B, spec = model.backend, model.spec
     part = "gate" if spec.gated_ffn else "up"
-    rows = getattr(model.plan, "rows", None)  # resident in dense mode, else read
-    ctx = model.plan_context
+    rows = getattr(model.mode_impl, "rows", None)  # resident in dense mode, else read
+    ctx = model.mode_context
     rows = rows[layer] if rows is not None else ctx.bundle_rows(ctx.read_layer_block(layer))
     bias = ctx.biases(layer)
     xt = B.tensor(x)

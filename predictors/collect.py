@@ -1,7 +1,7 @@
 """Calibration data: run the model densely over text and record, per layer, the FFN input x and the
 true activation mask, spilled to per-layer zstandard shards on disk.
 
-One dense pass collects every layer. The FFN input is exactly what `Model.plan.ffn(layer, x, cost)`
+One dense pass collects every layer. The FFN input is exactly what `Model.mode_impl.ffn(layer, x, cost)`
 receives (after attention and the FFN norm), so predictors see at inference what they trained on.
 A shard holds, per calibration chunk, x as float16 and the mask as packed bits (np.packbits along
 the neuron axis); only one chunk's activations are ever in RAM during collection, and training
@@ -256,10 +256,10 @@ class Calibration:
 def _rule_rows(model, layer: int, part: str):
     """The rows the activation rule looks at (gate rows of a gated FFN, else up rows) as backend
     tensors: resident in dense mode, else read."""
-    rows = getattr(model.plan, "rows", None)
+    rows = getattr(model.mode_impl, "rows", None)
     if rows is not None:
         return model.backend.ffn_part(rows[layer], part)
-    ctx = model.plan_context
+    ctx = model.mode_context
     return ctx.bundle_rows(ctx.read_layer_block(layer), parts=(part,))[part]
 
 
@@ -297,7 +297,7 @@ def collect(model, chunks: list[list[int]], rule: ActivationRule, workdir: str |
         with recording(model, rule, sink), \
                 progress_bar(progress, total=sum(map(len, chunks)), unit="tok", desc="collect", leave=False) as bar:
             for chunk in chunks:
-                model.plan.reset()
+                model.mode_impl.reset()
                 model.forward(chunk, 0)
                 cal.tokens += len(chunk)
                 cal.lengths.append(len(chunk))

@@ -44,7 +44,7 @@ def _nll(logits: np.ndarray, targets: list[int]) -> np.ndarray:
 
 def _greedy(model, prompt: list[int], n: int) -> list[int]:
     """n greedy tokens after `prompt` (EOS does not stop it)."""
-    model.plan.reset()
+    model.mode_impl.reset()
     logits = model.forward(prompt, 0)
     out = []
     for i in range(n):
@@ -112,7 +112,7 @@ def dense_reference(model_dir, data, options, max_tokens: int | None, gen_tokens
         raise FlashLLMError("--gen-tokens and the prompt length must be at least 1")
     text = col.read_data(data, max_tokens)
     dense = flashllm.load(model_dir, _compute_options(options), mode="dense")
-    predictor = LowRankPredictor(dense.plan_context)
+    predictor = LowRankPredictor(dense.mode_context)
     spec = dense.spec
     saved_rule = predictor.meta.get("activation_rule")
     rule = col.ActivationRule.from_dict(saved_rule) if saved_rule else col.activation_rule(spec)
@@ -153,7 +153,7 @@ def dense_reference(model_dir, data, options, max_tokens: int | None, gen_tokens
 
 def _computed_counts(model, ref: Reference, chunk_index: list, counts: Counts):
     """An "ffn_output" observer: after each decode step, the neurons the cache computed vs the true mask."""
-    plan = model.plan
+    plan = model.mode_impl
     position = {}
 
     def observe(layer: int, y):
@@ -211,7 +211,7 @@ def evaluate_load(model_dir, ref: Reference, options, progress: bool | None = No
     return {
         "dram_budget": options.dram_budget, "budget_bytes": sparse.dram_budget, "dram_bytes": dram,
         "predictor": getattr(sparse.predictor, "kind", str(predictor)), "predictor_bytes": sparse.predictor.nbytes(),
-        "model_bytes": sparse.model_bytes, "cache_capacity": list(sparse.plan.capacities),
+        "model_bytes": sparse.model_bytes, "cache_capacity": list(sparse.mode_impl.capacities),
         "ppl_dense": ppl_dense, "ppl_sparse": ppl_sparse, "ppl_ratio": ppl_sparse / ppl_dense,
         "top1_agreement": float(follow.mean()), "top1_agreement_tokens": len(ref.gen),
         "top1_agreement_heldout": float(np.concatenate(agree).mean()),

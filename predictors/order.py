@@ -62,7 +62,7 @@ def _masks_of(model, chunks, predictor, progress: bool | None) -> list[list[np.n
     with watch, progress_bar(progress, total=sum(map(len, chunks)), unit="tok", desc="order: collect",
                              leave=False) as bar:
         for chunk in chunks:
-            model.plan.reset()
+            model.mode_impl.reset()
             model.forward(chunk, 0)
             bar.update(len(chunk))
     return per_layer
@@ -94,7 +94,7 @@ def order_model(model_dir: str | Path, data: str | Path, max_tokens: int = DEFAU
     if model.spec.is_moe:
         raise FlashLLMError(f"{model_dir}: a mixture-of-experts model streams whole experts; neuron order does not apply")
     has_predictors = (Path(model_dir) / PREDICTOR_META).is_file()
-    predictor = LowRankPredictor(model.plan_context) if has_predictors else None
+    predictor = LowRankPredictor(model.mode_context) if has_predictors else None
     chunks = col.chunk_text(model, text, seq_len, max_tokens, str(data))
     source = "predicted (trained predictors)" if predictor else "true activations (no trained predictors)"
     log(f"collecting {source} sets over {sum(map(len, chunks))} tokens in {len(chunks)} sequences")

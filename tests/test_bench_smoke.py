@@ -271,7 +271,7 @@ def test_cpu_overhead_times_the_runtime_functions_per_token(tiny_random, tiny_mo
     assert [r["config"] for r in runs] == ["default", "inline"]
     for r in runs:
         calls = {name: p[0] for name, p in r["probes"].items()}
-        assert calls["SparsePlan.ffn"] == 8 and calls["NeuronCache.evict"] == 8  # 8 layers, once per token
+        assert calls["SparseMode.ffn"] == 8 and calls["NeuronCache.evict"] == 8  # 8 layers, once per token
         assert r["compute_ms"] == pytest.approx(r["total_ms"] - r["io_ms"] - r["mem_ms"] - r["predictor_ms"])
         assert r["other_ms"] == pytest.approx(r["compute_ms"] - r["math_ms"])
 

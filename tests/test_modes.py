@@ -54,16 +54,16 @@ def test_read_ahead_pauses_for_layers_whose_lookahead_misses(tiny_models, dense_
     AHEAD_PRECISION; with none, the lookahead is still predicted and measured, and nothing changes the result."""
     tiny = tiny_models("opt")
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True)
-    model.plan.AHEAD_PRECISION = 1.01  # no cut is precise enough: every layer paused
+    model.mode_impl.AHEAD_PRECISION = 1.01  # no cut is precise enough: every layer paused
     np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
     stats = model.stats
     assert stats["neurons_prefetched"] == 0 and stats["lookahead_recall"] is not None
     assert stats["read_ahead_paused"] == list(range(model.spec.n_layers))  # (layer 0 has no lookahead: never measured)
-    model.plan.AHEAD_PRECISION = 0.0  # any lookahead will do: the lowest cut
+    model.mode_impl.AHEAD_PRECISION = 0.0  # any lookahead will do: the lowest cut
     np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
     assert (model.stats["neurons_prefetched"] > 0) == model.predictor.selective and not model.stats["read_ahead_paused"]
     assert model.stats["read_ahead_cut"] == [0] * model.spec.n_layers
-    named, right = model.plan.ahead_named[1:], model.plan.ahead_right[1:]
+    named, right = model.mode_impl.ahead_named[1:], model.mode_impl.ahead_right[1:]
     assert ((0 <= right) & (right <= named)).all()
 
 
@@ -77,7 +77,7 @@ def test_a_missing_lookahead_costs_reads_and_the_cut_bounds_them(tiny_models):
         model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=8, threads=2,
                               cache_rows=(80, 80), **kw)
         if precision is not None:
-            model.plan.AHEAD_PRECISION = precision
+            model.mode_impl.AHEAD_PRECISION = precision
         runs[name] = (model.logits(IDS, prefill=PREFILL), model.stats)
     off, cut, always = (runs[k][1] for k in ("off", "cut", "always"))
     for logits, _ in runs.values():
@@ -97,7 +97,7 @@ def test_submitting_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeyp
 
     tiny = tiny_models("opt")
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True)
-    model.plan.AHEAD_PRECISION = 0.0  # read ahead whatever the lookahead's precision
+    model.mode_impl.AHEAD_PRECISION = 0.0  # read ahead whatever the lookahead's precision
     calls, real = [], FFNReader.submit
 
     def slow_submit(self, *a, **k):
@@ -121,7 +121,7 @@ def test_reaping_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeypatc
 
     tiny = tiny_models("opt")
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True)
-    model.plan.AHEAD_PRECISION = 0.0  # read ahead whatever the lookahead's precision
+    model.mode_impl.AHEAD_PRECISION = 0.0  # read ahead whatever the lookahead's precision
     calls, real = [], PendingNeurons.done
 
     def slow_done(self):
@@ -188,19 +188,19 @@ def test_budget_sizes_the_caches_and_is_reported(tiny_models):
     budget = full.backend.nbytes() + 2 * 40 * full.compute_row_bytes()  # 40 rows per layer
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8,
                           prefetch=False)
-    assert model.plan.capacities == [40, 40]
+    assert model.mode_impl.capacities == [40, 40]
     ahead = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8,
                           prefetch=True)
-    assert ahead.plan.capacities == [40, 40] and ahead.plan.prefetch_rows == 0  # into the rows the caches free
+    assert ahead.mode_impl.capacities == [40, 40] and ahead.mode_impl.prefetch_rows == 0  # into the rows the caches free
     ahead.logits(IDS, prefill=PREFILL)
     assert ahead.stats["dram_bytes"] <= budget and ahead.stats["lookahead_recall"] > 0
     assert ahead.stats["neurons_prefetched"] > 0 and ahead.stats["read_ahead"] == "into cache rows"
     # rows that cannot take reads directly (a compute dtype other than the storage's): a buffer of its own
     full = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dtype="bfloat16")
-    budget16 = full.backend.nbytes() + 2 * 40 * full.compute_row_bytes() + full.plan.host_bytes()
+    budget16 = full.backend.nbytes() + 2 * 40 * full.compute_row_bytes() + full.mode_impl.host_bytes()
     with_buffer = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget16, window=8,
                                 prefetch=True, dtype="bfloat16")
-    assert 0 < with_buffer.plan.prefetch_rows and max(with_buffer.plan.capacities) < 40  # the read-ahead buffer
+    assert 0 < with_buffer.mode_impl.prefetch_rows and max(with_buffer.mode_impl.capacities) < 40  # the read-ahead buffer
     with_buffer.logits(IDS, prefill=PREFILL)  # counts against the same budget
     assert with_buffer.stats["dram_bytes"] <= budget16 and with_buffer.stats["lookahead_recall"] > 0
     assert with_buffer.stats["read_ahead"] == "via a buffer"
@@ -323,8 +323,8 @@ def test_overlap_inside_a_layer_changes_only_the_summation_order(tiny_models, tm
     runs = {}
     for split in (True, False):
         model = flashllm.load(out, mode="sparse", predictor=predictor, window=2, threads=2, cache_rows=(90, 90))
-        assert model.plan.split
-        model.plan.split = split
+        assert model.mode_impl.split
+        model.mode_impl.split = split
         runs[split] = (model.logits(IDS, prefill=PREFILL), model.backend.native.calls["ffn"], model.stats)
     (a, calls_split, stats), (b, calls_one, _) = runs[True], runs[False]
     assert calls_split > calls_one  # two kernel calls for a layer with reads
@@ -333,5 +333,5 @@ def test_overlap_inside_a_layer_changes_only_the_summation_order(tiny_models, tm
     # 40 tokens of layers carry that on (the two-call sum itself: tests/test_native.py)
     np.testing.assert_allclose(a, b, atol=1e-2, rtol=1e-2)
     np.testing.assert_allclose(a, dense, atol=2e-2, rtol=2e-2)
-    assert not flashllm.load(out, mode="sparse", predictor="oracle", prefetch=False).plan.split  # no overlap
-    assert not flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle").plan.split  # float32: torch copies
+    assert not flashllm.load(out, mode="sparse", predictor="oracle", prefetch=False).mode_impl.split  # no overlap
+    assert not flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle").mode_impl.split  # float32: torch copies

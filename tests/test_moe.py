@@ -46,7 +46,7 @@ def test_moe_greedy_generate_matches_transformers(tiny_models):
 def _budget_for_slots(model_dir, slots: int, **load) -> int:
     """A DRAM budget in bytes that leaves exactly `slots` expert slots per layer."""
     probe = flashllm.load(model_dir, mode="sparse", dram_budget=None, **load)
-    plan, spec = probe.plan, probe.spec
+    plan, spec = probe.mode_impl, probe.spec
     base = probe.charged(plan.host_bytes(), probe.backend.nbytes())
     return base + spec.n_layers * slots * plan.slot_bytes
 
@@ -57,7 +57,7 @@ def test_moe_streamed_equals_dense(tiny_moe, slots):
     dense = flashllm.load(tiny_moe.model_dir, mode="dense").logits(IDS, prefill=4)
     model = flashllm.load(tiny_moe.model_dir, mode="sparse",
                           dram_budget=_budget_for_slots(tiny_moe.model_dir, slots))
-    assert model.plan.capacities == [slots] * model.spec.n_layers
+    assert model.mode_impl.capacities == [slots] * model.spec.n_layers
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
     stats = model.stats
     assert stats["decode_tokens"] == len(IDS) - 4
@@ -94,7 +94,7 @@ def test_moe_fewer_slots_than_top_k_still_equals_dense(tiny_models):
     tiny = tiny_models("olmoe")
     dense = flashllm.load(tiny.model_dir, mode="dense").logits(IDS, prefill=4)
     model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=_budget_for_slots(tiny.model_dir, 1))
-    assert model.plan.capacities == [1] * model.spec.n_layers
+    assert model.mode_impl.capacities == [1] * model.spec.n_layers
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
     assert model.stats["expert_misses"] >= 1
 
@@ -161,7 +161,7 @@ def test_moe_quantized_streamed_equals_dense_and_transformers_on_the_dequantized
     np.testing.assert_allclose(dense, hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
     budget = _budget_for_slots(out, 2, kernels="plain")
     model = flashllm.load(out, mode="sparse", dram_budget=budget, kernels="plain")
-    assert not model.plan.in_place and model.plan.capacities == [2] * model.spec.n_layers
+    assert not model.mode_impl.in_place and model.mode_impl.capacities == [2] * model.spec.n_layers
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
     stats = model.stats
     assert stats["expert_slots"] == "dequantized on insert" and stats["expert_misses"] > 0
@@ -179,9 +179,9 @@ def test_moe_quantized_slots_when_top_k_dequantized_experts_do_not_fit(quantized
     probe = flashllm.load(out, mode="sparse", kernels="plain")
     L, stride = probe.spec.n_layers, probe.layout.stride
     budget = probe.charged(0, probe.backend.nbytes()) + L * 3 * stride
-    assert L * 3 * stride < L * probe.spec.top_k * probe.plan.slot_bytes  # 2 dequantized experts do not fit
+    assert L * 3 * stride < L * probe.spec.top_k * probe.mode_impl.slot_bytes  # 2 dequantized experts do not fit
     model = flashllm.load(out, mode="sparse", dram_budget=budget, kernels="plain")
-    assert model.plan.capacities == [3] * L and model.plan.slot_bytes == stride
+    assert model.mode_impl.capacities == [3] * L and model.mode_impl.slot_bytes == stride
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
     assert model.stats["expert_slots"] == "quantized as stored (dequantized at each use)"
     assert model.stats["dram_bytes"] <= budget and model.stats["expert_misses"] > 0
@@ -198,7 +198,7 @@ def test_moe_int4_kernel_slots_equal_dense_and_stay_close_to_dequantized(quantiz
     kw = dict(expert_prefetch=name == "int4")  # prefetched experts are inserted from the second staging buffer
     budget = _budget_for_slots(out, 2, **kw)
     model = flashllm.load(out, mode="sparse", dram_budget=budget, **kw)
-    assert model.plan.capacities == [2] * model.spec.n_layers
+    assert model.mode_impl.capacities == [2] * model.spec.n_layers
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
     stats = model.stats
     assert stats["expert_misses"] > 0 and stats["dram_bytes"] <= budget
@@ -208,7 +208,7 @@ def test_moe_int4_kernel_slots_equal_dense_and_stay_close_to_dequantized(quantiz
         return
     assert stats["expert_slots"] == "int4 kernel layout (repacked on insert)"
     lay = model.layout
-    assert model.plan.slot_bytes <= lay.bundle_bytes * 1.01 < 3 * lay.d_ffn * lay.d_model * 4  # stays int4
+    assert model.mode_impl.slot_bytes <= lay.bundle_bytes * 1.01 < 3 * lay.d_ffn * lay.d_model * 4  # stays int4
     rel = np.abs(dense - plain).max() / np.abs(plain).max()
     assert 0 < rel < 0.05  # bfloat16 activations, scales and zeros; not the same numbers, close ones
     assert (dense.argmax(-1) == plain.argmax(-1)).mean() >= 0.75
@@ -226,12 +226,12 @@ def test_moe_mlx_quantized_slots_equal_dense_and_the_dequantized_experts(quantiz
     np.testing.assert_allclose(dense, plain, atol=1e-4, rtol=1e-4)
     budget = _budget_for_slots(out, 2, **kw)
     model = flashllm.load(out, mode="sparse", dram_budget=budget, **kw)
-    assert model.plan.capacities == [2] * model.spec.n_layers
+    assert model.mode_impl.capacities == [2] * model.spec.n_layers
     np.testing.assert_array_equal(model.logits(IDS, prefill=4), dense)
     stats, lay = model.stats, model.layout
     assert stats["expert_slots"] == "MLX affine format (copied on insert)"
     assert stats["expert_misses"] > 0 and stats["dram_bytes"] <= budget
-    assert model.plan.slot_bytes <= lay.bundle_bytes * 1.2 < 3 * lay.d_ffn * lay.d_model * 4  # stays quantized
+    assert model.mode_impl.slot_bytes <= lay.bundle_bytes * 1.2 < 3 * lay.d_ffn * lay.d_model * 4  # stays quantized
 
 
 def test_int4_kernel_packing_matches_torchs_converter():
@@ -334,7 +334,7 @@ def test_moe_streamed_through_staging_equals_dense(tiny_models, backend, dtype):
     kw = dict(backend=backend, dtype=dtype, device="cpu")
     dense = flashllm.load(tiny.model_dir, mode="dense", **kw).logits(IDS, prefill=4)
     model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=_budget_for_slots(tiny.model_dir, 2, **kw), **kw)
-    assert not model.plan.in_place and model.plan.capacities == [2] * model.spec.n_layers
+    assert not model.mode_impl.in_place and model.mode_impl.capacities == [2] * model.spec.n_layers
     # both plans sum expert outputs in float32 and round once; with top-2, a + b == b + a, so streaming the
     # experts in other groups than dense changes nothing, bit for bit (bfloat16 sums differed by 0.03)
     np.testing.assert_array_equal(model.logits(IDS, prefill=4), dense)
@@ -350,7 +350,7 @@ def test_moe_prefetch_is_exact_and_measured(tiny_models, dtype):
     dense = flashllm.load(tiny.model_dir, mode="dense", **kw).logits(IDS, prefill=3)
     budget = _budget_for_slots(tiny.model_dir, 3, expert_prefetch=True, **kw)
     model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=budget, expert_prefetch=True, **kw)
-    assert model.plan.in_place == (dtype is None)
+    assert model.mode_impl.in_place == (dtype is None)
     np.testing.assert_array_equal(model.logits(IDS, prefill=3), dense)  # float32 sums of top-2 (see above)
     stats, spec = model.stats, model.spec
     assert 0 < stats["prefetch_recall"] <= 1 and stats["experts_prefetched"] <= spec.top_k * (spec.n_layers - 1)

@@ -55,12 +55,12 @@ def test_packed_experts_are_read_in_place_and_compute_what_the_repacked_rows_com
     for prefetch in (False, True):
         budget = _budget_for_slots(packed, 2, expert_prefetch=prefetch)
         model = flashllm.load(packed, mode="sparse", dram_budget=budget, expert_prefetch=prefetch)
-        assert model.plan.capacities == [2] * model.spec.n_layers
+        assert model.mode_impl.capacities == [2] * model.spec.n_layers
         np.testing.assert_array_equal(model.logits(IDS, prefill=4), want)
         stats = model.stats
         assert stats["expert_slots"] == "int4 kernel layout (read in place)"
         assert stats["expert_misses"] > 0 and stats["dram_bytes"] <= budget
-        assert model.plan.staging == []  # reads land in the slots: no staging buffer
+        assert model.mode_impl.staging == []  # reads land in the slots: no staging buffer
 
 
 def test_experts_packed_for_another_cpu_are_repacked_on_insert(packed_moe, tmp_path, monkeypatch):

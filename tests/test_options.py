@@ -8,7 +8,7 @@ import pytest
 import flashllm
 from flashllm.budget import GiB, MiB, parse_budget
 from flashllm.cli.main import build_parser, load_options, main
-from flashllm.modes.registry import PLANS
+from flashllm.modes.registry import MODES
 from flashllm.options import LoadOptions
 
 
@@ -51,7 +51,7 @@ def test_cli_options_cover_load_options_with_help():
             continue
         assert field.name in actions, field.name
         assert actions[field.name].help and "default" in actions[field.name].help, field.name
-    assert list(actions["mode"].choices) == list(PLANS)
+    assert list(actions["mode"].choices) == list(MODES)
     args = build_parser().parse_args(["generate", "m", "--prompt", "x", "--mode", "sparse", "--dram-budget", "40%",
                                       "--window", "2", "--on-overflow", "error"])
     assert load_options(args) == LoadOptions(mode="sparse", dram_budget=0.4, window=2, on_overflow="error")

@@ -43,7 +43,7 @@ def test_overflow_keeps_the_highest_scored_neurons(tiny_models, recwarn):
     d = model.spec.d_ffn
     recwarn.clear()
     model.logits(IDS, prefill=3)
-    for cache in model.plan.caches:
+    for cache in model.mode_impl.caches:
         held = np.sort(cache.pointer[:cache.num_used])
         np.testing.assert_array_equal(held, np.arange(d - 40, d))  # not the lowest ids 0..39
     stats = model.stats

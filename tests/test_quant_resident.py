@@ -96,7 +96,7 @@ def test_every_mode_with_everything_quantized_matches_dense(tiny_models, tmp_pat
     if backend == "mlx":
         from flashllm.backends.mlx.quant import QuantArray
 
-        store = model.plan.caches[0].store
+        store = model.mode_impl.caches[0].store
         assert isinstance(store.parts["up"], QuantArray) and store.parts["up"].bits == 4
         lay = model.layout
         assert model.compute_row_bytes() < len(lay.parts) * lay.d_model * model.backend.itemsize / 3
@@ -111,7 +111,7 @@ def test_resident_quantization_leaves_room_for_the_cache(tiny_models):
     kw = dict(mode="sparse", predictor="oracle", dram_budget=0.9)
     plain, quant = flashllm.load(d, **kw), flashllm.load(d, quantize_resident="int4", **kw)
     assert quant.backend.nbytes() < plain.backend.nbytes()
-    assert sum(quant.plan.capacities) > sum(plain.plan.capacities)
+    assert sum(quant.mode_impl.capacities) > sum(plain.mode_impl.capacities)
 
 
 def test_cli_stats_say_what_is_quantized(tiny_models, capsys):

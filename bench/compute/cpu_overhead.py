@@ -48,9 +48,9 @@ CONFIGS = {"default": {}, "no-overlap": {"prefetch": False}, "threads": {"aio_de
 # module, qualified name: the functions timed (those a checkout lacks are skipped; one name in several modules is
 # one probe)
 PROBES = [
-    ("flashllm.modes.registry", "SparsePlan.ffn"), ("flashllm.modes.registry", "SparsePlan._load"),
-    ("flashllm.modes.registry", "SparsePlan._lookahead"), ("flashllm.modes.registry", "SparsePlan._finish_prefetch"),
-    ("flashllm.modes.registry", "SparsePlan._fit"), ("flashllm.modes.registry", "SparsePlan._compute"),
+    ("flashllm.modes.registry", "SparseMode.ffn"), ("flashllm.modes.registry", "SparseMode._load"),
+    ("flashllm.modes.registry", "SparseMode._lookahead"), ("flashllm.modes.registry", "SparseMode._finish_prefetch"),
+    ("flashllm.modes.registry", "SparseMode._fit"), ("flashllm.modes.registry", "SparseMode._compute"),
     ("flashllm.modes.registry", "predict_scored"), ("flashllm.modes.registry", "union"),  # (before flashllm/modes/sparse/mode.py)
     ("flashllm.modes.sparse.mode", "predict_scored"), ("flashllm.modes.sparse.read_ahead", "predict_scored"),
     ("flashllm.modes.sparse.mode", "union"), ("flashllm.modes.sparse.read_ahead", "union"),
@@ -64,7 +64,7 @@ PROBES = [
     ("flashllm.io.aio", "AioContext.submit"), ("flashllm.io.aio", "AioContext.reap"),
     ("flashllm.backends.base", "Backend.low_rank"), ("flashllm.backends.torch.backend", "TorchBackend.norm"),
     ("flashllm.backends.torch.backend", "TorchBackend.linear"), ("flashllm.io.read_list", "Reads.plan"),
-    ("flashllm.modes.registry", "SparsePlan._poll"),
+    ("flashllm.modes.registry", "SparseMode._poll"),
 ]
 
 
@@ -176,7 +176,7 @@ def child(args) -> dict:
     out["parts"] = {k: statistics.fmean(t["parts"][k] for t in tokens) for k in tokens[0]["parts"]}
     out["probes"] = {name: [statistics.fmean(t["probes"][name][j] for t in tokens) for j in range(3)]
                      for name in tokens[0]["probes"]}
-    plan = model.plan.describe()
+    plan = model.mode_impl.describe()
     out.update(config=args.config, load_s=load_s, load=os.getloadavg()[0], read_ahead=plan.get("read_ahead"),
                read_ahead_paused=plan.get("read_ahead_paused"))
     return out

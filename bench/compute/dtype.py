@@ -51,7 +51,7 @@ def measure(model_dir: Path, dtype: str, chunks, prompt, gen, ref_logits, budget
         return dict(out, budget_error=str(exc).split(";")[0])
     ppl, n, dropped_per_token = score_loaded(at, chunks, budget_tokens)
     return dict(out, budget_ppl=ppl, budget_tokens=n, dropped_per_token=dropped_per_token,
-                cached_rows=sum(at.plan.capacities))
+                cached_rows=sum(at.mode_impl.capacities))
 
 
 def main(argv=None) -> str:

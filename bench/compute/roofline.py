@@ -253,7 +253,7 @@ def part_bytes(model, cost, pos: int) -> dict[str, int]:
     if model.mode == "sparse":
         ffn = sum(cost.neurons_cached) * B.cache_row_bytes(model.layout)  # as the cache holds them (int8/int4 codes too)
     else:
-        ffn = model.plan.device_bytes()
+        ffn = model.mode_impl.device_bytes()
     head = B.w["embed.weight"] if s.tied_embeddings else B.w["lm_head.weight"]
     return {"attn_proj": proj, "attention": kv, "ffn": ffn, "logits": B.nbytes_of(head)}
 

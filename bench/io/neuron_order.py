@@ -59,7 +59,7 @@ def measure(model_dir: Path, sequences: list[list[int]], prefill: int, budget, w
     tokens = 0
     for seq in sequences:
         masks: dict[int, list[np.ndarray]] = {}
-        model.plan.reset()
+        model.mode_impl.reset()
         with model.hooks.observing("predict", lambda layer, m: masks.setdefault(layer, []).append(m.copy())):
             model.logits(seq, prefill=prefill)
         n = len(seq) - prefill

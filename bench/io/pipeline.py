@@ -92,7 +92,7 @@ def run_one(model_dir, settings: dict, budget, prompt_ids, tokens: int, config: 
               "gap_bytes", "neurons_dropped", "pinned_neurons", "cache_capacity"):
         if k in s:
             out[k] = s[k]
-    out["engine"] = model.plan.reader.io.engine if hasattr(model.plan, "reader") else "-"
+    out["engine"] = model.mode_impl.reader.io.engine if hasattr(model.mode_impl, "reader") else "-"
     return out
 
 

@@ -24,7 +24,7 @@ random weights a permutation of the replay, see TracePredictor), `ordered+no-ove
 bandwidth, one read less saves the per-read cost, from a fit of fio at one and at eight bundles).
 `no-split`: without the overlap inside a layer (a layer's held rows computed while its missing rows are
 read into the others); `no-keep`: the read-ahead's eviction does not keep the cached neurons the lookahead
-scores above SparsePlan.AHEAD_KEEP. The replayed trace makes the lookahead exact (each layer's set does not depend on
+scores above SparseMode.AHEAD_KEEP. The replayed trace makes the lookahead exact (each layer's set does not depend on
 its input); the `+measured-lookahead` configurations replay it as imperfect as the small model's own
 lookahead (`--lookahead-model`, bench/io/lookahead.py --json-out: per layer, the score distribution of
 the needed neurons and the count of others above each score cut, drawn independently per neuron and
@@ -272,7 +272,7 @@ def markdown(reps: list[dict]) -> str:
                         "-" if x is None else f"{x:.2f}" for x in r[key]))
             if r.get("read_ahead_cut") and r.get("lookahead_recall") not in (None, 1.0):
                 L.append(f"- {rep['date']} {name}: read-ahead cut per layer at the end (index into "
-                         "SparsePlan.AHEAD_CUTS, - paused) " + " ".join("-" if c is None else str(c)
+                         "SparseMode.AHEAD_CUTS, - paused) " + " ".join("-" if c is None else str(c)
                                                                        for c in r["read_ahead_cut"]))
         for name, r in rep["runs"].items():
             if "error" not in r:

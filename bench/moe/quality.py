@@ -64,7 +64,7 @@ def measure(model_dir: Path, chunks, prompt, gen, opts: dict, budget_bytes: int 
         diff = max(diff, float(np.abs(logits - dense.logits(c, prefill=1)).max()))  # same decode path as `at`
         n += len(c) - 1
     out.update(budget_ppl=float(math.exp(np.concatenate(scored).mean())), budget_tokens=n, budget_max_logit_diff=diff,
-               slots=at.plan.capacities[0], expert_slots=at.stats["expert_slots"],
+               slots=at.mode_impl.capacities[0], expert_slots=at.stats["expert_slots"],
                hit_rate=at.stats["expert_hit_rate"])
     return out
 

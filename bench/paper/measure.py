@@ -45,10 +45,10 @@ def measure(run: dict) -> dict:
                           kv_bits=run.get("kv_bits", 16), prefetch=run.get("prefetch"), device=run.get("device"),
                           gpu_budget=run.get("gpu_budget"))
     load_s = time.perf_counter() - t0
-    if hasattr(model.plan.predictor, "early"):  # a replayed trace: tell it which predictions are lookaheads
-        flag_lookahead(model.plan)
+    if hasattr(model.mode_impl.predictor, "early"):  # a replayed trace: tell it which predictions are lookaheads
+        flag_lookahead(model.mode_impl)
     for name, value in (run.get("plan") or {}).items():  # plan attributes to vary (bench/io/runtime.py configs)
-        setattr(model.plan, name, value)
+        setattr(model.mode_impl, name, value)
     read_acc, predicted_acc = [0.0], [0]
 
     def on_read(io):  # the engine's wall time of each read
@@ -61,7 +61,7 @@ def measure(run: dict) -> dict:
     model.hooks.add("predict", on_predict)
     ids = np.random.default_rng(run["seed"]).integers(3, model.spec.vocab_size, size=n).tolist()
     read_ms, predicted, cpu = [], [], []
-    readers = [r for r in (getattr(model.plan, "reader", None), getattr(model.plan, "attn_reader", None)) if r]
+    readers = [r for r in (getattr(model.mode_impl, "reader", None), getattr(model.mode_impl, "attn_reader", None)) if r]
     readers = [getattr(r, "io", r) for r in readers]
 
     def cpu_now():  # process, this (the generating) thread, the flash reader threads: CPU seconds so far
@@ -75,7 +75,7 @@ def measure(run: dict) -> dict:
             prof = cProfile.Profile()
             prof.enable()
         if run.get("read_sizes") and pos == 1 + run["warmup"]:
-            sizes = record_read_sizes(model.plan.reader.io)
+            sizes = record_read_sizes(model.mode_impl.reader.io)
         read_acc[0], predicted_acc[0] = 0.0, 0
         c0 = cpu_now()
         model.forward([ids[pos]], pos)

@@ -58,7 +58,7 @@ def _child(model_dir: str, options: dict, decode_tokens: int = 0) -> dict:
     out = {"peak": peak, "held": host + device, "transient": peak - host - device,
            "largest_tensor": max(sizes), "float_resident": float_resident,
            "resident_held": model.backend.nbytes() - model.backend.kv_bytes(),
-           "resident_neurons": getattr(model.plan, "resident_rows", 0)}
+           "resident_neurons": getattr(model.mode_impl, "resident_rows", 0)}
     if decode_tokens:
         for pos in range(decode_tokens):
             model.forward([1 + pos % 8], pos)

@@ -90,7 +90,7 @@ def at_budget(model_dir: Path, chunks, prompt, gen, window: int, opts: dict, bud
     ppl, n, dropped_per_token = score_loaded(at, chunks, budget_tokens)
     follow = np.argmax(at.logits(seq[:-1], prefill=len(prompt))[len(prompt) - 1:], axis=1) == np.array(gen)
     return {"ppl": ppl, "tokens": n, "top1_agreement": float(follow.mean()),
-            "dropped_per_token": dropped_per_token, "cache_rows": int(sum(at.plan.capacities)),
+            "dropped_per_token": dropped_per_token, "cache_rows": int(sum(at.mode_impl.capacities)),
             "budget_bytes": int(at.dram_budget or 0), "predictor": at.stats.get("predictor", predictor)}
 
 

@@ -104,7 +104,7 @@ def add_model_dir(parser: argparse.ArgumentParser) -> None:
 def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """Every LoadOptions field (but those named in `skip`) as a CLI option, with its default and a line
     of help (generate, serve, chat, predictors eval)."""
-    from flashllm.modes.registry import PLANS
+    from flashllm.modes.registry import MODES
     from flashllm.options import (BACKENDS, DTYPES, EXPERT_POLICIES, KERNELS, KV_BITS, ON_OVERFLOW, PREDICTORS,
                                   QUANTIZE_RESIDENT, LoadOptions)
 
@@ -117,8 +117,8 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                    help="cpu, cuda or gpu (default: torch cpu, mlx Metal where present)")
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype,
                    help=f"compute dtype (default: {DEFAULT_DTYPE_HELP})")
-    g.add_argument("--mode", default=d.mode, choices=list(PLANS), help="how layer weights are obtained: " + "; ".join(
-        f"{name}: {cls.summary}" for name, cls in PLANS.items())
+    g.add_argument("--mode", default=d.mode, choices=list(MODES), help="how layer weights are obtained: " + "; ".join(
+        f"{name}: {cls.summary}" for name, cls in MODES.items())
         + " (default: %(default)s)")
     g.add_argument("--predictor", default=d.predictor, choices=list(PREDICTORS),
                    help="sparse mode: trained low-rank predictors, the true activations (oracle), or a gated "

@@ -1,19 +1,19 @@
-"""The plan protocol (`Plan`, with a plan's defaults) and what the flash-reading plans share (`StreamingPlan`)."""
+"""The mode protocol (`Mode`, with a mode's defaults) and what the flash-reading modes share (`StreamingMode`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from flashllm.modes.context import PlanContext
+from flashllm.modes.context import ModeContext
 
 
-class Plan:
-    """The plan protocol, with the defaults of a plan that loads nothing around a layer."""
+class Mode:
+    """The mode protocol, with the defaults of a mode that loads nothing around a layer."""
 
     summary = ""  # one line for --help
-    predictor = None  # the sparse plans' predictor
+    predictor = None  # the sparse modes' predictor
 
-    def __init__(self, ctx: PlanContext):
+    def __init__(self, ctx: ModeContext):
         self.ctx, self.lay, self.backend = ctx, ctx.layout, ctx.backend
 
     def before_layer(self, layer: int, cost) -> None:
@@ -40,20 +40,20 @@ class Plan:
         return 0
 
     def describe(self) -> dict:
-        """What this plan adds to `Model.stats`."""
+        """What this mode adds to `Model.stats`."""
         return {}
 
 
-class StreamingPlan(Plan):
-    """Shared by the flash-reading plans: the FFN reader and a dense read of neuron ranges."""
+class StreamingMode(Mode):
+    """Shared by the flash-reading modes: the FFN reader and a dense read of neuron ranges."""
 
     gap_filling = False  # scattered reads: read through small gaps (the disk profile's cost model)
 
-    def __init__(self, ctx: PlanContext):
+    def __init__(self, ctx: ModeContext):
         super().__init__(ctx)
         self.reader = ctx.ffn_reader(gap_filling=self.gap_filling, layout=getattr(self, "read_layout", None),
                                      aio_depth=getattr(self, "aio_depth", None))
-        # dense plans: read layer l+1 while layer l computes (two buffers), never across tokens
+        # dense modes: read layer l+1 while layer l computes (two buffers), never across tokens
         self.buffers = 2 if ctx.options.prefetch is not False and ctx.spec.n_layers > 1 else 1
         self._inflight: dict = {}  # layer -> reads started for it
 

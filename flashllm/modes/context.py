@@ -1,5 +1,5 @@
-"""What a plan (and a predictor) is built from: the model directory's layout, the backend, the FFN
-reader, the budget and the load options. Plans see this object, never the `Model` that runs them.
+"""What a mode (and a predictor) is built from: the model directory's layout, the backend, the FFN
+reader, the budget and the load options. Modes see this object, never the `Model` that runs them.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from flashllm.modes.sparse.activation_sparsity import CalibratedSparsity
 
 
 @dataclass
-class PlanContext:
-    """The inputs of a plan. `budget` is the byte budget that sizes caches (the GPU budget on a GPU,
+class ModeContext:
+    """The inputs of a mode. `budget` is the byte budget that sizes caches (the GPU budget on a GPU,
     else the DRAM budget; None: unlimited)."""
 
     manifest: fmt.Manifest

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers: the router (the exact predictor), expert cache slots, dense and sparse plans.
+"""Mixture-of-experts layers: the router (the exact predictor), expert cache slots, dense and sparse modes.
 
 Dense holds every expert. Sparse streams experts from flash into a per-layer cache of slots sized
 by the DRAM budget: per token the router picks the top-k experts, the ones not cached are read in
@@ -21,8 +21,8 @@ import numpy as np
 
 from flashllm.errors import FlashLLMError
 from flashllm.options import EXPERT_POLICIES
-from flashllm.modes.registry import Plan
-from flashllm.modes.context import PlanContext
+from flashllm.modes.registry import Mode
+from flashllm.modes.context import ModeContext
 
 NEVER = -(1 << 62)
 
@@ -66,7 +66,7 @@ class Router:
 
     kind = "router"
 
-    def __init__(self, ctx: PlanContext):
+    def __init__(self, ctx: ModeContext):
         self.backend, self.spec = ctx.backend, ctx.spec
         self.choose = ctx.options.expert_routing
 
@@ -148,7 +148,7 @@ class ExpertCache:
         self.slot_of[experts] = slots
 
 
-def expert_values(ctx: PlanContext, raw: np.ndarray):
+def expert_values(ctx: ModeContext, raw: np.ndarray):
     """One stored expert bundle (uint8, >= bundle_bytes) as its values [parts, d_ffn, d_model]: a view
     in the storage dtype, or float32 dequantized (flashllm/format/quant.py) when the experts are quantized."""
     lay = ctx.layout
@@ -156,7 +156,7 @@ def expert_values(ctx: PlanContext, raw: np.ndarray):
     return values.reshape(len(lay.parts), lay.d_ffn, lay.d_model)
 
 
-def expert_views(ctx: PlanContext, raw: np.ndarray) -> dict:
+def expert_views(ctx: ModeContext, raw: np.ndarray) -> dict:
     """One expert bundle as part -> [d_ffn, d_model] backend tensors (views of `raw`, no copy, when the
     backend computes on the CPU in the storage dtype and the experts are not quantized)."""
     values = expert_values(ctx, raw)
@@ -167,7 +167,7 @@ class ConvertedSlots:
     """One layer's expert slots in the compute dtype, one preallocated array: a stored bundle is
     dequantized or converted when it is inserted."""
 
-    def __init__(self, ctx: PlanContext, capacity: int):
+    def __init__(self, ctx: ModeContext, capacity: int):
         lay, self.ctx = ctx.layout, ctx
         self.array = ctx.backend.zeros((capacity, len(lay.parts), lay.d_ffn, lay.d_model))
 
@@ -178,18 +178,18 @@ class ConvertedSlots:
         return {p: self.array[slot, k] for k, p in enumerate(self.ctx.layout.parts)}
 
 
-def expert_slots(ctx: PlanContext, capacity: int):
+def expert_slots(ctx: ModeContext, capacity: int):
     """A layer's `capacity` slots: in the backend's quantized kernel layout where it has one, else converted."""
     if ctx.layout.quant and ctx.backend.expert_slot_bytes(ctx.layout):
         return ctx.backend.expert_slots(ctx.layout, capacity)
     return ConvertedSlots(ctx, capacity)
 
 
-class MoEPlan(Plan):
-    """Shared by the MoE plans: routing, the shared expert and the weighted sum of expert outputs (in float32,
-    so dense and streamed plans, which add the experts in different groups, agree)."""
+class MoEMode(Mode):
+    """Shared by the MoE modes: routing, the shared expert and the weighted sum of expert outputs (in float32,
+    so dense and streamed modes, which add the experts in different groups, agree)."""
 
-    def __init__(self, ctx: PlanContext):
+    def __init__(self, ctx: ModeContext):
         super().__init__(ctx)
         self.spec = ctx.spec
         self.predictor = Router(ctx)
@@ -213,10 +213,10 @@ class MoEPlan(Plan):
         return B.moe_output(x, acc, rows, gate)
 
 
-class MoEDensePlan(MoEPlan):
-    """Every expert resident: the reference for the streamed plan."""
+class MoEDenseMode(MoEMode):
+    """Every expert resident: the reference for the streamed mode."""
 
-    def __init__(self, ctx: PlanContext):
+    def __init__(self, ctx: ModeContext):
         super().__init__(ctx)
         lay, E = self.lay, self.spec.n_experts
         reader = ctx.ffn_reader(threads=4, verify=False)
@@ -249,10 +249,10 @@ class MoEDensePlan(MoEPlan):
         return sum(B.nbytes_of(t) for layer in self.experts for ex in layer for t in ex.values())
 
 
-class MoESparsePlan(MoEPlan):
+class MoESparseMode(MoEMode):
     """Experts streamed from flash into per-layer cache slots; prefill streams each layer's union once."""
 
-    def __init__(self, ctx: PlanContext):
+    def __init__(self, ctx: ModeContext):
         super().__init__(ctx)
         B, lay, s, options, budget = self.backend, self.lay, self.spec, ctx.options, ctx.budget
         window, policy = options.window, options.expert_policy
@@ -437,4 +437,4 @@ class MoESparsePlan(MoEPlan):
         return sum(self.capacities) * self.slot_bytes
 
 
-MOE_PLANS = {"dense": MoEDensePlan, "sparse": MoESparsePlan}
+MOE_MODES = {"dense": MoEDenseMode, "sparse": MoESparseMode}

@@ -29,7 +29,7 @@ def _up(n: int, a: int) -> int:
 
 
 class QuantizedLayers:
-    """Per layer, a block of the scratch file: `spans[i]` = (offset, bytes, names) as NaivePlan reads
+    """Per layer, a block of the scratch file: `spans[i]` = (offset, bytes, names) as NaiveMode reads
     them, `place(i, buf)` makes the layer's tensors live from a buffer holding that block."""
 
     def __init__(self, st, layer_names: list[list[str]], backend, quantize: str, threads: int,

@@ -1,10 +1,10 @@
 """How layer weights are obtained per token: dense, naive, hybrid or sparse (the only difference).
 
-Each plan is built from a `PlanContext` (layout, backend, FFN reader, budget, options), answers
+Each mode is built from a `ModeContext` (layout, backend, FFN reader, budget, options), answers
 `ffn(layer, x, cost)`, may load weights around a layer (`before_layer`, `after_layer`) and reports
 its own memory (`host_bytes`, `device_bytes`) and stats (`describe`); the model's per-token path is
-the same for all of them. The protocol and the streaming plans' base are in flashllm/modes/base.py, the sparse
-plan in flashllm/modes/sparse/mode.py (its read-ahead in flashllm/modes/sparse/read_ahead.py).
+the same for all of them. The protocol and the streaming modes' base are in flashllm/modes/base.py, the sparse
+mode in flashllm/modes/sparse/mode.py (its read-ahead in flashllm/modes/sparse/read_ahead.py).
 """
 
 from __future__ import annotations
@@ -13,19 +13,19 @@ import numpy as np
 
 from flashllm import budget as budget_mod
 from flashllm.io.reader import FlashReader
-from flashllm.modes.base import Plan, StreamingPlan
-from flashllm.modes.sparse.mode import SparsePlan
-from flashllm.modes.context import PlanContext
+from flashllm.modes.base import Mode, StreamingMode
+from flashllm.modes.sparse.mode import SparseMode
+from flashllm.modes.context import ModeContext
 from flashllm.modes.quant_layers import QuantizedLayers
 from flashllm.format.safetensors_io import SafetensorsFile
 
 
-class DensePlan(Plan):
+class DenseMode(Mode):
     """Every FFN weight resident: the correctness reference."""
 
     summary = "all weights resident (the reference)"
 
-    def __init__(self, ctx: PlanContext):
+    def __init__(self, ctx: ModeContext):
         super().__init__(ctx)
         pack = ctx.backend.pack_ffn
         self.rows = [pack(ctx.bundle_rows(ctx.read_layer_block(i), keep_quantized=True)) for i in range(ctx.spec.n_layers)]
@@ -39,12 +39,12 @@ class DensePlan(Plan):
         return sum(self.backend.nbytes_of(t) for rows in self.rows for t in rows.values())
 
 
-class NaivePlan(StreamingPlan):
+class NaiveMode(StreamingMode):
     """No layer weights resident: every token reads each layer's attention and FFN from flash."""
 
     summary = "every layer read from flash per token"
 
-    def __init__(self, ctx: PlanContext):
+    def __init__(self, ctx: ModeContext):
         super().__init__(ctx)
         st = SafetensorsFile(ctx.manifest.path("resident"))
         names = [[n for n in st.entries if n.startswith(f"layers.{i}.")] for i in range(ctx.spec.n_layers)]
@@ -121,12 +121,12 @@ class NaivePlan(StreamingPlan):
         return self.ctx.max_layer_bytes()
 
 
-class HybridPlan(StreamingPlan):
+class HybridMode(StreamingMode):
     """The first `resident_rows` neurons of each FFN stay resident; the rest is re-read densely per token."""
 
     summary = "part of each FFN resident, the rest read densely per token"
 
-    def __init__(self, ctx: PlanContext):
+    def __init__(self, ctx: ModeContext):
         super().__init__(ctx)
         lay, L, budget = self.lay, ctx.spec.n_layers, ctx.budget
         row = ctx.row_bytes()
@@ -187,5 +187,5 @@ class HybridPlan(StreamingPlan):
             (self.lay.d_ffn - self.resident_rows) * self.ctx.row_bytes()
 
 
-# Every mode, by the name the API and the CLI use; each plan's docstring line is its description.
-PLANS = {"dense": DensePlan, "naive": NaivePlan, "hybrid": HybridPlan, "sparse": SparsePlan}
+# Every mode, by the name the API and the CLI use; each mode's docstring line is its description.
+MODES = {"dense": DenseMode, "naive": NaiveMode, "hybrid": HybridMode, "sparse": SparseMode}

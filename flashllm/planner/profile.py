@@ -124,7 +124,7 @@ def measure_layer_overhead(profile: MachineProfile, tokens: int = 24, seconds: f
         if kind == "sparse":  # the caches' bookkeeping (evicting, row lists), timed as memory, beyond placing rows
             placed = profile.cast_s("float32", "float32", t.bytes_read)
             out["sparse_mem"] = max(t.mem_ms / 1e3 - placed, 0.0) / spec.n_layers
-            rank = int(m.plan.predictor.proj_in[0].shape[0])
+            rank = int(m.mode_impl.predictor.proj_in[0].shape[0])
             out["predictor"] = max(t.predictor_ms / 1e3 / spec.n_layers - cm.predictor_s(profile, spec, "float32", rank), 0)
     return out
 

@@ -61,7 +61,7 @@ class ReadGeometry:
 
 
 def _fit_pinned(cache, active: np.ndarray) -> bool:
-    """modes_sparse.SparsePlan._fit's pinning rule: release the least frequent pinned neurons until the token's
+    """flashllm.modes.sparse.mode.SparseMode._fit's pinning rule: release the least frequent pinned neurons until the token's
     other neurons fit the rest of the cache. True when they fit (no capacity cut applies then)."""
     while cache.pinned:
         rows = cache.row_of[active]
@@ -119,8 +119,8 @@ def sample_masks(model_dir, data: str | None, tokens: int, predictor: str = "low
 
     model = load(model_dir, mode="dense", context=seq_len) if _fits_dense(model_dir) else \
         load(model_dir, mode="naive", context=seq_len)
-    chosen = make_predictor(predictor, model.plan_context)
-    model.plan_context.close()
+    chosen = make_predictor(predictor, model.mode_context)
+    model.mode_context.close()
     seq_len = min(seq_len, model.context)
     ids = sample_ids(model_dir, data, tokens)
     per_layer = [[] for _ in range(model.spec.n_layers)]
@@ -128,7 +128,7 @@ def sample_masks(model_dir, data: str | None, tokens: int, predictor: str = "low
         for k in range(0, len(ids), seq_len):
             for lst in per_layer:
                 lst.append([])
-            model.plan.reset()
+            model.mode_impl.reset()
             model.forward([int(i) for i in ids[k:k + seq_len]], 0)
     return [[np.concatenate(s) for s in lst if s] for lst in per_layer]
 

@@ -282,7 +282,7 @@ def make_plan(model_dir, budget, machine, disk, data: str | None = None, dtypes:
             h = spec.d_ffn // 2 if avail is None else min(spec.d_ffn, avail // (spec.n_layers * mem["row"]))
             plan = Plan("hybrid", dtype, nbudget, threads=threads)
             model, m = loaded(plan, f"hybrid, {tag}") if ids else (None, None)
-            h = model.plan.resident_rows if model is not None else h  # as the runtime sized it
+            h = model.mode_impl.resident_rows if model is not None else h  # as the runtime sized it
             plan.hybrid_fraction = h / spec.d_ffn
             if m is not None or not ids:
                 add(hybrid_cost(machine, disk, manifest, dtype, mem, h, threads), plan,

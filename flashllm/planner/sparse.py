@@ -40,7 +40,7 @@ def probe(model) -> SparseFacts:
     """The facts of a model loaded in sparse mode (flashllm.load(..., mode="sparse"))."""
     from flashllm.modes.sparse.mode import activation_frequencies
 
-    plan, ctx, B = model.plan, model.plan_context, model.backend
+    plan, ctx, B = model.mode_impl, model.mode_context, model.backend
     pred = plan.predictor
     fixed = ctx.charged(plan.host_bytes(), B.nbytes() + pred.nbytes())
     lay = plan.lay

@@ -353,7 +353,7 @@ class TorchBackend(TorchAttention, Backend):
             self._down_buf = (torch.empty(DOWN_CHUNK, d), torch.empty(d))
 
     def pack_ffn(self, rows: dict) -> dict:
-        """A resident FFN's rows packed at load (dense and hybrid plans): up and gate as one [2n, d]
+        """A resident FFN's rows packed at load (dense and hybrid modes): up and gate as one [2n, d]
         matrix, down transposed to a contiguous [d, n] matrix; every token's FFN is then two
         contiguous matrix-vector products. Same math; rows that are not plain tensors of the compute
         dtype (quantized) and the "plain" kernels keep the rows as they are."""
@@ -378,7 +378,7 @@ class TorchBackend(TorchAttention, Backend):
     def moe_experts(self, x: torch.Tensor, groups: list, acc: torch.Tensor | None = None) -> torch.Tensor:
         """Routed experts: for each (rows, token ids, float32 weights) group, weights * expert(x[tokens]) added
         to those tokens' rows of a float32 accumulator [T, d_model] (a new one when `acc` is None). Summing in
-        float32 makes the result independent of how a plan splits the experts (dense: all at once; streamed:
+        float32 makes the result independent of how a mode splits the experts (dense: all at once; streamed:
         cached ones, then chunks read into the slots), up to float32 rounding."""
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if acc is None else acc
         for rows, tokens, weights in groups:

@@ -9,15 +9,15 @@ import numpy as np
 
 from flashllm import budget as budget_mod
 from flashllm.errors import DroppedNeuronsWarning, FlashLLMError, OptionsError, OptionsWarning, cli_option
-from flashllm.modes.base import StreamingPlan
+from flashllm.modes.base import StreamingMode
 from flashllm.modes.sparse.read_ahead import ReadAhead
 from flashllm.modes.sparse.neuron_cache import NeuronCache, pinned_rows
-from flashllm.modes.context import PlanContext
+from flashllm.modes.context import ModeContext
 from flashllm.modes.sparse.predictor import PREDICTOR_FILE, make_predictor, predict_scored, union
 from flashllm.format.safetensors_io import SafetensorsFile
 
 
-class SparsePlan(ReadAhead, StreamingPlan):
+class SparseMode(ReadAhead, StreamingMode):
     """Predicted neurons streamed into per-layer sliding-window caches (paper §3.1-3.3)."""
 
     summary = "predicted neurons streamed into sliding-window caches"
@@ -26,7 +26,7 @@ class SparsePlan(ReadAhead, StreamingPlan):
     RANDOM_READ_PENALTY = 1.5  # a bundle read costs about this much more per byte than a sequential one
     AIO_DEPTH = 2048  # native AIO reads in flight by default (a 7B layer's ~800 at once)
 
-    def __init__(self, ctx: PlanContext):
+    def __init__(self, ctx: ModeContext):
         self.predictor = make_predictor(ctx.options.predictor, ctx)
         # a predictor holding the gate rows resident: read and cache only the other parts of each bundle
         self.resident_part = getattr(self.predictor, "resident_part", None)
@@ -292,7 +292,7 @@ class SparsePlan(ReadAhead, StreamingPlan):
         return sum(c.store.nbytes() for c in self.caches) + self.predictor.nbytes()
 
 
-def activation_frequencies(ctx: PlanContext) -> list[np.ndarray] | None:
+def activation_frequencies(ctx: ModeContext) -> list[np.ndarray] | None:
     """Per layer, the share of calibration tokens each neuron was active on (`layers.{i}.freq` of the
     trained predictors); None when the model directory has none."""
     path = ctx.manifest.root / PREDICTOR_FILE

@@ -233,7 +233,7 @@ PREDICTORS = {"lowrank": LowRankPredictor, "oracle": OraclePredictor, "gate": Ga
 
 def make_predictor(kind, ctx):
     """A predictor by name, or built by `kind(ctx)` when kind is a callable (benchmarks' traces); `ctx`
-    is the plan's PlanContext (spec, backend, manifest, read_layer_block, bundle_rows, biases)."""
+    is the mode's ModeContext (spec, backend, manifest, read_layer_block, bundle_rows, biases)."""
     if kind == "auto":
         kind = auto_predictor(ctx)
     if callable(kind):

@@ -1,4 +1,4 @@
-"""The sparse plan's read-ahead: layer l+1's likely neurons, predicted from l's residual, read while l computes."""
+"""The sparse mode's read-ahead: layer l+1's likely neurons, predicted from l's residual, read while l computes."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from flashllm.modes.sparse.predictor import predict_scored, union
 
 
 class ReadAhead:
-    """A part of `SparsePlan` (flashllm/modes/sparse/mode.py): the lookahead's prediction, its reads (into the rows a cache frees
+    """A part of `SparseMode` (flashllm/modes/sparse/mode.py): the lookahead's prediction, its reads (into the rows a cache frees
     for them, or into a buffer of its own), their completion and placing, and the running precision per layer
-    that decides how much of a lookahead set is worth reading. Uses the plan's caches, predictor, reader, window
+    that decides how much of a lookahead set is worth reading. Uses the mode's caches, predictor, reader, window
     and layout."""
 
     # a layer reads ahead only the part of its lookahead set that is likely right: the neurons scored above

@@ -12,7 +12,7 @@ Models: the embedded model at the demo's settings (bfloat16 compute, 50% budget)
 standard-library lines; with --opt13 DIR an OPT-1.3B-shaped model (bench/models/make_model.py; random weights,
 random rank-16 predictors selecting ~16% per token as in bench/plan.py), random prompt ids.
 
-    python -m bench batch [--opt13 /tmp/opt13] [--out bench/results/batch/throughput]
+    python -m bench batch [--opt13 DIR] [--out bench/results/batch/throughput]
 """
 
 from __future__ import annotations
@@ -85,12 +85,12 @@ def measure(model_dir, prompts: list[list[int]], budget, modes, batches, tokens,
             rs = runs[b]
             dec = [r["tokens"] / r["decode_ms"] * 1e3 for r in rs]
             e2e = [(r["tokens"] + len(prompts)) / (r["decode_ms"] + r["prompt_ms"]) * 1e3 for r in rs]
-            r0 = rs[0]
+            first = rs[0]
             rows.append({"model": Path(model_dir).name, "budget": budget, "mode": mode, "batch": b,
                          "decode_tok_s": float(np.median(dec)), "decode_tok_s_range": [min(dec), max(dec)],
-                         "e2e_tok_s": float(np.median(e2e)), "bytes_per_token": r0["bytes"] / r0["tokens"],
-                         "reads_per_token": r0["reads"] / r0["tokens"], "dropped_per_token": r0["dropped"] / r0["tokens"],
-                         "same_as_one_at_a_time": None if one is None else sum(a == c for a, c in zip(r0["ids"], one)),
+                         "e2e_tok_s": float(np.median(e2e)), "bytes_per_token": first["bytes"] / first["tokens"],
+                         "reads_per_token": first["reads"] / first["tokens"], "dropped_per_token": first["dropped"] / first["tokens"],
+                         "same_as_one_at_a_time": None if one is None else sum(a == c for a, c in zip(first["ids"], one)),
                          "prompts": len(prompts),
                          "cache_rows": caps[b], "dram_bytes": dram[b]})
             print(json.dumps({k: rows[-1][k] for k in ("model", "mode", "batch", "decode_tok_s", "bytes_per_token")}),

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Build llama.cpp's CPU tools (llama-bench, llama-quantize, llama-simple, llama-completion) from the
 # llama-cpp-python sdist on PyPI, which vendors llama.cpp: a registry-only, reproducible source.
-# Usage: bench/build_llama_cpp.sh [PREFIX]   (default /work/big/llama.cpp-build; JOBS=2 by default)
+# Usage: bench/build_llama_cpp.sh [PREFIX]   (default $LLAMA_CPP_DIR, else flashllm's cache/llama.cpp, where
+# `python -m bench peers` looks; JOBS=2 by default)
 # Leaves PREFIX/bin/* (the tools), PREFIX/src/llama.cpp (convert_hf_to_gguf.py, gguf-py) and
 # PREFIX/VERSION (sdist version + the llama.cpp commit its CHANGELOG names).
 set -euo pipefail
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"   # vendors ggml-org/llama.cpp@0c1e57098
-PREFIX="${1:-/work/big/llama.cpp-build}"
+CACHE="${FLASHLLM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/flashllm}"
+PREFIX="${1:-${LLAMA_CPP_DIR:-$CACHE/llama.cpp}}"
 JOBS="${JOBS:-2}"
 TOOLS=(llama-bench llama-quantize llama-simple llama-completion)
 

@@ -1,6 +1,6 @@
 """Peak RSS of `flashllm convert` on a large HF checkpoint: conversion streams tensor by tensor.
 
-    python -m bench convert --shape opt-1.3b --work /tmp/convmem [--keep]
+    python -m bench convert --shape opt-1.3b --work convert-work [--keep]
 
 Writes an HF checkpoint of that shape with random weights (bench/models/make_model.py --hf), converts it
 in a child process, and prints the child's peak RSS next to the checkpoint size. Deletes what it

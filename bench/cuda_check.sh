@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The CUDA checks, as one script for a GPU machine whose image already holds torch and transformers:
 # install flashllm without its dependencies, run tests/test_cuda.py, then the embedded model through the
-# CLI on the GPU and on the CPU (same prompt, greedy). Logs go to $OUT (or /tmp/cuda_check).
+# CLI on the GPU and on the CPU (same prompt, greedy). Logs go to $OUT (or $TMPDIR/cuda_check).
 #
 #     bash bench/cuda_check.sh
 set -uo pipefail
-out=${OUT:-/tmp/cuda_check}
+out=${OUT:-${TMPDIR:-/tmp}/cuda_check}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FLASHLLM_CACHE=${FLASHLLM_CACHE:-/tmp/flashllm-cache}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FLASHLLM_CACHE=${FLASHLLM_CACHE:-${TMPDIR:-/tmp}/flashllm-cache}
 nvidia-smi -L
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/pip.log" 2>&1 || { tail -5 "$out/pip.log"; exit 1; }
 python3 -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name())"

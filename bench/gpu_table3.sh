@@ -2,11 +2,11 @@
 # The paper's Table 3 (naive / hybrid / all per token) on a GPU at a smaller shape than 7B: a random-weight
 # model from bench/models/make_model.py, sparsity replayed from an activation trace of the embedded model, the GPU
 # budget and the host DRAM budget both at BUDGET (default 0.6: opt-1.3b's resident part is 39% of it, so at
-# 0.5 the caches drop neurons). Results in $OUT (or /tmp/gpu_table3); the model is deleted afterwards.
+# 0.5 the caches drop neurons). Results in $OUT (or $TMPDIR/gpu_table3); the model is deleted afterwards.
 #
 #     SHAPE=opt-1.3b DEVICE=cuda BUDGET=0.6 bash bench/gpu_table3.sh
 set -euo pipefail
-out=${OUT:-/tmp/gpu_table3}; work=${WORK:-/tmp/gpu_table3_work}
+out=${OUT:-${TMPDIR:-/tmp}/gpu_table3}; work=${WORK:-${TMPDIR:-/tmp}/gpu_table3_work}
 shape=${SHAPE:-opt-1.3b}; device=${DEVICE:-cuda}; tokens=${TOKENS:-16}; budget=${BUDGET:-0.6}
 mkdir -p "$out" "$work"
 trap 'rm -rf "$work"' EXIT

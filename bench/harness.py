@@ -28,6 +28,20 @@ MiB = 1 << 20
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 
 
+def cache_dir(name: str) -> Path:
+    """A folder of bench's own under flashllm's cache ($FLASHLLM_CACHE/bench/NAME): default work directories."""
+    from flashllm.paths import cache_home
+
+    return cache_home() / "bench" / name
+
+
+def llama_cpp_dir() -> Path:
+    """Where bench/build_llama_cpp.sh installed llama.cpp: $LLAMA_CPP_DIR, else $FLASHLLM_CACHE/llama.cpp."""
+    from flashllm.paths import cache_home
+
+    return Path(os.environ.get("LLAMA_CPP_DIR") or cache_home() / "llama.cpp")
+
+
 # -- timing ------------------------------------------------------------------------------------
 def interleaved(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
     """Seconds per call of each case, the cases alternated within each round (a noisy machine drifts)."""

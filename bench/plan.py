@@ -12,7 +12,7 @@ Models: the embedded model (converted into a temporary directory, its shipped pr
 random rank-16 predictors selecting about 16% of the neurons per token are written into it, since random
 weights have nothing to learn: the check is of the cost model, not of quality).
 
-    python -m bench plan [--opt13 /tmp/opt13] [--tokens 16] [--rounds 3] [--out bench/results/plan/check]
+    python -m bench plan [--opt13 DIR] [--tokens 16] [--rounds 3] [--out bench/results/plan/check]
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ def _module(suite: str, command: str | None):
 
 def _body(mod, result) -> str:
     render = getattr(mod, "markdown", None)
-    if render is not None and len(inspect.signature(render).parameters) == 1:
+    if render is not None and _takes_one(render):
         try:
             return render(result).rstrip()
         except (KeyError, TypeError, AttributeError, ValueError, IndexError):
@@ -32,6 +32,14 @@ def _body(mod, result) -> str:
         if scalars:
             return "\n".join(["| key | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in scalars.items()])
     return "```\n" + json.dumps(result, default=str)[:2000] + "\n```"
+
+
+def _takes_one(fn) -> bool:
+    try:
+        inspect.signature(fn).bind(None)
+        return True
+    except TypeError:
+        return False
 
 
 def render(suite: str) -> str:

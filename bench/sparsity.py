@@ -12,10 +12,10 @@ each at each --dram-budget: perplexity, greedy top-1 agreement, flash bytes per 
 neurons dropped for lack of cache room, cache rows, DRAM. Naive mode's bytes per token are the
 reference for the I/O saving.
 
-    python -m bench models corpus --split train --out /tmp/calib.txt --max-bytes 1200000 --max-file-bytes 2000
-    python -m bench models corpus --split heldout --out /tmp/heldout.txt --max-bytes 200000
-    nice -n 19 python -m bench sparsity flashllm/data/tiny-swiglu --calib /tmp/calib.txt \\
-        --heldout /tmp/heldout.txt --dram-budget none,0.5 --out bench/results/sparsity/silu
+    python -m bench models corpus --split train --out calib.txt --max-bytes 1200000 --max-file-bytes 2000
+    python -m bench models corpus --split heldout --out heldout.txt --max-bytes 200000
+    nice -n 19 python -m bench sparsity flashllm/data/tiny-swiglu --calib calib.txt \\
+        --heldout heldout.txt --dram-budget none,0.5 --out bench/results/sparsity/silu
 """
 
 from __future__ import annotations

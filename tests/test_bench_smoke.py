@@ -121,7 +121,7 @@ def test_moe_run_reports_each_policy_and_removes_its_model(tmp_path):
     assert [r["label"] for r in report["runs"]] == ["model: lru", "model: lru + prefetch", "uniform: lru",
                                                     "uniform: lru + prefetch"]
     assert all("error" not in r and 0 <= r["expert_hit_rate"] <= 1 for r in report["runs"])
-    assert report["slots"] < report["n_experts"] and report["runs"][1]["prefetch_recall"] is not None
+    assert report["slots"] < report["n_experts"] and report["runs"][1]["expert_read_ahead_recall"] is not None
     assert not (tmp_path / "tiny-moe").exists()
 
 
@@ -223,7 +223,7 @@ def test_trace_coactivation_order_moves_neurons_and_keeps_copies_apart(tiny_rand
     for order in ("none", "coactivation"):
         capsys.readouterr()
         roofline.main([str(tiny_random[1]), "--trace", str(tmp_path / "t.npz"),
-                                        "--order", order, "--configs", "after-2t-noahead", "--rounds", "1",
+                                        "--order", order, "--configs", "2t-no-read-ahead", "--rounds", "1",
                                         "--tokens", "2", "--warmup", "1", "--roofline-rounds", "0", "--beside-rounds",
                                         "0", "--no-paired", "--json"])
         runs[order] = json.loads(capsys.readouterr().out)
@@ -237,13 +237,13 @@ def test_trace_coactivation_order_moves_neurons_and_keeps_copies_apart(tiny_rand
 def test_paper_measure_records_read_sizes_and_lookahead(tiny_random):
     pm = paper_measure
     run = dict(label="t", mode="sparse", window=2, bundled=True, backend="torch", budget="60%", threads=4,
-               seed=0, tokens=3, warmup=1, model_dir=str(tiny_random[1]), read_sizes=True, prefetch=True)
+               seed=0, tokens=3, warmup=1, model_dir=str(tiny_random[1]), read_sizes=True, read_ahead=True)
     out = pm.measure(run)
     sizes = {int(b): c for b, c in out["read_sizes"].items()}
     assert sum(sizes.values()) == pytest.approx(out["reads"]) and out["reads"] > 0  # every read, by size
     assert sum(b * c for b, c in sizes.items()) <= out["bytes_read"] + 1e-6
     assert min(sizes) >= fmt.read_manifest(tiny_random[1]).layout.stride  # whole bundles or runs of them
-    assert out["read_ahead"] == "into cache rows" and out["prefetch_rows"] == 0 and 0 <= out["lookahead_recall"] <= 1
+    assert out["read_ahead"] == "into cache rows" and out["read_ahead_rows"] == 0 and 0 <= out["read_ahead_recall"] <= 1
     assert out["cpu_ms"] > 0 and out["io_cpu_ms"] > 0  # the process's CPU per token, and its reader threads'
 
 

@@ -20,7 +20,6 @@ every read submitted by the caller (how long the submit takes, and how much of i
     python -m bench compute overhead MODEL --trace T.npz --src /tmp/before --src . --rounds 2 --json-out r.json
     python -m bench compute overhead MODEL --submit-probe
 
-Timed runs belong under the bench lock (`flock /work/wt/bench.lock ...`).
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ from bench.harness import ROOT, module_argv
 
 
 INLINE = {"flashllm.io.aio.AioQueue.INLINE_SHARE": 1e9}  # every read submitted by the caller (no submitter thread)
-CONFIGS = {"default": {}, "no-overlap": {"prefetch": False}, "threads": {"aio_depth": 0},
-           "1t": {"compute_threads": 1}, "no-overlap-1t": {"prefetch": False, "compute_threads": 1},
+CONFIGS = {"default": {}, "no-overlap": {"read_ahead": False}, "threads": {"aio_depth": 0},
+           "1t": {"compute_threads": 1}, "no-overlap-1t": {"read_ahead": False, "compute_threads": 1},
            "inline": INLINE, "inline-1t": {**INLINE, "compute_threads": 1},
            "nice5": {"flashllm.io.aio.AioQueue.SUBMITTER_NICE": 5}, "nice19": {"flashllm.io.aio.AioQueue.SUBMITTER_NICE": 19}}
 # keys "module.Class.ATTR" are class attributes set in the child (those a checkout lacks are skipped)
@@ -166,7 +165,7 @@ def child(args) -> dict:
             total_ms=cost.total_ms, io_ms=cost.io_ms, mem_ms=cost.mem_ms, predictor_ms=cost.predictor_ms,
             compute_ms=cost.compute_ms, math_ms=sum(timer.ms.values()), parts=dict(timer.ms),
             read_ms=cost.read_ms, reads=cost.reads, bytes_read=cost.bytes_read, wall_ms=wall * 1e3,
-            process_cpu_ms=cpu * 1e3, main_cpu_ms=main * 1e3, neurons_prefetched=cost.neurons_prefetched,
+            process_cpu_ms=cpu * 1e3, main_cpu_ms=main * 1e3, neurons_read_ahead=cost.neurons_read_ahead,
             neurons_dropped=cost.neurons_dropped,
             probes={p.name: (p.calls, p.wall * 1e3, p.cpu * 1e3) for p in probes}))
     B.parts = None

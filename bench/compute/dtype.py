@@ -1,7 +1,7 @@
 """What computing a float16 file in float16 instead of float32 costs in quality (issue #23).
 
-    python -m bench models corpus --split heldout --out /tmp/heldout.txt
-    python -m bench compute dtype --data /tmp/heldout.txt [--model flashllm/data/tiny-opt] [--out FILE.md]
+    python -m bench models corpus --split heldout --out heldout.txt
+    python -m bench compute dtype --data heldout.txt [--model flashllm/data/tiny-opt] [--out FILE.md]
 
 Converts the embedded model (or --model, an HF checkpoint) to float16 into a temporary directory
 (removed at the end) and loads it three ways: float32 compute (the reference: the float16 weights,

@@ -7,7 +7,7 @@
   (flashllm/backends/native: each row's gate and up dot products, activation, and its down row added
   to a float32 sum), at 1 and 2 threads; GB/s of the rows streamed.
 - attention: one decode token's attention over S cached keys of every head: SDPA over the
-  sequence-major cache of session 3 against the head-major cache's batched products
+  a sequence-major cache against the head-major cache's batched products
   (TorchBackend._decode_attention, what the runtime runs).
 
 Each case rotates through copies larger than the last-level cache, so operands come from DRAM.
@@ -77,7 +77,7 @@ def down_survey(spec, dtypes, rounds: int, llc: int, parts: int = 2) -> list[dic
 
 
 def torch_ffn(x, d: int):
-    """fn(rows): the torch backend's FFN over rows {[gate], up, down} [n, d] of x's dtype (session 5's path:
+    """fn(rows): the torch backend's FFN over rows {[gate], up, down} [n, d] of x's dtype (torch ops only:
     up and gate products, SiLU, the DOWN_KERNEL down projection)."""
     import torch
     import torch.nn.functional as F
@@ -116,7 +116,7 @@ def ffn_survey(spec, dtypes, rounds: int, llc: int, threads=(1, 2)) -> list[dict
         torch_path = torch_ffn(x, d)
         for t in threads:
             torch.set_num_threads(t)
-            cases = {"torch (session 5's path)": torch_path}
+            cases = {"torch ops": torch_path}
             if lib is not None and dt in NATIVE_DTYPES:
                 kn, out = NativeKernels(lib, t), torch.zeros(1, d)
                 cases["native one pass"] = lambda r, kn=kn, out=out: kn.ffn(
@@ -169,7 +169,7 @@ def quant_ffn_survey(spec, names, rounds: int, llc: int, threads=(1, 2), group: 
             if lib is None:
                 continue
             kn, acc = NativeKernels(lib, t), torch.zeros(1, d)
-            cases = {"torch (session 5's path)": (plain, bbytes, torch_ffn(x, d)),
+            cases = {"torch ops": (plain, bbytes, torch_ffn(x, d)),
                      "native one pass": (stores, qbytes, lambda r: kn.ffn(x, r, None, None, None, "silu", 0.0, None,
                                                                           None, acc.zero_(), "gate" in r))}
             for kernel, (items, nbytes, fn) in cases.items():
@@ -199,7 +199,7 @@ def attention_survey(spec, dtypes, rounds: int, llc: int, lengths=(256, 2048)) -
             seq = [(torch.randn(S, Hk, hd).to(dt), torch.randn(S, Hk, hd).to(dt)) for _ in range(copies)]
             head = [(k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()) for k, v in seq]
             cases = {
-                "SDPA, sequence-major cache (session 3)": (seq, lambda kv: F.scaled_dot_product_attention(
+                "SDPA, sequence-major cache": (seq, lambda kv: F.scaled_dot_product_attention(
                     q.transpose(0, 1), kv[0].transpose(0, 1), kv[1].transpose(0, 1), scale=scale, enable_gqa=gqa)),
                 "SDPA, head-major cache": (head, lambda kv: F.scaled_dot_product_attention(
                     q.transpose(0, 1), kv[0], kv[1], scale=scale, enable_gqa=gqa)),

@@ -1,7 +1,7 @@
 """Per-token compute against this machine's weight-streaming roofline (issue #23).
 
     python -m bench compute roofline MODEL_DIR [--mode sparse --dram-budget 0.5 --trace T.npz]
-        [--dtype bfloat16] [--configs before after ...] [--rounds 2] [--tokens 8]
+        [--dtype bfloat16] [--configs default 2t ...] [--rounds 2] [--tokens 8]
         [--roofline-dtypes bfloat16 float16 float32 int8 int4] [--backends torch mlx] [--out FILE.md] [--json]
 
 1. Roofline: for each backend (torch CPU, MLX CPU) and dtype, the best rate at which one token's
@@ -22,12 +22,15 @@
    With --paired (the default), each measured token also gets a roofline of its own minute: one pass of the
    native mat-vec over the model's q/k/v/o weights just before and after it (paired_roofline).
 
-Configurations: torch-1t / torch-2t (session 5's kernels: FLASHLLM_NATIVE=0), before (kernels="plain": the file's tensors with torch's default kernels, 2 threads),
-session2 (tuned kernels, 2 threads), after (the defaults: kernels="tuned", compute threads by the machine's load), after-1t / after-2t
-(compute_threads 1 / 2; OpenMP workers sleep at barriers, flashllm's default), after-2t-spin (2 threads, workers
-spin first: libgomp's default, as in sessions 1-3; before and session2 too), mlx. Each run also
-records the process's CPU seconds per token ("cpu ms"): on a loaded machine wall time is mostly
-waiting for a core, and CPU time shows the work itself.
+Configurations (--configs): `default` (every runtime default: kernels "tuned", dtype and compute threads by the
+machine's load); `1t` / `2t` (compute_threads 1 / 2; OpenMP workers sleep at barriers, flashllm's default);
+`2t-spin` (workers spin first, libgomp's own default); `plain-2t-spin` (kernels "plain": the file's tensors with
+torch's default kernels); `mv-down-1t` / `mv-down-2t` (the down projection by torch.mv, decode attention on
+every thread); `no-native-1t` / `no-native-2t` (FLASHLLM_NATIVE=0: torch's kernels only); `2t-torch-attention`
+(decode attention by torch, not the native kernel); `2t-no-read-ahead`; `2t-thp` (torch's allocator on 2 MiB
+transparent huge pages); `2t-4k-pages` (weights on 4 KiB pages, not flashllm's huge pages); `2t-io-uring`
+(reads through io_uring, not Linux AIO); `mlx`. Each run also records the process's CPU seconds per token
+("cpu ms"): on a loaded machine wall time is mostly waiting for a core, and CPU time shows the work itself.
 """
 
 from __future__ import annotations
@@ -47,36 +50,31 @@ from pathlib import Path
 import numpy as np
 
 from bench.compute import kernel_survey
-from bench.harness import ROOT, module_argv
+from bench.harness import GB, ROOT, module_argv
 from bench.models import activation_trace
 
 
-GB = 1e9
-SPIN = {"GOMP_SPINCOUNT": "300000"}  # libgomp's own default waiting (spin, then sleep): sessions 1-3
-CONFIGS = {  # name -> (load options, extra environment)
-    "before": (dict(kernels="plain", compute_threads=2), SPIN),  # the kernels, threads and waiting of session 1
-    "session2": (dict(kernels="tuned", compute_threads=2), SPIN),  # session 2's defaults (2 threads)
-    "after": (dict(kernels="tuned", dtype=None), {}),  # every default (dtype, threads by the machine's load)
-    "after-1t": (dict(kernels="tuned", compute_threads=1), {}),
-    "after-2t": (dict(kernels="tuned", compute_threads=2), {}),  # OpenMP workers sleep (flashllm's default)
-    "after-2t-spin": (dict(kernels="tuned", compute_threads=2), SPIN),  # ... or spin first (session 3)
-    # session 4's kernels at 2 threads: down by mv, decode attention on both threads (bench-only switches)
-    "session4-2t": (dict(kernels="tuned", compute_threads=2, _down_kernel="mv", _serial_attention=False), {}),
-    "session4-1t": (dict(kernels="tuned", compute_threads=1, _down_kernel="mv"), {}),
+SPIN = {"GOMP_SPINCOUNT": "300000"}  # libgomp's own default waiting: spin, then sleep
+TUNED_2T = dict(kernels="tuned", compute_threads=2)
+NO_READ_AHEAD = dict(TUNED_2T, read_ahead=False)
+CONFIGS = {  # name -> (load options, extra environment); options starting with "_" set backend attributes
+    "default": (dict(kernels="tuned", dtype=None), {}),
+    "1t": (dict(kernels="tuned", compute_threads=1), {}),
+    "2t": (TUNED_2T, {}),
+    "2t-spin": (TUNED_2T, SPIN),
+    "plain-2t-spin": (dict(kernels="plain", compute_threads=2), SPIN),
+    "mv-down-1t": (dict(kernels="tuned", compute_threads=1, _down_kernel="mv"), {}),
+    "mv-down-2t": (dict(TUNED_2T, _down_kernel="mv", _serial_attention=False), {}),
+    "no-native-1t": (dict(kernels="tuned", compute_threads=1), {"FLASHLLM_NATIVE": "0"}),
+    "no-native-2t": (TUNED_2T, {"FLASHLLM_NATIVE": "0"}),
+    "2t-torch-attention": (dict(TUNED_2T, _native_attention=False), {}),
+    "2t-no-read-ahead": (NO_READ_AHEAD, {}),
+    "2t-thp": (TUNED_2T, {"THP_MEM_ALLOC_ENABLE": "1"}),
+    "2t-no-read-ahead-thp": (NO_READ_AHEAD, {"THP_MEM_ALLOC_ENABLE": "1"}),
+    "2t-4k-pages": (TUNED_2T, {"FLASHLLM_HUGEPAGES": "0"}),
+    "2t-no-read-ahead-4k-pages": (NO_READ_AHEAD, {"FLASHLLM_HUGEPAGES": "0"}),
+    "2t-io-uring": (TUNED_2T, {"FLASHLLM_IO_ENGINE": "io_uring"}),
     "mlx": (dict(backend="mlx"), {}),
-    # session 5's kernels (torch only): the native kernels off (FLASHLLM_NATIVE=0)
-    "torch-1t": (dict(kernels="tuned", compute_threads=1), {"FLASHLLM_NATIVE": "0"}),
-    "torch-2t": (dict(kernels="tuned", compute_threads=2), {"FLASHLLM_NATIVE": "0"}),
-    "after-2t-noahead": (dict(kernels="tuned", compute_threads=2, prefetch=False), {}),  # sparse: no read-ahead
-    # torch's CPU allocator on 2 MiB transparent huge pages (c10's THP_MEM_ALLOC_ENABLE, allocations >= 2 MiB)
-    "after-2t-thp": (dict(kernels="tuned", compute_threads=2), {"THP_MEM_ALLOC_ENABLE": "1"}),
-    "after-2t-torchattn": (dict(kernels="tuned", compute_threads=2, _native_attention=False), {}),  # session 6's attention
-    "after-2t-noahead-thp": (dict(kernels="tuned", compute_threads=2, prefetch=False), {"THP_MEM_ALLOC_ENABLE": "1"}),
-    # weights fused/packed at load on torch's 4 KiB pages (session 6), not flashllm's huge pages (hugepages.py)
-    "after-2t-4k": (dict(kernels="tuned", compute_threads=2), {"FLASHLLM_HUGEPAGES": "0"}),
-    "after-2t-noahead-4k": (dict(kernels="tuned", compute_threads=2, prefetch=False), {"FLASHLLM_HUGEPAGES": "0"}),
-    # reads through io_uring with registered buffers (session 7's engine; Linux AIO is the default)
-    "after-2t-uring": (dict(kernels="tuned", compute_threads=2), {"FLASHLLM_IO_ENGINE": "io_uring"}),
 }
 QUANT_GROUP = 64
 
@@ -289,7 +287,7 @@ def child(args) -> dict:
     for i, t in enumerate(ids[1:]):
         measured = i >= args.warmup
         if i == 0 and args.beside_rounds:  # before the warm-up: the token right after this pass's buffers were
-            beside.append(beside_roofline(model, args.beside_rounds))  # freed was 1.3-1.7x slow (session 15)
+            beside.append(beside_roofline(model, args.beside_rounds))  # freed was 1.3-1.7x slow
         if measured and args.paired:
             paired.append(paired_roofline(model))
         B.parts = timer if measured else None
@@ -449,26 +447,26 @@ def report(meta, roof_rows, survey, runs) -> str:
         for r in runs:
             by.setdefault(r["config"], []).append(r)
         for config, rs in by.items():
-            r0 = rs[0]
-            rate = best.get(r0["dtype"], (None,))[0]
-            who = f"{r0['backend']} {r0['dtype']} {r0['threads'] or '-'}" + \
-                (" native" if r0.get("kernels", "").startswith("native") else "") + \
-                (f" {r0['omp_wait_policy']}" if r0["omp_wait_policy"] not in (None, "PASSIVE") else "")
+            first = rs[0]
+            rate = best.get(first["dtype"], (None,))[0]
+            who = f"{first['backend']} {first['dtype']} {first['threads'] or '-'}" + \
+                (" native" if first.get("kernels", "").startswith("native") else "") + \
+                (f" {first['omp_wait_policy']}" if first["omp_wait_policy"] not in (None, "PASSIVE") else "")
             for part in parts + ["compute (all parts)"]:
                 ms = [r["compute_ms"] if part.startswith("compute") else r["parts"][part] for r in rs]
-                nb = r0["bytes"].get(part) if not part.startswith("compute") else sum(r0["bytes"].values())
+                nb = first["bytes"].get(part) if not part.startswith("compute") else sum(first["bytes"].values())
                 gbps = [nb / (m / 1e3) / GB for m in ms if m > 0] if nb else []
                 share = spread([g / rate for g in gbps], "{:.0%}") if gbps and rate else "-"
                 lines.append(f"| {config} | {who} | {part} | {spread(ms)} | {nb / GB:.3f} | "
                              f"{spread(gbps) if gbps else '-'} | {share} |" if nb else
                              f"| {config} | {who} | {part} | {spread(ms)} | - | - | - |")
-            bound = sum(r0["bytes"].values()) / GB / rate * 1e3 if rate else None
+            bound = sum(first["bytes"].values()) / GB / rate * 1e3 if rate else None
             if bound:
                 lines.append(f"| {config} | | **compute / (bytes / roofline)** | "
                              f"{spread([r['compute_ms'] / bound for r in rs], '{:.2f}x')} (bound {bound:.0f} ms) | | | |")
             beside = [(r["compute_ms"], max(r["beside_gbps"])) for r in rs if max(r.get("beside_gbps") or [0]) > 0]
             if beside:
-                nbytes = sum(r0["bytes"].values())
+                nbytes = sum(first["bytes"].values())
                 lines.append(f"| {config} | | **compute / (bytes / roofline beside the tokens)** | "
                              f"{spread([ms / (nbytes / GB / g * 1e3) for ms, g in beside], '{:.2f}x')} (roofline "
                              f"{spread([g for _, g in beside])} GB/s) | | | |")
@@ -503,7 +501,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--order", default=None, choices=["none", "coactivation"],
                    help="with --trace: replay as if the FFN file were in co-activation order (`flashllm predictors "
                         "order`; fewer, longer reads per token; see bench/models/activation_trace.py) (default: none)")
-    p.add_argument("--configs", nargs="+", default=["before", "after", "after-1t", "after-2t"],
+    p.add_argument("--configs", nargs="+", default=["plain-2t-spin", "default", "1t", "2t"],
                    choices=list(CONFIGS), help="(default: %(default)s)")
     p.add_argument("--rounds", type=int, default=2, help="(default: %(default)s)")
     p.add_argument("--tokens", type=int, default=6, help="measured decode tokens per run (default: %(default)s)")

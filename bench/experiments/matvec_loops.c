@@ -1,8 +1,8 @@
-/* Inner loops of a float16 mat-vec against each other (issue #23, bench/results/compute/roofline.md, session 14):
+/* Inner loops of a float16 mat-vec against each other (see bench/results/compute/roofline.md):
  * the native kernel's AVX2 loop (kernels.c dot_of), the same with 8 accumulators, AVX-512, and two rows sharing x,
  * interleaved per round over COPIES x 32 MB of 4096 x 4096 matrices (default 24: 768 MB), on 2 threads that spin
  * between calls (as llama.cpp's do), rows split in halves. Prints each loop's best and mean GB/s of weights.
- *   cc -O2 -march=native -o /tmp/matvec_loops bench/matvec_loops.c -lpthread && /tmp/matvec_loops [COPIES] [4k]
+ *   cc -O2 -march=native -o matvec_loops bench/experiments/matvec_loops.c -lpthread && ./matvec_loops [COPIES] [4k]
  * x86 with AVX-512 only; `4k`: the weights on 4 KiB pages instead of transparent huge pages. */
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -56,9 +56,9 @@ static void dot2_512(const uint16_t *w0, const uint16_t *w1, const uint16_t *x, 
   o[0] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)); o[1] = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
 }
 
-typedef struct { const uint16_t *w; const uint16_t *x; float *y; int r0, r1, n, variant; } job_t;
+typedef struct { const uint16_t *w; const uint16_t *x; float *y; int row0, row1, n, variant; } job_t;
 static void run(job_t *j) {
-  for (int r = j->r0; r < j->r1; r++) {
+  for (int r = j->row0; r < j->row1; r++) {
     const uint16_t *row = j->w + (int64_t)r * j->n;
     switch (j->variant) {
       case 0: j->y[r] = dot_avx2(row, j->x, j->n); break;

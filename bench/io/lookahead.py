@@ -15,7 +15,7 @@ recall, more bytes). Low-rank predictors (their scores are logits).
 
 Per layer it also records how the lookahead's score ranks its neurons: recall and precision of the
 neurons scored above each of a ladder of cuts (the runtime reads ahead only those above the lowest cut
-whose running precision is >= 0.9: SparseMode.AHEAD_CUTS), and, for `--json-out`, the score distribution
+whose running precision is >= 0.9: ReadAhead.CUTS), and, for `--json-out`, the score distribution
 of the layer's needed neurons (quantiles) and the count of the others above each cut per needed neuron,
 which bench/io/runtime.py's `--lookahead-model` replays on the 7B shape (bench/models/activation_trace.py TracePredictor).
 
@@ -59,7 +59,7 @@ def measure(model_dir, settings: dict, prompt: str, tokens: int) -> dict:
         raise SystemExit("io_lookahead: sequential blocks without post-norms only")
     L = spec.n_layers
     seen: dict[int, dict] = {}
-    model.hooks.add("ffn_input", lambda layer, x: seen.__setitem__(layer, {"attn": model.mode_impl._residual}))
+    model.hooks.add("ffn_input", lambda layer, x: seen.__setitem__(layer, {"attn": model.mode_impl.read_ahead.residual}))
     model.hooks.add("ffn_output", lambda layer, y: seen[layer].__setitem__(
         "out", None if seen[layer]["attn"] is None else seen[layer]["attn"] + y))
     exact: dict[int, np.ndarray] = {}

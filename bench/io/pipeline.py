@@ -35,14 +35,14 @@ AIO, PREADV = dict(aio_depth=64), dict(aio_depth=0)
 def configs(embedded: bool) -> dict:
     """The configurations, by name (the converter-order row only for the embedded model, which ships its order)."""
     out = {DENSE: dict(mode="dense"),
-           "naive, no read-ahead": dict(mode="naive", prefetch=False),
+           "naive, no read-ahead": dict(mode="naive", read_ahead=False),
            NAIVE: dict(mode="naive"),
            "naive, native AIO": dict(mode="naive", aio_depth=64),
            DEFAULT: dict(mode="sparse"),
            UNORDERED: dict(mode="sparse", order=False),
            THREADS: dict(mode="sparse", aio_depth=0),
            NOPIN: dict(mode="sparse", pin_hot=False),
-           AHEAD: dict(mode="sparse", prefetch=True),
+           AHEAD: dict(mode="sparse", read_ahead=True),
            GAP: dict(mode="sparse", gap_bytes=None)}
     if not embedded:
         del out[UNORDERED]
@@ -88,7 +88,7 @@ def run_one(model_dir, settings: dict, budget, prompt_ids, tokens: int, config: 
     s = model.stats
     out = {k: s[k] for k in KEYS if k in s}
     out["cpu_ms"] = cpu_ms
-    for k in ("lookahead_recall", "lookahead_recall_per_layer", "neurons_prefetched", "prefetch_unused",
+    for k in ("read_ahead_recall", "read_ahead_recall_per_layer", "neurons_read_ahead", "read_ahead_unused",
               "gap_bytes", "neurons_dropped", "pinned_neurons", "cache_capacity"):
         if k in s:
             out[k] = s[k]
@@ -165,7 +165,7 @@ def markdown(rep: dict) -> str:
         rs = [r[name] for r in rounds]
         L.append(f"| {name} | " + " | ".join(_med([x[k] for x in rs]) for k in KEYS[:6]) +
                  f" | {_med([x['reads'] for x in rs])} | {_med([x['bytes_read'] / 1024 for x in rs])} | "
-                 f"{_med([x.get('neurons_dropped') for x in rs])} | {_med([x.get('lookahead_recall') for x in rs], 2)} |")
+                 f"{_med([x.get('neurons_dropped') for x in rs])} | {_med([x.get('read_ahead_recall') for x in rs], 2)} |")
 
     def ratio(a, b, key="total_ms"):
         return [r[a][key] / r[b][key] for r in rounds]
@@ -195,7 +195,7 @@ def markdown(rep: dict) -> str:
                    ratio(UNORDERED, DEFAULT)),
               f"- co-activation order: {u['reads']:.1f} -> {d['reads']:.1f} reads and {u['bytes_read'] / 1024:,.1f} -> "
               f"{d['bytes_read'] / 1024:,.1f} KiB per token (same neurons read; the model's function is unchanged)"]
-    per_layer = [r[AHEAD].get("lookahead_recall_per_layer") for r in rounds]
+    per_layer = [r[AHEAD].get("read_ahead_recall_per_layer") for r in rounds]
     if per_layer and per_layer[0]:
         cols = list(zip(*per_layer))
         L += ["", "Lookahead recall per layer (share of the layer's predicted neurons that the lookahead also "

@@ -16,7 +16,7 @@ offsets, right after the run. Reported per configuration:
 
 Configurations: `default` (the runtime's defaults: gap 0, compute in the storage dtype and, since
 the float16 model's reads land in the cache rows, layer l+1's lookahead set read through native AIO
-straight into the rows its cache frees while layer l computes), `no-overlap` (session 4's defaults: no
+straight into the rows its cache frees while layer l computes), `no-overlap` (no
 read-ahead, 32 preadv threads), `threads-overlap` (read-ahead through the preadv threads),
 `aio-no-overlap` (native AIO, no read-ahead), `ordered` (the FFN laid out in co-activation order; on
 random weights a permutation of the replay, see TracePredictor), `ordered+no-overlap`, and `ordered+gap`
@@ -24,7 +24,7 @@ random weights a permutation of the replay, see TracePredictor), `ordered+no-ove
 bandwidth, one read less saves the per-read cost, from a fit of fio at one and at eight bundles).
 `no-split`: without the overlap inside a layer (a layer's held rows computed while its missing rows are
 read into the others); `no-keep`: the read-ahead's eviction does not keep the cached neurons the lookahead
-scores above SparseMode.AHEAD_KEEP. The replayed trace makes the lookahead exact (each layer's set does not depend on
+scores above ReadAhead.KEEP. The replayed trace makes the lookahead exact (each layer's set does not depend on
 its input); the `+measured-lookahead` configurations replay it as imperfect as the small model's own
 lookahead (`--lookahead-model`, bench/io/lookahead.py --json-out: per layer, the score distribution of
 the needed neurons and the count of others above each score cut, drawn independently per neuron and
@@ -32,10 +32,10 @@ token: bench/models/activation_trace.py TracePredictor._early), so that the runt
 Beside the runs, a replay (no I/O, unlimited cache) counts reads and bundles per token for gaps of 0..8
 bundles before and after ordering, on trace tokens not used to compute the order.
 
-    python -m bench io runtime MODEL --trace trace.npz --configs no-overlap,default --json-out r1.json
-    python -m bench io runtime --report r1.json r2.json --markdown bench/results/io/runtime_7b.md
+    python -m bench io runtime MODEL --trace trace.npz --configs no-overlap,default --json-out runs-a.json
+    python -m bench io runtime --report runs-a.json runs-b.json --markdown bench/results/io/runtime_7b.md
 
-Timed runs belong under the bench lock (`flock /work/wt/bench.lock ...`), a few configurations at a time.
+On a shared machine, run a few configurations at a time and keep other timed work off it.
 """
 
 from __future__ import annotations
@@ -52,15 +52,14 @@ import numpy as np
 
 from flashllm.format import manifest as fmt
 from flashllm.budget import budget_bytes, parse_budget
-from bench.harness import MemoryGroup, baseline_rss, model_files
+from bench.harness import GB, MiB, MemoryGroup, baseline_rss, model_files
 from bench.io import neuron_order as nm
 from bench.models import activation_trace as tr
 from bench.paper.measure import Runner
 
-GB, MiB = 1e9, 1 << 20
-NO_OVERLAP = {"prefetch": False, "aio_depth": 0}  # session 4's defaults: no read-ahead, preadv threads
-CONFIGS = {"default": {}, "no-overlap": NO_OVERLAP, "threads-overlap": {"prefetch": True, "aio_depth": 0},
-           "aio-no-overlap": {"prefetch": False, "aio_depth": 2048},
+NO_OVERLAP = {"read_ahead": False, "aio_depth": 0}  # no read-ahead, preadv threads
+CONFIGS = {"default": {}, "no-overlap": NO_OVERLAP, "threads-overlap": {"read_ahead": True, "aio_depth": 0},
+           "aio-no-overlap": {"read_ahead": False, "aio_depth": 2048},
            "ordered": {"order": "coactivation"}, "ordered+no-overlap": {"order": "coactivation", **NO_OVERLAP},
            "ordered+gap": {"order": "coactivation", "gap_bytes": "fio"},
            # the replayed lookahead as imperfect as the small model's (--lookahead-model), not exact
@@ -238,7 +237,7 @@ def _f(x, nd=0):
 
 
 def markdown(reps: list[dict]) -> str:
-    r0 = reps[0]
+    first = reps[0]
     L = ["| run | configuration | total ms | read ms (engine) | io_ms (waited) | mem_ms | compute ms | predictor ms | "
          "total / max(read, CPU) | CPU ms: process / reader threads | GB/token | reads/token | engine GB/s | "
          "fio GB/s, same mix: file / one layer | engine / fio: file / one layer | dropped/token | lookahead recall | "
@@ -258,21 +257,21 @@ def markdown(reps: list[dict]) -> str:
                      f"{r['bytes_read'] / GB:.3f} | {_f(r['reads'])} | {_f(eng, 3)} | {f:.3f} / {_f(fl, 3)} | "
                      f"{_f(eng / f if eng else None, 2)} / {_f(eng / fl if eng and fl else None, 2)} | "
                      f"{_f(r['neurons_dropped'])} | "
-                     f"{_f(r.get('lookahead_recall'), 2)} | {r['load_average_at_start']:.1f}–{r['load_average_after']:.1f} |")
+                     f"{_f(r.get('read_ahead_recall'), 2)} | {r['load_average_at_start']:.1f}–{r['load_average_after']:.1f} |")
     L += ["", "Runs: " + "; ".join(f"`{rep['command']}` ({rep['date']})" for rep in reps),
-          f"memory limit {r0['memory_limit'] / GB:.2f} GB (DRAM budget {r0['dram_budget'] / GB:.2f} GB of "
-          f"{r0['model_bytes'] / GB:.2f} GB); {r0['fio_version']}"]
+          f"memory limit {first['memory_limit'] / GB:.2f} GB (DRAM budget {first['dram_budget'] / GB:.2f} GB of "
+          f"{first['model_bytes'] / GB:.2f} GB); {first['fio_version']}"]
     for rep in reps:
         for name, r in rep["runs"].items():
-            for key, what in (("lookahead_recall_per_layer", "lookahead recall"),
-                              ("lookahead_precision_per_layer", "lookahead precision"),
+            for key, what in (("read_ahead_recall_per_layer", "lookahead recall"),
+                              ("read_ahead_precision_per_layer", "lookahead precision"),
                               ("read_ahead_share_per_layer", "share of the loaded neurons read ahead")):
                 if r.get(key):
                     L.append(f"- {rep['date']} {name}: {what} per layer " + " ".join(
                         "-" if x is None else f"{x:.2f}" for x in r[key]))
-            if r.get("read_ahead_cut") and r.get("lookahead_recall") not in (None, 1.0):
+            if r.get("read_ahead_cut") and r.get("read_ahead_recall") not in (None, 1.0):
                 L.append(f"- {rep['date']} {name}: read-ahead cut per layer at the end (index into "
-                         "SparseMode.AHEAD_CUTS, - paused) " + " ".join("-" if c is None else str(c)
+                         "ReadAhead.CUTS, - paused) " + " ".join("-" if c is None else str(c)
                                                                        for c in r["read_ahead_cut"]))
         for name, r in rep["runs"].items():
             if "error" not in r:

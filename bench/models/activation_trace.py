@@ -120,7 +120,7 @@ def record(model_dir: str | Path, data: str | Path, out: str | Path, tokens: int
             return holder["rec"]
 
         model = flashllm.load(root, mode="sparse", predictor=build, window=1, dram_budget=None, threads=threads,
-                              context=seq_len, prefetch=False)  # no lookahead: one prediction per layer and token
+                              context=seq_len, read_ahead=False)  # no lookahead: one prediction per layer and token
         rec, spec = holder["rec"], model.spec
         chunks = tokens_of(model, data, seq_len, tokens)
         t0 = time.perf_counter()

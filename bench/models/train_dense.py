@@ -21,7 +21,7 @@ enough to commit and to run on a laptop CPU. This script makes one from scratch,
     python -m bench models train-dense --steps 1200 --out flashllm/data/tiny-opt
     nice -n 19 python -m bench models train-dense --arch llama --layers 4 --ffn 704 --lr 3e-3 --warmup 100 \
         --batch-size 8 --threads 1 --autocast none --schedule wsd --steps 1650 \
-        --checkpoint /tmp/swiglu-state --out flashllm/data/tiny-swiglu
+        --checkpoint swiglu-state --out flashllm/data/tiny-swiglu
 
 With ``--checkpoint DIR`` the training state is saved every ``--checkpoint-every`` steps and a
 run started again with the same arguments resumes from it (bit for bit: tested).

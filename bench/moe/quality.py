@@ -1,7 +1,7 @@
 """Quality of quantized experts on the trained MoE model, against float32, at the demo's budget and dtype.
 
-    python -m bench models corpus --split heldout --out /tmp/heldout.txt
-    python -m bench moe quality --data /tmp/heldout.txt [--model flashllm/data/tiny-moe] [--out FILE.md]
+    python -m bench models corpus --split heldout --out heldout.txt
+    python -m bench moe quality --data heldout.txt [--model flashllm/data/tiny-moe] [--out FILE.md]
 
 Converts the MoE checkpoint (default: the embedded flashllm/data/tiny-moe) to float32 (the
 reference), float16 (what `flashllm demo --moe` runs) and int8/int4 experts (groups of --group,
@@ -54,7 +54,7 @@ def measure(model_dir: Path, chunks, prompt, gen, opts: dict, budget_bytes: int 
            "scored_tokens": int(len(losses)), "experts_file_bytes": (model_dir / "experts.bin").stat().st_size}
     if budget_bytes is None:
         return out
-    at = flashllm.load(model_dir, mode="sparse", dram_budget=budget_bytes, expert_prefetch=True, context=context, **opts)
+    at = flashllm.load(model_dir, mode="sparse", dram_budget=budget_bytes, expert_read_ahead=True, context=context, **opts)
     scored, diff, n = [], 0.0, 0
     for c in chunks:
         if n >= budget_tokens:

@@ -12,7 +12,7 @@ interpreter/torch baseline and --cgroup-slack (page cache is charged to the grou
 hold the model). Model files are dropped from the page cache before each run. The model this
 script wrote is removed at the end (--keep keeps it).
 
-    python -m bench moe run --shape qwen3-30b-a3b --layers 20 --quantize int4 --work /tmp/moe-bench \\
+    python -m bench moe run --shape qwen3-30b-a3b --layers 20 --quantize int4 --work moe-work \\
         --budget 0.25 --routing replay:bench/results/models/tiny_moe_routing.npz,uniform [--json] [--out FILE.md]
 """
 
@@ -71,7 +71,7 @@ def run_one(run: dict) -> dict:
     torch.set_num_threads(run["torch_threads"])
     t0 = time.perf_counter()
     model = flashllm.load(run["model_dir"], mode="sparse", dram_budget=run["budget_bytes"], dtype=run["dtype"],
-                          expert_policy=run["policy"], expert_prefetch=run["prefetch"], window=run["window"],
+                          expert_policy=run["policy"], expert_read_ahead=run["prefetch"], window=run["window"],
                           threads=run["threads"], context=run["prompt"] + run["tokens"], kernels=run["kernels"],
                           compute_threads=run["torch_threads"],  # as asked, whatever the load
                           quantize_resident=run.get("quantize_resident", "none"), expert_routing=routing_for(run))
@@ -91,7 +91,7 @@ def run_one(run: dict) -> dict:
     st = model.stats
     parts = {k: v / run["tokens"] for k, v in timer.ms.items()}
     keys = ("total_ms", "io_ms", "mem_ms", "compute_ms", "predictor_ms", "bytes_read", "reads", "expert_hits",
-            "expert_misses", "expert_hit_rate", "prefetch_recall", "experts_prefetched", "prefetch_wasted",
+            "expert_misses", "expert_hit_rate", "expert_read_ahead_recall", "experts_read_ahead", "experts_read_ahead_unused",
             "dram_bytes", "cache_capacity", "tokens_per_s", "expert_slots")
     return {**{k: st.get(k) for k in keys}, "prompt": st["prompt"], "load_s": load_s, "label": run["label"],
             "parts_ms": parts, "cpu_ms": cpu_ms}
@@ -130,8 +130,8 @@ def markdown(report: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['label']} | failed: {r['error']} |" + "  |" * 10)
             continue
-        pre = "" if r.get("prefetch_recall") is None else f"{r['prefetch_recall']:.3f}"
-        pf = "" if r.get("experts_prefetched") is None else f"{r['experts_prefetched']:.1f} ({r['prefetch_wasted']:.1f})"
+        pre = "" if r.get("expert_read_ahead_recall") is None else f"{r['expert_read_ahead_recall']:.3f}"
+        pf = "" if r.get("experts_read_ahead") is None else f"{r['experts_read_ahead']:.1f} ({r['experts_read_ahead_unused']:.1f})"
         peak = (r.get("cgroup_usage") or {}).get("peak_bytes")
         parts = r.get("parts_ms") or {}
         split = f" ({parts['ffn']:.0f}, {parts['attn_proj'] + parts['attention']:.0f}, {parts['logits']:.0f})" if parts else ""

@@ -42,7 +42,7 @@ def measure(run: dict) -> dict:
                           dram_budget=run["budget"], window=run.get("window") or 1, threads=run["threads"],
                           aio_depth=run.get("aio_depth", 0), gap_bytes=run.get("gap_bytes", 0), dtype=run.get("dtype"),
                           context=n + 1, quantize_resident=run.get("quantize_resident", "none"),
-                          kv_bits=run.get("kv_bits", 16), prefetch=run.get("prefetch"), device=run.get("device"),
+                          kv_bits=run.get("kv_bits", 16), read_ahead=run.get("prefetch"), device=run.get("device"),
                           gpu_budget=run.get("gpu_budget"))
     load_s = time.perf_counter() - t0
     if hasattr(model.mode_impl.predictor, "early"):  # a replayed trace: tell it which predictions are lookaheads
@@ -130,10 +130,10 @@ def measure(run: dict) -> dict:
         out["read_sizes"] = {str(b): c / k for b, c in sorted(sizes.items())}
     if run["mode"] == "sparse":
         s = model.stats
-        out.update({key: s.get(key) for key in ("lookahead_recall", "lookahead_recall_per_layer",
-                                                 "lookahead_precision_per_layer", "read_ahead_share_per_layer",
-                                                 "read_ahead_cut", "neurons_prefetched",
-                                                 "prefetch_unused", "prefetch_rows", "read_ahead")})
+        out.update({key: s.get(key) for key in ("read_ahead_recall", "read_ahead_recall_per_layer",
+                                                 "read_ahead_precision_per_layer", "read_ahead_share_per_layer",
+                                                 "read_ahead_cut", "neurons_read_ahead",
+                                                 "read_ahead_unused", "read_ahead_rows", "read_ahead")})
     out["rss_peak"] = vm("VmHWM")
     out["cgroup"] = own_memory_cgroup()
     del model
@@ -144,7 +144,7 @@ def measure(run: dict) -> dict:
 def flag_lookahead(plan) -> None:
     """Set `plan.predictor.early` while the sparse plan's lookahead predicts (its `_lookahead`, wrapped on
     this one instance), so that a TracePredictor can replay an imperfect lookahead (its `lookahead` model)."""
-    lookahead, pred = plan._lookahead, plan.predictor
+    lookahead, pred = plan.read_ahead.start, plan.predictor
 
     def flagged(layer, cost):
         pred.early = True
@@ -153,7 +153,7 @@ def flag_lookahead(plan) -> None:
         finally:
             pred.early = False
 
-    plan._lookahead = flagged
+    plan.read_ahead.start = flagged
 
 
 def record_read_sizes(engine) -> dict:

@@ -10,7 +10,7 @@
    writing the report, the JSON and the PNGs into bench/results/paper/;
 5. the model files are deleted afterwards (unless --keep-models).
 
-    python -m bench paper all [--work-dir /tmp/flashllm-paper] [--shape opt-6.7b] [--tokens 32]
+    python -m bench paper all [--work-dir DIR] [--shape opt-6.7b] [--tokens 32]
 
 Takes about an hour on a 2-core machine with a ~0.8 GiB/s disk (naive alone is ~17 s per token).
 """
@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from bench.harness import RESULTS, ROOT
+from bench.harness import RESULTS, ROOT, cache_dir
 
 DATA = ROOT / "flashllm" / "data"
 
@@ -37,7 +37,7 @@ def sh(argv: list[str]) -> None:
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--work-dir", default="/tmp/flashllm-paper", help="models, trace and text go here")
+    p.add_argument("--work-dir", default=str(cache_dir("paper")), help="models, trace and text go here (default: %(default)s)")
     p.add_argument("--results", default=str(RESULTS / "paper"), help="where the report is written")
     p.add_argument("--name", default="tables", help="report file stem: NAME.md, NAME.json (plots: "
                    "*.png for the default name, else NAME_*.png)")

@@ -8,7 +8,7 @@ gets llama.cpp's bundled Llama SentencePiece vocabulary (models/ggml-vocab-llama
 the model's vocab size), which llama-bench needs only to exist (it decodes random token ids).
 Nothing else changes: weights, shapes and hyperparameters are the converter's own.
 
-    python -m bench peers gguf HF_DIR OUT.gguf [--type f16|q4_0] [--llama-cpp /work/big/llama.cpp-build]
+    python -m bench peers gguf HF_DIR OUT.gguf [--type f16|q4_0] [--llama-cpp DIR]
     python -m bench peers gguf --shape llama-7b --seed 0 OUT.gguf [--type f16|q4_0]
 
 --shape converts bench/models/make_model.py's random weights of that shape and seed without writing the HF
@@ -33,10 +33,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness import ROOT, module_argv
+from bench.harness import ROOT, llama_cpp_dir, module_argv
 from bench.models import make_model as mm
 
-DEFAULT_LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "/work/big/llama.cpp-build"))
+DEFAULT_LLAMA_CPP = llama_cpp_dir()
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
 
 
@@ -92,7 +92,7 @@ def convert(src: Path | None, out: Path, gguf_type: str = "f16", llama_cpp: Path
     random weights of `shape` and `seed` (src None)."""
     llama_src = llama_cpp / "src" / "llama.cpp"
     if not (llama_src / "convert_hf_to_gguf.py").is_file():
-        raise SystemExit(f"{llama_src}: no convert_hf_to_gguf.py (run bench/build_llama_cpp.sh first)")
+        raise SystemExit(f"{llama_src}: no convert_hf_to_gguf.py: build llama.cpp there with bench/build_llama_cpp.sh, or point --llama-cpp (or $LLAMA_CPP_DIR) at its prefix")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     f16 = tmp if gguf_type == "f16" else out.with_name(f".{out.stem}.f16-{os.getpid()}.gguf")
@@ -126,7 +126,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0, help="with --shape: make_model's seed (default: %(default)s)")
     p.add_argument("--type", default="f16", choices=["f16", "q4_0", "q8_0"], help="(default: %(default)s)")
     p.add_argument("--llama-cpp", type=Path, default=DEFAULT_LLAMA_CPP,
-                   help="bench/build_llama_cpp.sh's prefix (default: %(default)s, or $LLAMA_CPP_DIR)")
+                   help="bench/build_llama_cpp.sh's prefix (default: $LLAMA_CPP_DIR, else %(default)s)")
     p.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.in_process:

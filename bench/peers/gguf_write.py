@@ -33,9 +33,10 @@ import numpy as np
 
 from flashllm.format import manifest as fmt
 
+from bench.harness import llama_cpp_dir
 from bench.models import make_model as mm
 
-DEFAULT_LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "/work/big/llama.cpp-build"))
+DEFAULT_LLAMA_CPP = llama_cpp_dir()
 ARCH = {"qwen3_moe": "qwen3moe"}  # flashllm family -> llama.cpp architecture this writes
 # flashllm's canonical resident names -> GGUF names (per layer: "blk.{i}.")
 GLOBAL_NAMES = {"embed.weight": "token_embd.weight", "final_norm.weight": "output_norm.weight",
@@ -50,7 +51,7 @@ Q4_0_BLOCK, Q4_0_BYTES = 32, 18  # values per block; float16 scale + 16 bytes of
 def gguf_module(llama_cpp: Path):
     src = llama_cpp / "src" / "llama.cpp" / "gguf-py"
     if not (src / "gguf").is_dir():
-        raise SystemExit(f"gguf_write: error: {src}: no gguf-py (run bench/build_llama_cpp.sh first)")
+        raise SystemExit(f"gguf_write: error: {src}: no gguf-py: build llama.cpp there with bench/build_llama_cpp.sh, or point --llama-cpp (or $LLAMA_CPP_DIR) at its prefix")
     sys.path.insert(0, str(src))
     import gguf
 
@@ -196,7 +197,7 @@ def main(argv=None) -> Path:
     p.add_argument("--layers", type=int, default=None, help="cut the shape to this many layers (default: all)")
     p.add_argument("--seed", type=int, default=0, help="make_model's seed (default: %(default)s)")
     p.add_argument("--llama-cpp", type=Path, default=DEFAULT_LLAMA_CPP,
-                   help="bench/build_llama_cpp.sh's prefix (default: %(default)s, or $LLAMA_CPP_DIR)")
+                   help="bench/build_llama_cpp.sh's prefix (default: $LLAMA_CPP_DIR, else %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.shape not in mm.SHAPES:

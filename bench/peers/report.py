@@ -164,7 +164,12 @@ MOE_CAVEAT = (
     "runtimes hold different random values of the same shape and bytes.")
 
 
-def markdown(report: dict) -> str:
+def markdown(report: dict, header: bool = True) -> str:
+    """The report of one `python -m bench peers run` (its JSON, as --json-out writes and the record holds);
+    header: its name, date and command first (a result record has its own)."""
+    if "rows" not in report:
+        report = dict(report, rows=summarize(report["runs"]))
+        report["ratios"] = ratios(report["rows"], report["runs"])
     fl = next((r for r in report["runs"] if r["peer"] == "flashllm" and r.get("ms_per_token")), {})
     acc = next((r for r in report["runs"] if r["peer"] == "accelerate" and "modules_disk" in r), {})
     limit, sizes = report["memory_limit"], report["model_bytes"]
@@ -178,10 +183,11 @@ def markdown(report: dict) -> str:
     of_limit = f"{limit / base_of:.0%} of the {'GGUF' if report.get('budget_of') == 'gguf' else 'model'}'s " \
                f"{base_of / GB:.2f} GB" if limit and base_of else ""
     moe = fl.get("expert_hit_rate") is not None
-    lines = [f"## {report['name'] or 'peers'}", "",
-             f"- date: {report['date']}", f"- command: `{report['command']}`", f"- machine: {report['machine']}" + (
-                 f"; disk read-ahead {report['read_ahead_kb']} KiB (a page fault on llama.cpp's mmap'd file reads "
-                 "about that much around it; flashllm's direct reads do not)" if report.get("read_ahead_kb") else ""),
+    read_ahead = (f"disk read-ahead {report['read_ahead_kb']} KiB (a page fault on llama.cpp's mmap'd file reads "
+                  "about that much around it; flashllm's direct reads do not)") if report.get("read_ahead_kb") else ""
+    lines = ([f"## {report['name'] or 'peers'}", "", f"- date: {report['date']}", f"- command: `{report['command']}`",
+              f"- machine: {report['machine']}" + (f"; {read_ahead}" if read_ahead else "")]
+             if header else [f"- {read_ahead}"] if read_ahead else []) + [
              "- versions: " + "; ".join(f"{k} {v}" for k, v in report["versions"].items()),
              f"- model: {report['model']}", f"- model files: {files}"]
     if limit and report.get("limit_given"):
@@ -235,14 +241,14 @@ def markdown(report: dict) -> str:
                      "to the offload folder)")
     lines += ["", table(report["rows"], report["ratios"]), ""] + (moe_table(report) if moe else []) + ["",
               "Peak memory is the group's memory.max_usage_in_bytes (process memory + page cache). Latency ratio "
-              "flashllm/peer below 1: flashllm is faster. Runs in order (load average at each start: the "
+              "flashllm/peer below 1: flashllm is faster. Runs in order, #N the round (load average at each start: the "
               "machine's other work competes for its 2 cores):",
-              "; ".join(f"{r['label']} round {r['round'] + 1}: load {r['load_average']:.1f}, {r['wall_s']:.0f} s"
+              "; ".join(f"{r['label']} #{r['round'] + 1}: load {r['load_average']:.1f}, {r['wall_s']:.0f} s"
                         for r in report["runs"] if "wall_s" in r) + "."]
     for r in report["runs"]:
         if r["outcome"] not in ("ran", "skipped"):
             last = r["stderr_tail"].strip().splitlines()[-1][:200] if r["stderr_tail"].strip() else ""
-            lines.append(f"- {r['label']} (round {r['round'] + 1}): {r['outcome']} after {r['wall_s']:.0f} s, exit "
+            lines.append(f"- {r['label']} (#{r['round'] + 1}): {r['outcome']} after {r['wall_s']:.0f} s, exit "
                          f"{r['returncode']}, oom_kill {r.get('oom_kills')}; "
                          + (f"last line on stderr: `{last}`" if last else "nothing on stderr (killed without a message)"))
         elif r["outcome"] == "skipped":
@@ -261,10 +267,7 @@ def main(argv=None) -> None:
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("report", help="JSON written by bench/peers/run.py --json-out")
-    report = json.loads(Path(p.parse_args(argv).report).read_text())
-    report["rows"] = summarize(report["runs"])
-    report["ratios"] = ratios(report["rows"], report["runs"])
-    print(markdown(report), end="")
+    print(markdown(json.loads(Path(p.parse_args(argv).report).read_text())), end="")
 
 
 if __name__ == "__main__":

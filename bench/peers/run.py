@@ -45,13 +45,18 @@ from flashllm.format import manifest as fmt
 from flashllm.budget import budget_bytes, parse_budget
 from flashllm.errors import FlashLLMError
 from bench import harness
-from bench.harness import RESULTS, ROOT, MemoryGroup, module_argv
+from bench.harness import RESULTS, ROOT, MemoryGroup, llama_cpp_dir, module_argv
 from bench.paper import report as paper_report
 from bench.paper import tables as paper_tables
 from bench.peers import report as peers_report
 
+
+def markdown(result: dict) -> str:
+    """A result record's report (`python -m bench report peers`; the record says name, date and command)."""
+    return peers_report.markdown(result, header=False)
+
 GB, MiB = 1e9, 1 << 20
-DEFAULT_LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "/work/big/llama.cpp-build"))
+DEFAULT_LLAMA_CPP = llama_cpp_dir()
 # llama-bench options per configuration: its default (mmap'd weights, CPU repacking of quantized types
 # allowed); weights read into process memory instead of mmap; no repacking (every weight stays in the mmap).
 LLAMA_CONFIGS = {"default": [], "no-mmap": ["-lm", "none"], "no-repack": ["--repack", "0"]}
@@ -204,7 +209,7 @@ def plan(args, budget: int, tmp: Path) -> list[dict]:
         if not args.gguf:
             run["skipped"] = "no --gguf model"
         elif not bench_bin.is_file():
-            run["skipped"] = f"not installed ({bench_bin}; bench/build_llama_cpp.sh builds it)"
+            run["skipped"] = f"not installed ({bench_bin}; bench/build_llama_cpp.sh builds it, --llama-cpp or $LLAMA_CPP_DIR points at it)"
         else:
             run["argv"] = [str(bench_bin), "-m", str(args.gguf), "-p", "0", "-n", str(args.tokens), "-r", "1",
                            "-t", str(args.threads or os.cpu_count()), "-o", "json", *LLAMA_CONFIGS[name]]
@@ -236,8 +241,8 @@ def read_result(run: dict, res: dict) -> dict:
                     "compute_ms": r["compute_ms"], "predictor_ms": r["predictor_ms"], "bytes_read": r["bytes_read"],
                     "dram_bytes": r["dram_bytes"], "expert_hit_rate": r["expert_hit_rate"],
                     "expert_slots": r.get("expert_slots"), "routing": run["routing"], "cpu_ms": r.get("cpu_ms"),
-                    "tokens": run["tokens"], "prefetch_recall": r.get("prefetch_recall"),
-                    "experts_prefetched": r.get("experts_prefetched"), "prefetch_wasted": r.get("prefetch_wasted"),
+                    "tokens": run["tokens"], "prefetch_recall": r.get("expert_read_ahead_recall"),
+                    "experts_prefetched": r.get("experts_read_ahead"), "prefetch_wasted": r.get("experts_read_ahead_unused"),
                     "slots_per_layer": (r.get("cache_capacity") or [None])[0]}
         if run["peer"] == "flashllm" and res["outcome"] == "ran":
             r = json.loads(run["result"].read_text())
@@ -332,7 +337,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "128,8192; root; restored after each run): its mmap'd weights are paged in with read-ahead around "
                    "every fault (default: the disk's setting as it is)")
     p.add_argument("--llama-cpp", default=str(DEFAULT_LLAMA_CPP), help="bench/build_llama_cpp.sh's prefix "
-                   "(default: %(default)s, or $LLAMA_CPP_DIR)")
+                   "(default: $LLAMA_CPP_DIR, else %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="", help="what the table is of (e.g. 'Llama-7B shape, float16, 50%%')")
     p.add_argument("--json-out", default=None, help="write the JSON report here")

@@ -1,7 +1,7 @@
 """Quality and flash bytes of quantized storage on the embedded model, against float32 in one run.
 
-    python -m bench models corpus --split heldout --out /tmp/heldout.txt
-    python -m bench quant quality --data /tmp/heldout.txt [--max-tokens 4096] [--groups 64 32] [--out FILE.md]
+    python -m bench models corpus --split heldout --out heldout.txt
+    python -m bench quant quality --data heldout.txt [--max-tokens 4096] [--groups 64 32] [--out FILE.md]
 
 Converts flashllm/data/tiny-opt (or --model) to float32, float16, and int8/int4 bundles for each
 group size (resident tensors float32 on flash) into a temporary directory, removed at the end; the

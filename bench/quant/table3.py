@@ -1,7 +1,7 @@
 """The Table 3 analogue with quantized storage: float16 vs int4 bundles vs int4 bundles + int4 resident
 matrices, side by side in one run, at the same DRAM budget fraction.
 
-    python -m bench quant table3 [--shape opt-1.3b] [--work-dir /tmp/flashllm-quant3] [--out bench/results/quant/table3.md]
+    python -m bench quant table3 [--shape opt-1.3b] [--work-dir DIR] [--out bench/results/quant/table3.md]
 
 1. held-out text and an activation trace of the embedded model (as bench/paper/run.py makes them);
 2. the random model of `--shape` twice (bench/models/make_model.py, same seed), one on disk at a time:
@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from bench.harness import ROOT, code_version, load, machine_desc
+from bench.harness import RESULTS, ROOT, cache_dir, code_version, load, machine_desc
 
 DATA = ROOT / "flashllm" / "data"
 GB = 1e9
@@ -40,8 +40,8 @@ def sh(argv: list) -> None:
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="opt-1.3b", help="bench/models/make_model.py shape (default: %(default)s)")
-    p.add_argument("--work-dir", default="/tmp/flashllm-quant3", help="models, trace and text (default: %(default)s)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant_table3.md"),
+    p.add_argument("--work-dir", default=str(cache_dir("quant-table3")), help="models, trace and text (default: %(default)s)")
+    p.add_argument("--out", default=str(RESULTS / "quant" / "table3.md"),
                    help="markdown report; JSON beside it (default: %(default)s)")
     p.add_argument("--dram-budget", default="0.5", help="fraction of each model's flash size (default: %(default)s)")
     p.add_argument("--tokens", default="32", help="measured sparse decode tokens (default: %(default)s)")

@@ -42,10 +42,10 @@ class LoadOptions:
     # for sparse mode's FFN reads (measured faster, with and without read-ahead), threads otherwise
     aio_depth: int | None = None
     gap_bytes: int | None = 0  # read through file gaps up to this size (None: the disk profile's cost model)
-    # read layer l+1's weights (sparse: its lookahead-predicted neurons) while l computes; None: where it
-    # measured faster here: naive and hybrid; sparse where the reads land in cache rows through native AIO
-    # (bench/results/io_runtime_7b.md; not through a buffer or reader threads, bench/results/io_pipeline.md)
-    prefetch: bool | None = None
+    # read-ahead: read layer l+1's weights (sparse: the neurons predicted from layer l's residual stream) while
+    # layer l computes; None: on for naive and hybrid, and for sparse where the reads land in cache rows through
+    # native AIO (the measured default: docs/architecture.md, "Defaults")
+    read_ahead: bool | None = None
     dtype: str | None = None  # compute dtype; None: the storage dtype
     context: int | None = None  # KV cache length; None: min(model, 4096)
     verify: bool | None = None  # checksums at load: None small files (FFN layers verified on first full read)
@@ -56,9 +56,9 @@ class LoadOptions:
     pin_hot: bool = True
     on_overflow: str = "drop"  # sparse: when a token's predicted set exceeds a cache, drop (warned) or error
     expert_policy: str = "lru"  # MoE sparse: which cached expert a new one replaces (EXPERT_POLICIES)
-    expert_prefetch: bool = False  # MoE sparse: read layer l+1's predicted experts while layer l computes
+    expert_read_ahead: bool = False  # MoE sparse: read layer l+1's predicted experts while layer l computes
     # MoE: (layer, router logits [T, n_experts], early) -> expert ids [T, top_k] chosen instead of the router's
-    # top-k (e.g. routing replayed from a trace; `early`: a prefetch guess); None: the router decides
+    # top-k (e.g. routing replayed from a trace; `early`: a read-ahead guess); None: the router decides
     expert_routing: Callable | None = None
     # tuned: projections fused at load and the kernel per dtype that bench/compute_roofline.py measured
     # fastest (same math); plain: the file's tensors as they are with torch's default kernels (reference)

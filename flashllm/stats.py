@@ -18,13 +18,23 @@ def untimed(what: str):
 
 
 @dataclass
+class ReadAheadCounts:
+    """One decode layer's read-ahead: how well its lookahead predicted the layer's own set."""
+
+    found: int = 0  # predicted neurons the lookahead named
+    active: int = 0  # predicted neurons (0: the layer had no lookahead)
+    named: int = 0  # neurons the lookahead named
+    used: int = 0  # loaded neurons that were read ahead
+
+
+@dataclass
 class TokenCost:
     """What one forward (the prompt or one decode token) cost."""
 
     tokens: int = 0
     batch: int = 1  # > 1: a batch decode step, one token of each of `batch` sequences (tokens == batch)
     bytes_read: int = 0
-    bytes_wasted: int = 0  # read but not used: alignment, gap filling, unused prefetch (bytes_read includes it)
+    bytes_wasted: int = 0  # read but not used: alignment, gap filling, unused read-ahead (bytes_read includes it)
     reads: int = 0
     io_ms: float = 0.0  # submitting reads and waiting for them (reads overlapped with compute cost nothing here)
     read_ms: float = 0.0  # the I/O engine's own time of this token's reads, overlapped or not
@@ -36,21 +46,18 @@ class TokenCost:
     neurons_streamed: list[int] = field(default_factory=list)  # prompt, per layer: read through the cache rows
     neurons_cached: list[int] = field(default_factory=list)  # per layer, after the update
     neurons_dropped: int = 0  # predicted neurons left out because the cache could not hold them
-    lookahead_found: list[int] = field(default_factory=list)  # per layer: predicted neurons the lookahead named
-    lookahead_active: list[int] = field(default_factory=list)  # per layer: predicted neurons (layers with one)
-    lookahead_named: list[int] = field(default_factory=list)  # per layer: neurons the lookahead named
-    ahead_used: list[int] = field(default_factory=list)  # per layer: loaded neurons that were read ahead
-    neurons_prefetched: int = 0  # bundles read ahead from the lookahead prediction
-    prefetch_unused: int = 0  # ... of which the layer did not need
+    read_ahead: list[ReadAheadCounts] = field(default_factory=list)  # per decode layer: how its read-ahead did
+    neurons_read_ahead: int = 0  # bundles read ahead from the lookahead prediction
+    read_ahead_unused: int = 0  # ... of which the layer did not need
     predicted_mass: float = 0.0  # sum of the predictor's scores over the predicted neurons
     dropped_mass: float = 0.0  # ... over those dropped (lowest-scored first)
     prefill_strategy: str = ""
     experts_hit: int = 0  # MoE: routed experts found in the expert cache, summed over layers
     experts_missed: int = 0  # MoE: routed experts read from flash
-    experts_prefetched: int = 0  # MoE prefetch: experts read ahead by the next layer's router
-    prefetch_wasted: int = 0  # ... of which the layer's own routing then did not use
-    prefetch_predicted: int = 0  # routed experts the previous layer's prediction named
-    prefetch_routed: int = 0  # routed experts of the layers that had a prediction
+    experts_read_ahead: int = 0  # MoE read-ahead: experts read ahead by the next layer's router
+    experts_read_ahead_unused: int = 0  # ... of which the layer's own routing then did not use
+    experts_predicted: int = 0  # routed experts the previous layer's read-ahead prediction named
+    experts_routed: int = 0  # routed experts of the layers that had a read-ahead prediction
 
     @contextmanager
     def timed(self, what: str):
@@ -108,27 +115,28 @@ def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None
         layers = len(decode[-1].neurons_cached)
         out["neurons_loaded_per_layer"] = [sum(c.neurons_loaded[i] for c in decode) / n for i in range(layers)]
         out["neurons_cached_per_layer"] = list(decode[-1].neurons_cached)
-    if any(sum(c.lookahead_active) for c in decode):
-        found = np.sum([c.lookahead_found for c in decode if c.lookahead_active], axis=0)
-        active = np.sum([c.lookahead_active for c in decode if c.lookahead_active], axis=0)
-        out["lookahead_recall_per_layer"] = [float(f / a) if a else None for f, a in zip(found, active)]
-        out["lookahead_recall"] = float(found.sum() / active.sum()) if active.sum() else None
-        named = np.sum([c.lookahead_named for c in decode if c.lookahead_active], axis=0)
-        out["lookahead_precision_per_layer"] = [float(f / m) if m else None for f, m in zip(found, named)]
-        used = np.sum([c.ahead_used for c in decode if c.lookahead_active], axis=0)
-        loaded = np.sum([c.neurons_loaded for c in decode if c.lookahead_active], axis=0)
+    ahead = [c for c in decode if c.read_ahead]
+    if any(r.active for c in ahead for r in c.read_ahead):
+        def per_layer(key: str) -> np.ndarray:
+            return np.sum([[getattr(r, key) for r in c.read_ahead] for c in ahead], axis=0)
+
+        found, active, named, used = (per_layer(k) for k in ("found", "active", "named", "used"))
+        out["read_ahead_recall_per_layer"] = [float(f / a) if a else None for f, a in zip(found, active)]
+        out["read_ahead_recall"] = float(found.sum() / active.sum()) if active.sum() else None
+        out["read_ahead_precision_per_layer"] = [float(f / m) if m else None for f, m in zip(found, named)]
+        loaded = np.sum([c.neurons_loaded for c in ahead], axis=0)
         out["read_ahead_share_per_layer"] = [float(u / m) if m else None for u, m in zip(used, loaded)]
-        out["neurons_prefetched"] = sum(c.neurons_prefetched for c in decode) / n
-        out["prefetch_unused"] = sum(c.prefetch_unused for c in decode) / n
+        out["neurons_read_ahead"] = sum(c.neurons_read_ahead for c in decode) / n
+        out["read_ahead_unused"] = sum(c.read_ahead_unused for c in decode) / n
     if any(c.experts_hit or c.experts_missed for c in costs):
         hit, missed = (sum(getattr(c, k) for c in decode) for k in ("experts_hit", "experts_missed"))
         out.update(expert_hits=hit / n, expert_misses=missed / n,
                    expert_hit_rate=hit / (hit + missed) if hit + missed else None)
-        predicted, routed = (sum(getattr(c, k) for c in decode) for k in ("prefetch_predicted", "prefetch_routed"))
+        predicted, routed = (sum(getattr(c, k) for c in decode) for k in ("experts_predicted", "experts_routed"))
         if routed:
-            out.update(prefetch_recall=predicted / routed,
-                       experts_prefetched=sum(c.experts_prefetched for c in decode) / n,
-                       prefetch_wasted=sum(c.prefetch_wasted for c in decode) / n)
+            out.update(expert_read_ahead_recall=predicted / routed,
+                       experts_read_ahead=sum(c.experts_read_ahead for c in decode) / n,
+                       experts_read_ahead_unused=sum(c.experts_read_ahead_unused for c in decode) / n)
     if prompt is not None:
         out["prompt"] = {"tokens": prompt.tokens, "bytes_read": prompt.bytes_read, "reads": prompt.reads,
                          "total_ms": prompt.total_ms, "io_ms": prompt.io_ms, "strategy": prompt.prefill_strategy}

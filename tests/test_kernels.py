@@ -38,7 +38,7 @@ def test_fused_at_load_holds_the_same_bytes(tiny_models):
 
 
 def test_part_timer_splits_compute(tiny_models):
-    model = flashllm.load(tiny_models("llama").model_dir, mode="sparse", predictor="oracle", threads=2, prefetch=True)
+    model = flashllm.load(tiny_models("llama").model_dir, mode="sparse", predictor="oracle", threads=2, read_ahead=True)
     model.forward(IDS[:4], 0)
     timer = PartTimer(model.backend.sync)
     model.backend.parts = timer

@@ -77,7 +77,7 @@ def test_mlx_small_cache_swaps_and_chunks_exactly(tiny_models):
             budget = full.backend.nbytes() + full.backend.staging_bytes(full.layout.stride) + \
                 2 * capacity * full.compute_row_bytes()
             model = flashllm.load(tiny.model_dir, backend=backend, mode="sparse", predictor="oracle",
-                                  dram_budget=budget, window=8, threads=2, prefetch=False)
+                                  dram_budget=budget, window=8, threads=2, read_ahead=False)
             assert model.mode_impl.capacity == capacity
             runs[backend] = (model.logits(IDS, prefill=PREFILL), model.stats)
             assert model.stats["dram_bytes"] <= budget
@@ -115,7 +115,7 @@ def test_mlx_lowrank_predictor_matches_torch(tiny_models, tmp_path, family):
     shutil.copytree(tiny_models(family).model_dir, model_dir)
     write_random_predictors(model_dir)
     # torch reads ahead by default where reads land in its cache rows; MLX's never do: compare without
-    ref = flashllm.load(model_dir, mode="sparse", predictor="lowrank", threads=2, prefetch=False)
+    ref = flashllm.load(model_dir, mode="sparse", predictor="lowrank", threads=2, read_ahead=False)
     ours = mlx_model(model_dir, "sparse", predictor="lowrank")
     np.testing.assert_allclose(ours.logits(IDS, prefill=PREFILL), ref.logits(IDS, prefill=PREFILL),
                                atol=1e-4, rtol=1e-4)

@@ -40,30 +40,30 @@ def test_sparse_oracle_matches_dense(tiny, dense_logits, window, aio_depth):
 @pytest.mark.parametrize("aio_depth", [0, 2])
 def test_sparse_oracle_with_read_ahead_and_gap_filling_matches_dense(tiny, dense_logits, aio_depth):
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=4,
-                          aio_depth=aio_depth, prefetch=True, gap_bytes=3 * fmt.read_manifest(tiny.model_dir).layout.stride)
+                          aio_depth=aio_depth, read_ahead=True, gap_bytes=3 * fmt.read_manifest(tiny.model_dir).layout.stride)
     np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
     stats = model.stats
-    recall = stats["lookahead_recall_per_layer"]
+    recall = stats["read_ahead_recall_per_layer"]
     assert recall[0] is None and all(0 <= r <= 1 for r in recall[1:])
     if model.predictor.selective:  # a dense activation has every neuron cached after the first token
-        assert stats["neurons_prefetched"] > 0
+        assert stats["neurons_read_ahead"] > 0
 
 
 def test_read_ahead_pauses_for_layers_whose_lookahead_misses(tiny_models, dense_logits):
     """A layer reads ahead only the neurons above the lowest cut whose running precision clears
     AHEAD_PRECISION; with none, the lookahead is still predicted and measured, and nothing changes the result."""
     tiny = tiny_models("opt")
-    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True)
-    model.mode_impl.AHEAD_PRECISION = 1.01  # no cut is precise enough: every layer paused
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, read_ahead=True)
+    model.mode_impl.read_ahead.precision = 1.01  # no cut is precise enough: every layer paused
     np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
     stats = model.stats
-    assert stats["neurons_prefetched"] == 0 and stats["lookahead_recall"] is not None
+    assert stats["neurons_read_ahead"] == 0 and stats["read_ahead_recall"] is not None
     assert stats["read_ahead_paused"] == list(range(model.spec.n_layers))  # (layer 0 has no lookahead: never measured)
-    model.mode_impl.AHEAD_PRECISION = 0.0  # any lookahead will do: the lowest cut
+    model.mode_impl.read_ahead.precision = 0.0  # any lookahead will do: the lowest cut
     np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
-    assert (model.stats["neurons_prefetched"] > 0) == model.predictor.selective and not model.stats["read_ahead_paused"]
+    assert (model.stats["neurons_read_ahead"] > 0) == model.predictor.selective and not model.stats["read_ahead_paused"]
     assert model.stats["read_ahead_cut"] == [0] * model.spec.n_layers
-    named, right = model.mode_impl.ahead_named[1:], model.mode_impl.ahead_right[1:]
+    named, right = model.mode_impl.read_ahead.named[1:], model.mode_impl.read_ahead.right[1:]
     assert ((0 <= right) & (right <= named)).all()
 
 
@@ -73,17 +73,17 @@ def test_a_missing_lookahead_costs_reads_and_the_cut_bounds_them(tiny_models):
     precision cut reads ahead only the part of a layer's lookahead that keeps being right."""
     tiny = tiny_models("opt")
     runs = {}
-    for name, kw, precision in (("off", dict(prefetch=False), None), ("cut", {}, None), ("always", {}, 0.0)):
+    for name, kw, precision in (("off", dict(read_ahead=False), None), ("cut", {}, None), ("always", {}, 0.0)):
         model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=8, threads=2,
                               cache_rows=(80, 80), **kw)
         if precision is not None:
-            model.mode_impl.AHEAD_PRECISION = precision
+            model.mode_impl.read_ahead.precision = precision
         runs[name] = (model.logits(IDS, prefill=PREFILL), model.stats)
     off, cut, always = (runs[k][1] for k in ("off", "cut", "always"))
     for logits, _ in runs.values():
         np.testing.assert_allclose(logits, runs["off"][0], atol=1e-4, rtol=1e-4)
-    assert always["lookahead_recall"] < 0.9 and always["prefetch_unused"] > 0  # the oracle's guess from layer 0
-    assert always["prefetch_unused"] / always["neurons_prefetched"] > cut["prefetch_unused"] / max(cut["neurons_prefetched"], 1)
+    assert always["read_ahead_recall"] < 0.9 and always["read_ahead_unused"] > 0  # the oracle's guess from layer 0
+    assert always["read_ahead_unused"] / always["neurons_read_ahead"] > cut["read_ahead_unused"] / max(cut["neurons_read_ahead"], 1)
     assert sum(always["neurons_loaded_per_layer"]) > sum(cut["neurons_loaded_per_layer"])
     assert always["bytes_read"] > cut["bytes_read"] and always["bytes_read"] > off["bytes_read"]
 
@@ -96,8 +96,8 @@ def test_submitting_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeyp
     from flashllm.io.ffn_reader import FFNReader
 
     tiny = tiny_models("opt")
-    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True)
-    model.mode_impl.AHEAD_PRECISION = 0.0  # read ahead whatever the lookahead's precision
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, read_ahead=True)
+    model.mode_impl.read_ahead.precision = 0.0  # read ahead whatever the lookahead's precision
     calls, real = [], FFNReader.submit
 
     def slow_submit(self, *a, **k):
@@ -107,7 +107,7 @@ def test_submitting_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeyp
 
     monkeypatch.setattr(FFNReader, "submit", slow_submit)
     model.logits(IDS[:PREFILL + 6], prefill=PREFILL)
-    assert model.stats["neurons_prefetched"] > 0
+    assert model.stats["neurons_read_ahead"] > 0
     io_ms = sum(c["io_ms"] for c in model.token_stats)
     assert io_ms >= 10.0 * len(calls) > 0
 
@@ -120,8 +120,8 @@ def test_reaping_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeypatc
     from flashllm.io.ffn_reader import PendingNeurons
 
     tiny = tiny_models("opt")
-    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True)
-    model.mode_impl.AHEAD_PRECISION = 0.0  # read ahead whatever the lookahead's precision
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, read_ahead=True)
+    model.mode_impl.read_ahead.precision = 0.0  # read ahead whatever the lookahead's precision
     calls, real = [], PendingNeurons.done
 
     def slow_done(self):
@@ -131,7 +131,7 @@ def test_reaping_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeypatc
 
     monkeypatch.setattr(PendingNeurons, "done", slow_done)
     model.logits(IDS[:PREFILL + 6], prefill=PREFILL)
-    assert model.stats["neurons_prefetched"] > 0
+    assert model.stats["neurons_read_ahead"] > 0
     io_ms = sum(c["io_ms"] for c in model.token_stats)
     assert io_ms >= 10.0 * len(calls) > 0
 
@@ -140,22 +140,22 @@ def test_read_ahead_through_a_buffer_matches_reading_when_known(tiny_models):
     """Where reads cannot land in cache rows (compute dtype != storage), read-ahead goes through a buffer."""
     tiny = tiny_models("opt")
     ref = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dtype="bfloat16", threads=2,
-                        prefetch=False).logits(IDS, prefill=PREFILL)
-    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dtype="bfloat16", threads=2, prefetch=True)
+                        read_ahead=False).logits(IDS, prefill=PREFILL)
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dtype="bfloat16", threads=2, read_ahead=True)
     np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), ref, atol=2e-2, rtol=2e-2)
-    assert model.stats["read_ahead"] == "via a buffer" and model.stats["neurons_prefetched"] > 0
+    assert model.stats["read_ahead"] == "via a buffer" and model.stats["neurons_read_ahead"] > 0
 
 
 def test_read_ahead_reads_no_more_than_the_cache_keeps(tiny_models):
     """A lookahead set larger than the layer's cache is cut as `_fit` cuts the layer's own set: neurons
     that would be dropped are not read ahead for nothing."""
     tiny = tiny_models("opt")
-    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, prefetch=True,
+    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, read_ahead=True,
                           cache_rows=(8, 8))
     model.logits(IDS, prefill=PREFILL)
     stats = model.stats
     assert stats["neurons_dropped"] > 0  # the oracle's sets overflow 8 rows
-    assert 0 < stats["neurons_prefetched"] <= 8  # per token: layer 1 only (layer 0 has none), at most its cache
+    assert 0 < stats["neurons_read_ahead"] <= 8  # per token: layer 1 only (layer 0 has none), at most its cache
 
 
 @pytest.mark.parametrize("mode, aio_depth", [("naive", 2), ("hybrid", 0)])
@@ -187,22 +187,22 @@ def test_budget_sizes_the_caches_and_is_reported(tiny_models):
     full = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle")
     budget = full.backend.nbytes() + 2 * 40 * full.compute_row_bytes()  # 40 rows per layer
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8,
-                          prefetch=False)
+                          read_ahead=False)
     assert model.mode_impl.capacities == [40, 40]
     ahead = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8,
-                          prefetch=True)
-    assert ahead.mode_impl.capacities == [40, 40] and ahead.mode_impl.prefetch_rows == 0  # into the rows the caches free
+                          read_ahead=True)
+    assert ahead.mode_impl.capacities == [40, 40] and ahead.mode_impl.read_ahead.rows == 0  # into the rows the caches free
     ahead.logits(IDS, prefill=PREFILL)
-    assert ahead.stats["dram_bytes"] <= budget and ahead.stats["lookahead_recall"] > 0
-    assert ahead.stats["neurons_prefetched"] > 0 and ahead.stats["read_ahead"] == "into cache rows"
+    assert ahead.stats["dram_bytes"] <= budget and ahead.stats["read_ahead_recall"] > 0
+    assert ahead.stats["neurons_read_ahead"] > 0 and ahead.stats["read_ahead"] == "into cache rows"
     # rows that cannot take reads directly (a compute dtype other than the storage's): a buffer of its own
     full = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dtype="bfloat16")
     budget16 = full.backend.nbytes() + 2 * 40 * full.compute_row_bytes() + full.mode_impl.host_bytes()
     with_buffer = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget16, window=8,
-                                prefetch=True, dtype="bfloat16")
-    assert 0 < with_buffer.mode_impl.prefetch_rows and max(with_buffer.mode_impl.capacities) < 40  # the read-ahead buffer
+                                read_ahead=True, dtype="bfloat16")
+    assert 0 < with_buffer.mode_impl.read_ahead.rows and max(with_buffer.mode_impl.capacities) < 40  # the read-ahead buffer
     with_buffer.logits(IDS, prefill=PREFILL)  # counts against the same budget
-    assert with_buffer.stats["dram_bytes"] <= budget16 and with_buffer.stats["lookahead_recall"] > 0
+    assert with_buffer.stats["dram_bytes"] <= budget16 and with_buffer.stats["read_ahead_recall"] > 0
     assert with_buffer.stats["read_ahead"] == "via a buffer"
     model.logits(IDS, prefill=PREFILL)
     stats = model.stats
@@ -333,5 +333,5 @@ def test_overlap_inside_a_layer_changes_only_the_summation_order(tiny_models, tm
     # 40 tokens of layers carry that on (the two-call sum itself: tests/test_native.py)
     np.testing.assert_allclose(a, b, atol=1e-2, rtol=1e-2)
     np.testing.assert_allclose(a, dense, atol=2e-2, rtol=2e-2)
-    assert not flashllm.load(out, mode="sparse", predictor="oracle", prefetch=False).mode_impl.split  # no overlap
+    assert not flashllm.load(out, mode="sparse", predictor="oracle", read_ahead=False).mode_impl.split  # no overlap
     assert not flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle").mode_impl.split  # float32: torch copies

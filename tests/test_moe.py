@@ -195,7 +195,7 @@ def test_moe_int4_kernel_slots_equal_dense_and_stay_close_to_dequantized(quantiz
     plain = flashllm.load(out, mode="dense", kernels="plain").logits(IDS, prefill=4)
     dense_model = flashllm.load(out, mode="dense")
     dense = dense_model.logits(IDS, prefill=4)
-    kw = dict(expert_prefetch=name == "int4")  # prefetched experts are inserted from the second staging buffer
+    kw = dict(expert_read_ahead=name == "int4")  # prefetched experts are inserted from the second staging buffer
     budget = _budget_for_slots(out, 2, **kw)
     model = flashllm.load(out, mode="sparse", dram_budget=budget, **kw)
     assert model.mode_impl.capacities == [2] * model.spec.n_layers
@@ -221,7 +221,7 @@ def test_moe_mlx_quantized_slots_equal_dense_and_the_dequantized_experts(quantiz
     pytest.importorskip("mlx.core")
     tiny, out, name = quantized_moe
     plain = flashllm.load(out, mode="dense", kernels="plain").logits(IDS, prefill=4)
-    kw = dict(backend="mlx", device="cpu", expert_prefetch=True)
+    kw = dict(backend="mlx", device="cpu", expert_read_ahead=True)
     dense = flashllm.load(out, mode="dense", **kw).logits(IDS, prefill=4)
     np.testing.assert_allclose(dense, plain, atol=1e-4, rtol=1e-4)
     budget = _budget_for_slots(out, 2, **kw)
@@ -348,19 +348,19 @@ def test_moe_prefetch_is_exact_and_measured(tiny_models, dtype):
     tiny = tiny_models("mixtral")
     kw = dict(dtype=dtype)
     dense = flashllm.load(tiny.model_dir, mode="dense", **kw).logits(IDS, prefill=3)
-    budget = _budget_for_slots(tiny.model_dir, 3, expert_prefetch=True, **kw)
-    model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=budget, expert_prefetch=True, **kw)
+    budget = _budget_for_slots(tiny.model_dir, 3, expert_read_ahead=True, **kw)
+    model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=budget, expert_read_ahead=True, **kw)
     assert model.mode_impl.in_place == (dtype is None)
     np.testing.assert_array_equal(model.logits(IDS, prefill=3), dense)  # float32 sums of top-2 (see above)
     stats, spec = model.stats, model.spec
-    assert 0 < stats["prefetch_recall"] <= 1 and stats["experts_prefetched"] <= spec.top_k * (spec.n_layers - 1)
-    routed = sum(t["prefetch_routed"] for t in model.token_stats[1:])
+    assert 0 < stats["expert_read_ahead_recall"] <= 1 and stats["experts_read_ahead"] <= spec.top_k * (spec.n_layers - 1)
+    routed = sum(t["experts_routed"] for t in model.token_stats[1:])
     assert routed == (len(IDS) - 3) * spec.top_k * (spec.n_layers - 1)
     plain = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=budget, **kw)
     plain.logits(IDS, prefill=3)
-    assert "prefetch_recall" not in plain.stats
+    assert "expert_read_ahead_recall" not in plain.stats
     # a decode token reads its misses (on demand or ahead) plus the wasted guesses, one stride per expert
-    assert stats["bytes_read"] == pytest.approx((stats["expert_misses"] + stats["prefetch_wasted"]) * model.layout.stride)
+    assert stats["bytes_read"] == pytest.approx((stats["expert_misses"] + stats["experts_read_ahead_unused"]) * model.layout.stride)
 
 
 def test_moe_expert_routing_option_replaces_the_routers_choice(tiny_models):
@@ -377,7 +377,7 @@ def test_moe_expert_routing_option_replaces_the_routers_choice(tiny_models):
     assert np.abs(dense - flashllm.load(tiny.model_dir, mode="dense").logits(IDS, prefill=4)).max() > 1e-3
     calls.clear()
     model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=_budget_for_slots(tiny.model_dir, 2),
-                          expert_routing=replay, expert_prefetch=True)
+                          expert_routing=replay, expert_read_ahead=True)
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
     assert model.stats["expert_hit_rate"] == 1.0  # experts 3 and 5, cached since the prompt
     L, decode = model.spec.n_layers, len(IDS) - 4

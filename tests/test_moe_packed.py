@@ -53,8 +53,8 @@ def test_packed_experts_are_read_in_place_and_compute_what_the_repacked_rows_com
     want = flashllm.load(rows, mode="dense").logits(IDS, prefill=4)
     np.testing.assert_array_equal(flashllm.load(packed, mode="dense").logits(IDS, prefill=4), want)
     for prefetch in (False, True):
-        budget = _budget_for_slots(packed, 2, expert_prefetch=prefetch)
-        model = flashllm.load(packed, mode="sparse", dram_budget=budget, expert_prefetch=prefetch)
+        budget = _budget_for_slots(packed, 2, expert_read_ahead=prefetch)
+        model = flashllm.load(packed, mode="sparse", dram_budget=budget, expert_read_ahead=prefetch)
         assert model.mode_impl.capacities == [2] * model.spec.n_layers
         np.testing.assert_array_equal(model.logits(IDS, prefill=4), want)
         stats = model.stats
@@ -105,7 +105,7 @@ def test_mlx_loads_packed_experts(packed_moe):
     pytest.importorskip("mlx.core")
     _, packed = packed_moe
     plain = flashllm.load(packed, mode="dense", kernels="plain").logits(IDS, prefill=4)
-    kw = dict(backend="mlx", device="cpu", expert_prefetch=True)
+    kw = dict(backend="mlx", device="cpu", expert_read_ahead=True)
     dense = flashllm.load(packed, mode="dense", **kw).logits(IDS, prefill=4)
     np.testing.assert_allclose(dense, plain, atol=1e-4, rtol=1e-4)
     model = flashllm.load(packed, mode="sparse", dram_budget=_budget_for_slots(packed, 2, **kw), **kw)

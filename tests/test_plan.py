@@ -60,7 +60,7 @@ def test_replay_counts_what_the_runtime_reads(tiny_models, tmp_path, predictor, 
     spec = fmt.read_manifest(model_dir).spec
     rows = int(0.8 * spec.d_ffn)  # ~half the neurons per token: the window shrinks and evicts, nothing is dropped
     model = flashllm.load(model_dir, mode="sparse", predictor=predictor, dtype=dtype, context=64,
-                          cache_rows=tuple([rows] * spec.n_layers), window=3, prefetch=False)  # no lookahead reads
+                          cache_rows=tuple([rows] * spec.n_layers), window=3, read_ahead=False)  # no lookahead reads
     facts = plan_sparse.probe(model)
     assert facts.predictor == predictor and facts.capacities == [rows] * spec.n_layers
     masks = [[] for _ in range(spec.n_layers)]

@@ -162,12 +162,12 @@ def prepare_moe(out: Path | None = None) -> Path:
 
 
 def run_moe(prompt: str = PROMPT, max_new_tokens: int = 48, budget: float = 0.5, backend: str = "torch") -> dict:
-    """Experts streamed at `budget` of the model size (LRU slots, router prefetch), against all resident, on
+    """Experts streamed at `budget` of the model size (LRU slots, router read-ahead), against all resident, on
     `backend`."""
     from flashllm import load
 
     model_dir = prepare_moe()
-    sparse = load(model_dir, mode="sparse", dram_budget=budget, expert_prefetch=True, backend=backend, **MOE_SETTINGS)
+    sparse = load(model_dir, mode="sparse", dram_budget=budget, expert_read_ahead=True, backend=backend, **MOE_SETTINGS)
     ids = sparse.tokenizer.encode(prompt)
     new = list(sparse.generate_ids(ids, max_new_tokens))
     dense = load(model_dir, mode="dense", backend=backend, **MOE_SETTINGS)
@@ -187,6 +187,6 @@ def report_moe(result: dict) -> str:
                   f"computed on {s['backend']}, {len(s['cache_capacity'])} layers; DRAM budget 50% = "
                   f"{s['dram_budget'] / 2**20:.1f} MiB: "
                   f"{s['cache_capacity'][0]} expert slots per layer)", result, ("streamed", "dense"), rows)
-    lines.append(f"expert cache hit rate {s['expert_hit_rate']:.3f}; prefetch recall {s['prefetch_recall']:.3f}; "
+    lines.append(f"expert cache hit rate {s['expert_hit_rate']:.3f}; read-ahead recall {s['expert_read_ahead_recall']:.3f}; "
                  f"same tokens as dense: {'yes' if result['same_as_dense'] else 'NO'}")
     return "\n".join(lines)

@@ -144,7 +144,9 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                    help="mixture-of-experts sparse mode: which cached expert a newly read one replaces when a "
                    "layer's slots are full: least recently used, least frequently used, or the paper's window "
                    "(experts unused for --window tokens are dropped first) (default: %(default)s)")
-    g.add_argument("--expert-prefetch", action="store_true", default=d.expert_prefetch,
+    g.add_argument("--expert-prefetch", action="store_true", dest="expert_read_ahead", default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the former spelling of --expert-read-ahead
+    g.add_argument("--expert-read-ahead", action="store_true", default=d.expert_read_ahead,
                    help="mixture-of-experts sparse mode: while layer l computes, read the experts layer l+1's "
                    "router picks for layer l's input (exact either way; costs reads when wrong) (default: off)")
     g.add_argument("--hybrid-fraction", type=_fraction, default=d.hybrid_fraction,
@@ -159,7 +161,9 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                         "of issuing another read; 'auto': from the disk's measured per-read cost and bandwidth "
                         "(flashllm.io.disk_profile) (default: %(default)s, off: measured slower here, see "
                         "bench/results/io_pipeline.md)")
-    g.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=d.prefetch,
+    g.add_argument("--prefetch", action=argparse.BooleanOptionalAction, dest="read_ahead", default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the former spelling of --read-ahead
+    g.add_argument("--read-ahead", action=argparse.BooleanOptionalAction, default=d.read_ahead,
                    help="read layer l+1's weights while layer l computes (sparse: the neurons layer l+1's "
                         "predictor picks from layer l's residual stream; misses are read when l+1 runs) "
                         "(default: naive and hybrid; sparse where the reads land in cache rows through native AIO, "

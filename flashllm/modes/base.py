@@ -54,7 +54,7 @@ class StreamingMode(Mode):
         self.reader = ctx.ffn_reader(gap_filling=self.gap_filling, layout=getattr(self, "read_layout", None),
                                      aio_depth=getattr(self, "aio_depth", None))
         # dense modes: read layer l+1 while layer l computes (two buffers), never across tokens
-        self.buffers = 2 if ctx.options.prefetch is not False and ctx.spec.n_layers > 1 else 1
+        self.buffers = 2 if ctx.options.read_ahead is not False and ctx.spec.n_layers > 1 else 1
         self._inflight: dict = {}  # layer -> reads started for it
 
     def wait_rows(self, pending, buf: np.ndarray, n: int, cost) -> dict:

@@ -258,7 +258,7 @@ class MoESparseMode(MoEMode):
         window, policy = options.window, options.expert_policy
         self.window, self.policy = window, policy
         # prefetch: while layer l computes, read the experts layer l+1's router picks for layer l's input
-        self.prefetch = options.expert_prefetch
+        self.prefetch = options.expert_read_ahead
         self.pending: dict[int, tuple] = {}  # layer -> (predicted experts, experts read, PendingRead)
         # slots hold experts as stored (reads land in them: CPU in the storage dtype, int4 experts stored in
         # the backend's kernel layout, or quantized experts without a kernel layout when fewer than top-k
@@ -342,16 +342,16 @@ class MoESparseMode(MoEMode):
             else:
                 read = self.reader.io.submit_rows(base, stride, stride, todo, self.staging[1], np.arange(len(todo)))
         self.pending[layer] = (predicted, todo, read)
-        cost.experts_prefetched += len(todo)
+        cost.experts_read_ahead += len(todo)
 
     def _finish_prefetch(self, layer: int, routed: np.ndarray, cost) -> dict[int, int]:
         """Wait for the read ahead of `layer`; the experts it read -> their staging row (staged path)."""
         predicted, todo, read = self.pending.pop(layer)
         with cost.timed("io_ms"):
             cost.add_io(read.wait())
-        cost.prefetch_predicted += len(np.intersect1d(predicted, routed))
-        cost.prefetch_routed += len(routed)
-        cost.prefetch_wasted += len(np.setdiff1d(todo, routed))
+        cost.experts_predicted += len(np.intersect1d(predicted, routed))
+        cost.experts_routed += len(routed)
+        cost.experts_read_ahead_unused += len(np.setdiff1d(todo, routed))
         return {int(e): j for j, e in enumerate(todo)}
 
     def _read(self, layer: int, experts: np.ndarray, slots: np.ndarray, ahead: dict, cost) -> None:

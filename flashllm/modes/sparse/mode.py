@@ -4,20 +4,40 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
 from flashllm import budget as budget_mod
 from flashllm.errors import DroppedNeuronsWarning, FlashLLMError, OptionsError, OptionsWarning, cli_option
-from flashllm.modes.base import StreamingMode
-from flashllm.modes.sparse.read_ahead import ReadAhead
-from flashllm.modes.sparse.neuron_cache import NeuronCache, pinned_rows
-from flashllm.modes.context import ModeContext
-from flashllm.modes.sparse.predictor import PREDICTOR_FILE, make_predictor, predict_scored, union
 from flashllm.format.safetensors_io import SafetensorsFile
+from flashllm.modes.base import StreamingMode
+from flashllm.modes.context import ModeContext
+from flashllm.modes.sparse.neuron_cache import NeuronCache, pinned_rows
+from flashllm.modes.sparse.predictor import PREDICTOR_FILE, make_predictor, predict_scored, union
+from flashllm.modes.sparse.read_ahead import buffer_rows, make_read_ahead, wants_read_ahead
+from flashllm.stats import ReadAheadCounts
 
 
-class SparseMode(ReadAhead, StreamingMode):
+@dataclass
+class Prediction:
+    """A layer's predicted neurons for the tokens of one call."""
+
+    mask: np.ndarray  # [T, d_ffn] bool
+    scores: np.ndarray | None  # [T, d_ffn] float32, where the predictor scores neurons
+    pre: object | None  # the resident gate's pre-activations of every neuron (a gate predictor), else None
+
+
+@dataclass
+class Landing:
+    """A decode layer's missing rows, read straight into its cache rows while the held rows compute."""
+
+    ids: np.ndarray  # neurons being read
+    rows: np.ndarray  # the cache rows they land in
+    read: object  # the read in flight (a PendingRead)
+
+
+class SparseMode(StreamingMode):
     """Predicted neurons streamed into per-layer sliding-window caches (paper §3.1-3.3)."""
 
     summary = "predicted neurons streamed into sliding-window caches"
@@ -33,10 +53,10 @@ class SparseMode(ReadAhead, StreamingMode):
         self.read_layout = ctx.layout if self.resident_part is None else \
             ctx.layout.only(tuple(p for p in ctx.layout.parts if p != self.resident_part))
         options, in_place = ctx.options, ctx.backend.reads_in_place()
-        if options.aio_depth is None:  # native AIO: faster here than reader threads for sparse reads (with or
-            self.aio_depth = self.AIO_DEPTH  # without read-ahead: bench/results/io_runtime_7b.md, io_pipeline.md)
+        if options.aio_depth is None:  # native AIO serves sparse reads by default (docs/architecture.md, "Defaults")
+            self.aio_depth = self.AIO_DEPTH
         super().__init__(ctx)
-        self._want_read_ahead(in_place)
+        ahead = wants_read_ahead(ctx, self.reader, in_place)
         self.lay = self.read_layout
         budget = ctx.budget
         self.window, self.on_overflow = options.window, options.on_overflow
@@ -48,17 +68,15 @@ class SparseMode(ReadAhead, StreamingMode):
         if avail is not None and avail < L * row:
             raise ctx.too_small(base + L * row,
                                 "resident weights, KV cache, staging, predictors and one cached neuron per layer")
-        self.prefetch_rows = self._prefetch_rows(avail, row, need) if self.read_ahead and not self.ahead_in_place \
-            else 0
+        ahead_rows = buffer_rows(lay, L, avail, row, need) if ahead == "buffer" else 0
         if avail is not None:
-            avail -= ctx.charged(self.prefetch_rows * lay.stride, 0)
+            avail -= ctx.charged(ahead_rows * lay.stride, 0)
         self.capacities = budget_mod.sparse_capacities(avail, row, L, lay.d_ffn, need) if options.cache_rows is None \
             else budget_mod.given_capacities(options.cache_rows, avail, row, L, lay.d_ffn)
-        self._start_read_ahead()
         # overlap inside a layer: a decode layer's FFN over its held rows while its missing rows are read into
         # the others (where reads land in cache rows and the backend computes row subsets without copying them)
-        self.split = options.prefetch is not False and in_place and B.ffn_index_in_place()
-        self._landing = None  # (neuron ids, cache rows, read in flight) of the layer being computed
+        self.split = options.read_ahead is not False and in_place and B.ffn_index_in_place()
+        self._landing: Landing | None = None  # the read of the layer being computed, with `split`
         if not getattr(self.predictor, "selective", True) and min(self.capacities) < lay.d_ffn:
             raise FlashLLMError(
                 f"predictor {self.predictor.kind!r} marks every neuron of this {ctx.spec.activation} FFN active "
@@ -77,6 +95,9 @@ class SparseMode(ReadAhead, StreamingMode):
             b = ctx.biases(i)
             store = B.row_store(capacity, lay, {p: b[p] for p in ("up", "gate") if p in lay.parts})
             self.caches.append(NeuronCache(capacity, lay.d_ffn, store, compact=not B.ffn_index_in_place()))
+        norm = "attn_norm" if ctx.spec.parallel_attn and not ctx.spec.ffn_norm else "ffn_norm"  # makes FFN inputs
+        self.read_ahead = make_read_ahead(ahead, ahead_rows, self.caches, self.predictor, self.reader, B,
+                                          self.window, lay, norm)
         self._pin_hot()
 
     def _pin_hot(self) -> None:
@@ -120,12 +141,8 @@ class SparseMode(ReadAhead, StreamingMode):
     def describe(self) -> dict:
         sparsity = self.ctx.sparsity
         return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind,
-                "pinned_neurons": [c.pinned for c in self.caches],
-                "gap_bytes": self.reader.io.gap_bytes, "prefetch_rows": self.prefetch_rows,
-                "read_ahead": ("into cache rows" if self.ahead_in_place else "via a buffer") if self.read_ahead else "off",
-                "read_ahead_cut": [self._cut(i) for i in range(len(self.caches))],
-                "read_ahead_paused": [i for i in range(len(self.caches)) if self._cut(i) is None],
-                **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
+                "pinned_neurons": [c.pinned for c in self.caches], "gap_bytes": self.reader.io.gap_bytes,
+                **self.read_ahead.describe(), **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
 
     @property
     def capacity(self) -> int:
@@ -133,32 +150,63 @@ class SparseMode(ReadAhead, StreamingMode):
         return max(self.capacities)
 
     def reset(self) -> None:
-        self._drop_prefetch()
+        self.read_ahead.drop()
         if self._landing is not None:  # a layer left before its read was waited for (an error)
-            self._landing[2].wait()
+            self._landing.read.wait()
             self._landing = None
         for c in self.caches:
             c.reset()
 
-    def _load(self, layer: int, active: np.ndarray, window: int, cost, split: bool = False) -> int:
-        """One cache step: evict outside the window, then read the missing bundles into free rows
-        (those the lookahead already read into cache rows are held by then; those it read into the
-        prefetch buffer are placed from there). `split`: only start that read, into the rows
-        themselves (`_compute_split` waits for it). Returns the needed neurons loaded, read ahead or now."""
+    def before_ffn(self, layer: int, residual, cost) -> None:
+        self.read_ahead.observe(residual, cost)
+
+    def ffn(self, layer: int, x, cost):
+        """One layer's FFN: predict -> fit -> evict -> read (what was read ahead arrives first) -> look ahead
+        -> compute. Several tokens whose predicted union does not fit go through `_prefill` instead."""
         cache = self.caches[layer]
-        ahead = self._finish_prefetch(layer, active, cost)
+        p = self._predict(layer, x, cost)
+        if not self._decodes(p, cache, cost):
+            return self._prefill(layer, x, p, cost)
+        mask, scores = union(p.mask, p.scores)
+        active = self._fit(layer, np.flatnonzero(mask), scores, cost)
+        counts = ReadAheadCounts()
+        cost.read_ahead.append(counts)
+        ahead = self.read_ahead.finish(layer, active, counts, cost)  # held from now on: the needed read-ahead
         with cost.timed("mem_ms"):
-            missing, _, _ = cache.evict(active, window)
-        rest = self._use_prefetch(layer, missing, cost)
-        if split and len(rest):
-            rows = cache.free_rows(len(rest))
+            missing, _, _ = cache.evict(active, self.window)
+        self._read(layer, self.read_ahead.place(layer, missing, counts, cost), cost, self.split and x.shape[0] == 1)
+        cost.neurons_loaded.append(len(missing) + ahead)
+        self.read_ahead.start(layer + 1, cost)  # in flight while this layer and the next attention compute
+        y = self._compute(layer, x, p.pre, cost)
+        cost.neurons_cached.append(cache.held())
+        self.read_ahead.poll(cost)
+        return y
+
+    def _predict(self, layer: int, x, cost) -> Prediction:
+        with cost.timed("predictor_ms"):
+            pre = self.predictor.pre(layer, x) if self.resident_part else None
+            mask, scores = predict_scored(self.predictor, layer, x, pre)
+        self.ctx.hooks.emit("predict", layer, mask)
+        return Prediction(mask, scores, pre)
+
+    @staticmethod
+    def _decodes(p: Prediction, cache: NeuronCache, cost) -> bool:
+        """Decode: one token, or one per sequence of a batch whose union fits the cache (a union that does not
+        fit is streamed through the cache rows like a prompt: exact, never dropped for batching)."""
+        return p.mask.shape[0] == cost.batch and (cost.batch == 1 or p.mask.any(axis=0).sum() <= cache.capacity)
+
+    def _read(self, layer: int, ids: np.ndarray, cost, overlap: bool) -> None:
+        """The bundles of neurons `ids` into free cache rows; with `overlap`, only start that read, into the
+        rows themselves (`_compute` waits for it)."""
+        cache = self.caches[layer]
+        if overlap and len(ids):
+            rows = cache.free_rows(len(ids))
             with cost.timed("io_ms"):  # building and submitting the requests is I/O
-                self._landing = (rest, rows, self.reader.submit(layer, rest, cache.store.landing(), rows))
-            return len(missing) + ahead
-        io = cache.insert(rest, self.reader.reader_for(layer), cost)
+                self._landing = Landing(ids, rows, self.reader.submit(layer, ids, cache.store.landing(), rows))
+            return
+        io = cache.insert(ids, self.reader.reader_for(layer), cost)
         if io is not None:
             cost.add_io(io)
-        return len(missing) + ahead
 
     def _fit(self, layer: int, active: np.ndarray, scores: np.ndarray | None, cost) -> np.ndarray:
         """The active set cut to the cache's capacity, keeping the highest-scored neurons; the dropped
@@ -185,7 +233,13 @@ class SparseMode(ReadAhead, StreamingMode):
             cost.dropped_mass += float(scores[dropped].sum())
         return keep
 
-    def _compute(self, layer: int, x, n: int, with_down_bias: bool, pre=None, first: int = 0):
+    def _compute(self, layer: int, x, pre, cost):
+        """The FFN over the layer's cache rows, once their reads have arrived."""
+        if self._landing is not None:
+            return self._compute_split(layer, x, pre, cost)
+        return self._rows_ffn(layer, x, self.caches[layer].num_used, True, pre)
+
+    def _rows_ffn(self, layer: int, x, n: int, with_down_bias: bool, pre=None, first: int = 0):
         """The FFN over cache rows first..n-1 (the down bias once, in the part that has it); `pre`: the
         resident gate's pre-activations of every neuron."""
         cache = self.caches[layer]
@@ -199,11 +253,11 @@ class SparseMode(ReadAhead, StreamingMode):
                                 gate_pre=gate_pre, index=index)
 
     def _compute_split(self, layer: int, x, pre, cost):
-        """The FFN over the cache rows while the layer's missing rows are read into the others (`_load`
-        with split): the rows held already, then, once the read has arrived, the new ones, summed in
-        float32 and rounded once (the result of `_compute` up to float32 summation order). A row in flight
+        """The FFN over the cache rows while the layer's missing rows are read into the others (`_read`
+        with overlap): the rows held already, then, once the read has arrived, the new ones, summed in
+        float32 and rounded once (the result of `_rows_ffn` up to float32 summation order). A row in flight
         is never read."""
-        (ids, rows, pending), self._landing = self._landing, None
+        (ids, rows, pending), self._landing = (self._landing.ids, self._landing.rows, self._landing.read), None
         cache, B = self.caches[layer], self.backend
         n = max(cache.num_used, int(rows.max()) + 1)
         held = np.flatnonzero(cache.pointer[:n] >= 0)
@@ -223,33 +277,12 @@ class SparseMode(ReadAhead, StreamingMode):
         cache.append(ids)
         return B.ffn(x, views, down_bias=self.ctx.biases(layer)["down"], index=rows, acc=acc, finish=True, **part)
 
-    def ffn(self, layer: int, x, cost):
-        with cost.timed("predictor_ms"):
-            pre = self.predictor.pre(layer, x) if self.resident_part else None
-            mask, scores = predict_scored(self.predictor, layer, x, pre)
-        self.ctx.hooks.emit("predict", layer, mask)
-        if mask.shape[0] == cost.batch and (cost.batch == 1 or mask.any(axis=0).sum() <= self.caches[layer].capacity):
-            # decode: one token, or one per sequence of a batch whose union fits the cache (a union that does
-            # not fit is streamed through the cache rows like a prompt: exact, never dropped for batching)
-            mask, scores = union(mask, scores)
-            active = self._fit(layer, np.flatnonzero(mask), scores, cost)
-            for per_layer in (cost.lookahead_found, cost.lookahead_active, cost.lookahead_named, cost.ahead_used):
-                per_layer.append(0)
-            cost.neurons_loaded.append(self._load(layer, active, self.window, cost, self.split and x.shape[0] == 1))
-            self._lookahead(layer + 1, cost)  # in flight while this layer and the next attention compute
-            y = self._compute_split(layer, x, pre, cost) if self._landing else \
-                self._compute(layer, x, self.caches[layer].num_used, True, pre)
-            cost.neurons_cached.append(self.caches[layer].held())
-            self._poll(cost)
-            return y
-        return self._prefill(layer, x, mask, scores, cost, pre)
-
-    def _prefill(self, layer: int, x, mask: np.ndarray, scores: np.ndarray | None, cost, pre=None):
+    def _prefill(self, layer: int, x, p: Prediction, cost):
         """Several tokens at once: stream the predicted union (or the whole layer, if cheaper) through
         the cache rows in chunks, then leave the cache as if the last `window` tokens were decoded (a
         prompt; a batch step whose union did not fit leaves it empty)."""
-        cache, B = self.caches[layer], self.backend
-        self._drop_prefetch()  # a read ahead may still be landing in this cache's free rows
+        cache, B, mask, scores, pre = self.caches[layer], self.backend, p.mask, p.scores, p.pre
+        self.read_ahead.drop()  # a read ahead may still be landing in this cache's free rows
         cache.reset()  # the window's rows serve as the read buffer below; pinned rows stay and are computed
         h = cache.pinned
         union = np.flatnonzero(mask.any(axis=0))
@@ -258,13 +291,13 @@ class SparseMode(ReadAhead, StreamingMode):
         ids, strategy = (union, "sparse-union") if sparse_cost < self.lay.d_ffn - h else \
             (np.flatnonzero(cache.row_of < 0), "dense-stream")
         cost.prefill_strategy = strategy
-        y = self._compute(layer, x, h, True, pre) if h else None
+        y = self._rows_ffn(layer, x, h, True, pre) if h else None
         room = cache.capacity - h
         for k in range(0, len(ids), room):  # the window's rows as a buffer: reset again below
             chunk = ids[k:k + room]
             cost.add_io(cache.store.fill(self.reader.reader_for(layer), chunk, h + np.arange(len(chunk)), cost))
             cache.pointer[h:h + len(chunk)] = chunk  # the rows' neurons (the cache is reset below)
-            part = self._compute(layer, x, h + len(chunk), y is None, pre, first=h)
+            part = self._rows_ffn(layer, x, h + len(chunk), y is None, pre, first=h)
             y = part if y is None else B.add(y, part)
         cache.reset()
         loaded = 0
@@ -274,7 +307,10 @@ class SparseMode(ReadAhead, StreamingMode):
             if len(active) > cache.capacity:  # cache state only: the output above used every predicted neuron
                 active = active[np.argsort(-scores[t][active], kind="stable")[:cache.capacity]] \
                     if scores is not None else active[:cache.capacity]
-            loaded += self._load(layer, np.sort(active), self.window, cost)
+            with cost.timed("mem_ms"):
+                missing, _, _ = cache.evict(np.sort(active), self.window)
+            self._read(layer, missing, cost, overlap=False)
+            loaded += len(missing)
         cost.neurons_streamed.append(len(ids))
         cost.neurons_loaded.append(loaded)
         cost.neurons_cached.append(cache.held())
@@ -286,7 +322,7 @@ class SparseMode(ReadAhead, StreamingMode):
         return y
 
     def host_bytes(self) -> int:
-        return self.backend.staging_bytes(self.lay.stride) + self.prefetch_rows * self.lay.stride
+        return self.backend.staging_bytes(self.lay.stride) + self.read_ahead.host_bytes()
 
     def device_bytes(self) -> int:
         return sum(c.store.nbytes() for c in self.caches) + self.predictor.nbytes()

@@ -30,6 +30,7 @@ import flashllm
 from flashllm.cli import demo
 
 from bench.models import stdlib_corpus
+from bench.harness import command_line
 
 MODES = {"sparse": dict(mode="sparse", predictor="lowrank", window=4), "naive": dict(mode="naive"),
          "hybrid": dict(mode="hybrid")}
@@ -159,7 +160,7 @@ def main(argv=None) -> list[dict]:
         rows += measure(d, prompts, args.opt13_budget, args.opt13_modes.split(","), batches, args.opt13_tokens,
                         args.rounds, {})
     load = f"load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores, shared)"
-    command = "python -m bench batch " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("bench.batch", argv)
     text = table(rows, f"`{command}`\n\n{args.rounds} interleaved rounds, medians; torch threads {args.torch_threads}; "
                        f"{load}. Embedded model: demo settings (bfloat16 compute), {args.prompts} prompts x "
                        f"{args.tokens} new tokens.")

@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -71,9 +72,11 @@ def module_argv(module: str, *args) -> list[str]:
     return [sys.executable, "-m", module, *map(str, args)]
 
 
-def command_line(module: str, argv) -> str:
-    """How a person re-runs what ran: `python -m bench SUITE COMMAND ARGS` for a bench module."""
-    return " ".join(["python -m bench", invocation(module), *map(str, argv if argv is not None else sys.argv[1:])])
+def command_line(module: str, argv=None) -> str:
+    """How a person re-runs what ran: `python -m bench SUITE COMMAND ARGS` for a bench module (argv: its own
+    arguments, default sys.argv[1:])."""
+    args = map(str, argv if argv is not None else sys.argv[1:])
+    return " ".join(["python -m bench", invocation(module), *map(shlex.quote, args)])
 
 
 def vm(key: str) -> int | None:

@@ -36,6 +36,7 @@ from flashllm.planner import profile
 from flashllm.format import manifest as fmt
 
 from bench.models import stdlib_corpus
+from bench.harness import command_line
 
 PARTS = ("total_ms", "compute_ms", "predictor_ms", "io_ms", "mem_ms")
 
@@ -200,7 +201,7 @@ def main(argv=None) -> list[dict]:
                 print(json.dumps({k: r[k] for k in ("model", "budget", "plan", "error", "plan_over_hand")}),
                       file=sys.stderr, flush=True)
                 results.append(r)
-    command = "python -m bench plan " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("bench.plan", argv)
     text = table(results, f"{command}\nmachine: {machine.host}, torch threads {machine.torch_threads}; "
                           f"{args.rounds} interleaved rounds of {args.tokens} decode tokens (repeated for {args.min_seconds:g} s), typical token "
                           f"(interquartile mean); load = load average before/after each check (2 cores)")

@@ -66,7 +66,7 @@ def test_summary_ratios_and_table():
     assert r["accelerate"] == {"ratio": 4.0, "per_round": [2.0]}
     text = peers.table(rows, r)
     assert "| llama.cpp | ran, ran, OOM-killed | 3,000 (2,000–4,000) | 8.20 | 0.67 (flashllm 1.5× faster); " \
-           "per round 0.25–1.50 |" in text
+           "per round: 0.25–1.50 |" in text
     assert "| flashllm | ran, ran | 2,000 (1,000–3,000) | 7.00 | — |" in text
     assert "| accelerate | timeout (1 tokens) | 500 | — | 4.00 (flashllm 4.0× slower) |" in text
     assert peers.ratios([dict(peer="llama.cpp", label="l", ms_per_token=None)]) == {"l": {"ratio": None,

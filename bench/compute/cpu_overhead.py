@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from bench.harness import ROOT, module_argv
+from bench.harness import ROOT, command_line, module_argv
 
 
 INLINE = {"flashllm.io.aio.AioQueue.INLINE_SHARE": 1e9}  # every read submitted by the caller (no submitter thread)
@@ -292,7 +292,7 @@ def main(argv=None) -> int:
                 print(f"round {rnd + 1}: {src} {c} ...", file=sys.stderr)
                 runs.append({**run_child(args, src, c), "src": src, "round": rnd})
                 loads.append(os.getloadavg()[0])
-    meta = dict(command="python -m bench compute overhead " + " ".join(argv or sys.argv[1:]), rounds=args.rounds,
+    meta = dict(command=command_line("bench.compute.cpu_overhead", argv), rounds=args.rounds,
                 tokens=args.tokens, when=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 load=spread(loads))
     if args.json_out:

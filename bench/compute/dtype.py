@@ -1,4 +1,4 @@
-"""What computing a float16 file in float16 instead of float32 costs in quality (issue #23).
+"""What computing a float16 file in float16 instead of float32 costs in quality.
 
     python -m bench models corpus --split heldout --out heldout.txt
     python -m bench compute dtype --data heldout.txt [--model flashllm/data/tiny-opt] [--out FILE.md]

@@ -1,4 +1,4 @@
-"""Kernel surveys behind the torch backend's choices (issue #23), on a model's real shapes, one token.
+"""Kernel surveys behind the torch backend's choices, on a model's real shapes, one token.
 
 - down: the down projection over cached bundle rows (n = d_ffn / 2 rows, each a bundle of up|down
   or up|gate|down, so the down parts are strided), per formulation (torch_backend.DOWN_KERNEL).
@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 
-GB = 1e9
+from bench.harness import GB
 
 
 def _best(fn, items, rounds: int) -> float:

@@ -1,4 +1,4 @@
-"""Per-token compute against this machine's weight-streaming roofline (issue #23).
+"""Per-token compute against this machine's weight-streaming roofline.
 
     python -m bench compute roofline MODEL_DIR [--mode sparse --dram-budget 0.5 --trace T.npz]
         [--dtype bfloat16] [--configs default 2t ...] [--rounds 2] [--tokens 8]
@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.compute import kernel_survey
-from bench.harness import GB, ROOT, module_argv
+from bench.harness import GB, ROOT, command_line, module_argv
 from bench.models import activation_trace
 
 
@@ -545,7 +545,7 @@ def main(argv=None) -> int:
                       f"d_ffn {spec.d_ffn}, {manifest.dtype})",
                 machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                 load=os.getloadavg()[0], torch=torch.__version__, tokens=args.tokens, warmup=args.warmup,
-                rounds=args.rounds, command="python -m bench compute roofline " + " ".join(argv or sys.argv[1:]),
+                rounds=args.rounds, command=command_line("bench.compute.roofline", argv),
                 mode_desc=f"{args.mode}" + (f", budget {args.dram_budget}" if args.dram_budget else "") +
                 (f", window {args.window}, active sets from {'the trace' if args.trace else args.predictor}"
                  + (f" in {args.order} order" if args.trace and args.order not in (None, "none") else "")

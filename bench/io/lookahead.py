@@ -27,10 +27,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
+from bench.harness import command_line
 
 
 MARGINS = (0.0, 1.0, 2.0)
@@ -131,7 +131,7 @@ def main(argv=None) -> None:
     else:
         model_dir, settings = demo.prepare(), dict(demo.SETTINGS, dram_budget=0.5, window=4)
     res = measure(model_dir, settings, demo.PROMPT, args.tokens)
-    md = markdown(res, " ".join(["python -m bench io lookahead", *(argv if argv is not None else sys.argv[1:])]),
+    md = markdown(res, command_line("bench.io.lookahead", argv),
                   args.tokens, model_dir)
     if args.markdown:
         Path(args.markdown).write_text(md)

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from flashllm.predictors import coactivation as co
 from flashllm.predictors.order import order_model
 from flashllm.predictors.reorder import apply_order
 from flashllm.format.safetensors_io import SafetensorsFile
+from bench.harness import command_line
 
 GAPS = (0, 1, 2, 4, 8)
 
@@ -221,7 +221,7 @@ def main(argv=None) -> dict:
         return info
     with tempfile.TemporaryDirectory(prefix="flashllm-order-") as tmp:
         r = run(args.tokens, args.seq_len, args.prefill, budget, args.window, args.calibration_tokens, Path(tmp))
-    r["command"] = "python -m bench io order " + " ".join(argv if argv is not None else sys.argv[1:])
+    r["command"] = command_line("bench.io.neuron_order", argv)
     text = table(r)
     print(text)
     if args.out:

@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from bench.harness import command_line
 
 
 KEYS = ("total_ms", "cpu_ms", "io_ms", "read_ms", "mem_ms", "compute_ms", "predictor_ms", "reads", "bytes_read")
@@ -126,7 +127,7 @@ def main(argv=None) -> dict:
             print(f"round {r + 1}/{args.rounds} {name}: {res[name]['total_ms']:.1f} ms/token", file=sys.stderr)
         rounds.append(res)
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": " ".join(["python -m bench io pipeline", *(argv if argv is not None else sys.argv[1:])]),
+              "command": command_line("bench.io.pipeline", argv),
               "model_dir": str(model_dir), "settings": settings, "dram_budget": args.dram_budget,
               "tokens": args.tokens, "torch_threads": args.torch_threads, "load_average": os.getloadavg(),
               "load_average_start": load0, "configs": {k: {n: str(v) for n, v in c.items()} for k, c in CONFIGS.items()},

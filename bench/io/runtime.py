@@ -52,7 +52,7 @@ import numpy as np
 
 from flashllm.format import manifest as fmt
 from flashllm.budget import budget_bytes, parse_budget
-from bench.harness import GB, MiB, MemoryGroup, baseline_rss, model_files
+from bench.harness import GB, baseline_rss, command_line, MemoryGroup, MiB, model_files
 from bench.io import neuron_order as nm
 from bench.models import activation_trace as tr
 from bench.paper.measure import Runner
@@ -175,7 +175,7 @@ def main(argv=None) -> dict:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     files = model_files(args.model_dir)
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": " ".join(["python -m bench io runtime", *(argv if argv is not None else sys.argv[1:])]),
+              "command": command_line("bench.io.runtime", argv),
               "model_dir": str(args.model_dir), "model_bytes": model_bytes, "dram_budget": budget, "memory_limit": limit,
               "load_average_start": os.getloadavg(), "fio_version": subprocess.run(
                   ["fio", "--version"], capture_output=True, text=True).stdout.strip(),

@@ -40,8 +40,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 
 from flashllm.io.reader import FlashReader, aligned_empty
+from bench.harness import MiB
 
-MiB = 1 << 20
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 CALL_BYTES = 64 * MiB  # bytes requested per read_rows call (one call ~ many layers' worth of bundles)
 

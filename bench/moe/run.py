@@ -33,7 +33,7 @@ import numpy as np
 
 from flashllm.format import manifest as fmt
 from bench import harness
-from bench.harness import GB, MiB, ROOT, MemoryGroup, module_argv
+from bench.harness import GB, ROOT, command_line, MemoryGroup, MiB, module_argv
 from bench.models import make_model as mm
 from bench.models import routing_trace
 
@@ -259,7 +259,7 @@ def main(argv=None) -> dict:
                   "routing": "; ".join(routings[r.split(":", 1)[0]] for r in args.routing.split(",")),
                   "prompt": args.prompt, "tokens": args.tokens, "load_average": os.getloadavg()[0],
                   "omp_wait_policy": OMP_WAIT_POLICY, "torch_threads": args.torch_threads, "code": harness.code_version(),
-                  "command": "python -m bench moe run " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "command": command_line("bench.moe.run", argv),
                   "runs": results}
     finally:
         if group is not None:

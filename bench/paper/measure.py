@@ -42,7 +42,7 @@ def measure(run: dict) -> dict:
                           dram_budget=run["budget"], window=run.get("window") or 1, threads=run["threads"],
                           aio_depth=run.get("aio_depth", 0), gap_bytes=run.get("gap_bytes", 0), dtype=run.get("dtype"),
                           context=n + 1, quantize_resident=run.get("quantize_resident", "none"),
-                          kv_bits=run.get("kv_bits", 16), read_ahead=run.get("prefetch"), device=run.get("device"),
+                          kv_bits=run.get("kv_bits", 16), read_ahead=run.get("read_ahead"), device=run.get("device"),
                           gpu_budget=run.get("gpu_budget"))
     load_s = time.perf_counter() - t0
     if hasattr(model.mode_impl.predictor, "early"):  # a replayed trace: tell it which predictions are lookaheads

@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from bench.harness import RESULTS, ROOT, cache_dir
+from bench.harness import RESULTS, ROOT, cache_dir, command_line
 
 DATA = ROOT / "flashllm" / "data"
 
@@ -88,8 +88,7 @@ def main(argv=None) -> None:
         if not (out / "flashllm.json").is_file():
             sh([py, "-m", "bench.models.make_model", "--shape", args.shape, "--dtype", args.dtype, "--out", out, *extra])
             created.append(out)
-    this = " ".join(shlex.quote(a) for a in ["python -m bench paper all", *(argv if argv is not None
-                                                                               else sys.argv[1:])])
+    this = command_line("bench.paper.run", argv)
     cmd = [py, "-m", "bench.paper.tables", model, "--dram-budget", args.dram_budget, "--tokens", args.tokens,
            "--warmup", args.warmup, "--naive-tokens", args.naive_tokens, "--hybrid-tokens", args.hybrid_tokens,
            "--fig7-tokens", args.fig7_tokens, "--fig8-tokens", args.fig8_tokens, "--trace", trace,

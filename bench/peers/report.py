@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-GB = 1e9
+from bench.harness import GB
 
 
 # -- pure parts: parsing, outcome, ratios, table -------------------------------------------------
@@ -107,7 +107,7 @@ def table(rows: list[dict], ratio: dict) -> str:
         cell = "—" if row["peer"] == "flashllm" else "n/a" if not r else \
             f"{r:.2f} (flashllm {1 / r:.1f}× faster)" if r < 1 else f"{r:.2f} (flashllm {r:.1f}× slower)"
         if len(per_round) > 1:
-            cell += f"; per round {min(per_round):.2f}–{max(per_round):.2f}"
+            cell += f"; per round: {min(per_round):.2f}–{max(per_round):.2f}"
         peak = f"{row['peak_bytes'] / GB:.2f}" if row["peak_bytes"] else "—"
         lines.append(f"| {row['label']} | {', '.join(row['outcomes'])} | {ms(row)} | {peak} | {cell} |")
     return "\n".join(lines)

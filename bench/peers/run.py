@@ -32,7 +32,6 @@ import datetime
 import json
 import os
 import resource
-import shlex
 import signal
 import subprocess
 import sys
@@ -45,7 +44,7 @@ from flashllm.format import manifest as fmt
 from flashllm.budget import budget_bytes, parse_budget
 from flashllm.errors import FlashLLMError
 from bench import harness
-from bench.harness import RESULTS, ROOT, MemoryGroup, llama_cpp_dir, module_argv
+from bench.harness import GB, MiB, RESULTS, ROOT, MemoryGroup, command_line, llama_cpp_dir, module_argv
 from bench.paper import report as paper_report
 from bench.paper import tables as paper_tables
 from bench.peers import report as peers_report
@@ -55,7 +54,6 @@ def markdown(result: dict) -> str:
     """A result record's report (`python -m bench report peers`; the record says name, date and command)."""
     return peers_report.markdown(result, header=False)
 
-GB, MiB = 1e9, 1 << 20
 DEFAULT_LLAMA_CPP = llama_cpp_dir()
 # llama-bench options per configuration: its default (mmap'd weights, CPU repacking of quantized types
 # allowed); weights read into process memory instead of mmap; no repacking (every weight stays in the mmap).
@@ -68,8 +66,6 @@ MOE_ROUTINGS = {"model": "its own", "replay": "replayed", "uniform": "uniform ra
 PREFETCH = "+prefetch"
 
 DEFAULT_MOE_TRACE = RESULTS / "models" / "tiny_moe_routing.npz"
-
-
 
 
 # -- running one child in its own memory group ---------------------------------------------------
@@ -396,7 +392,7 @@ def _run(args, argv, log) -> dict:
     if args.read_ahead_kb and args.gguf and ra_file is None:
         raise SystemExit(f"peers: error: --read-ahead-kb: no read_ahead_kb in sysfs for the disk of {args.gguf}")
     report = {"name": args.name, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": " ".join(shlex.quote(a) for a in ["python -m bench peers run", *(argv or sys.argv[1:])]),
+              "command": command_line("bench.peers.run", argv),
               "machine": f"{harness.machine_desc()}, load average {harness.load():.1f} at start", "read_ahead_kb": read_ahead_kb(args.gguf or args.flashllm),
               "versions": versions(args), "model": paper_report.model_desc(manifest, model_bytes),
               "model_bytes": {k: sum(f.stat().st_size for f in fs) for k, fs in files.items()},

@@ -25,9 +25,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from bench.harness import ROOT, module_argv
 
-MiB = 1 << 20
+from bench.harness import ROOT, MiB, module_argv
 
 
 def _status(key: str) -> int:

@@ -23,10 +23,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from bench.harness import RESULTS, ROOT, cache_dir, code_version, load, machine_desc
+
+from bench.harness import GB, RESULTS, ROOT, cache_dir, code_version, command_line, load, machine_desc
 
 DATA = ROOT / "flashllm" / "data"
-GB = 1e9
 # (label, FFN bundles, resident matrices); --variants picks by label
 VARIANTS = [("float16", "none", "none"), ("int4 bundles", "int4", "none"),
             ("int4 bundles + int4 resident", "int4", "int4"), ("int8 bundles + int8 resident", "int8", "int8")]
@@ -182,7 +182,7 @@ def main(argv=None) -> None:
     first = next(iter(next(iter(reports.values())).values()))["meta"]
     model_gb = {r["variant"]: r["model_gb"] for r in rows if "model_gb" in r}
     sizes = ", ".join(f"{label}: {gb:.2f} GB" for label, gb in model_gb.items())
-    meta = {"shape": args.shape, "command": " ".join(["python -m bench quant table3", *(argv or sys.argv[1:])]),
+    meta = {"shape": args.shape, "command": command_line("bench.quant.table3", argv),
             "machine": f"{setting}; load average at the end {load():.1f}", "code": code_version(),
             "models": f"bench/models/make_model.py --shape {args.shape} --dtype float16 --seed 0 [--quantize int4|int8] "
                       f"(resident tensors float16 on flash; sizes on flash {sizes}); compute (first variant) "

@@ -125,3 +125,27 @@ def test_generation_config_eos_ids_stop_generation(tiny_models, tmp_path):
     model = flashllm.load(convert(ckpt, tmp_path / "flash", progress=False))
     assert list(model.generate_ids(prompt, 12)) == free[:free.index(later) + 1]
     assert model.last_stop_reason == "eos"
+
+
+def test_text_generation_is_deterministic_and_streams(tiny_models):
+    model = flashllm.load(tiny_models("llama").model_dir)
+    text = model.generate("the quick brown", max_new_tokens=10)
+    pieces = list(model.stream("the quick brown", max_new_tokens=10))
+    assert "".join(pieces) == text
+    sampled = [model.generate("the quick", max_new_tokens=10, temperature=0.8, top_p=0.9, seed=3) for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    stats = model.stats
+    for key in ("bytes_read", "reads", "io_ms", "mem_ms", "compute_ms", "predictor_ms", "total_ms", "dram_bytes"):
+        assert key in stats
+    assert stats["total_ms"] > 0 and stats["dram_bytes"] > 0
+
+
+def test_sampling_respects_top_p():
+    from flashllm.generate import sample
+
+    logits = np.array([5.0, 4.9, -10, -10], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    seen = {sample(logits, 1.0, 0.5, rng) for _ in range(50)}
+    assert seen == {0}
+    seen = {sample(logits, 1.0, 1.0, rng) for _ in range(200)}
+    assert seen == {0, 1}

@@ -1,5 +1,6 @@
-"""The tuned forward path (fused q/k/v, packed resident FFNs, per-dtype down kernel) computes the
-same math as the plain one, in every family and compute dtype; the part timer accounts compute."""
+"""The tuned forward path (fused q/k/v, packed resident FFNs, per-dtype down kernel) holds the same bytes
+as the plain one (that it computes the same math in every family and compute dtype: tests/test_parity.py);
+the part timer accounts compute."""
 
 from __future__ import annotations
 
@@ -14,17 +15,6 @@ from flashllm.stats import PartTimer
 rng = np.random.default_rng(3)
 IDS = [int(t) for t in rng.integers(3, 96, size=14)]  # a 6-token prompt, then 8 decode steps
 PREFILL = 6
-# reduced precision: the kernels round differently (e.g. float32 accumulation in mv), so logits
-# agree to the dtype's resolution at these logit magnitudes, not bit for bit
-TOLERANCE = {"float32": 1e-5, "bfloat16": 0.1, "float16": 0.02}
-
-
-@pytest.mark.parametrize("dtype", sorted(TOLERANCE))
-def test_tuned_kernels_match_plain(tiny, dtype):
-    plain = flashllm.load(tiny.model_dir, mode="dense", dtype=dtype, kernels="plain").logits(IDS, prefill=PREFILL)
-    for mode, kw in (("dense", {}), ("sparse", dict(predictor="oracle", window=2, threads=2))):
-        tuned = flashllm.load(tiny.model_dir, mode=mode, dtype=dtype, **kw).logits(IDS, prefill=PREFILL)
-        np.testing.assert_allclose(tuned, plain, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype], err_msg=mode)
 
 
 def test_fused_at_load_holds_the_same_bytes(tiny_models):

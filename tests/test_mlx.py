@@ -1,9 +1,9 @@
-"""The MLX backend reproduces the torch backend: dense logits, every mode, greedy tokens, predictors.
+"""The MLX backend beyond the parity runner (tests/test_parity.py: dense, every mode, greedy tokens, float16):
+sliding windows inside the prompt, small caches, half-precision files, predictors, devices and budgets.
 
 Runs on MLX's CPU build on Linux (slow reference BLAS: short sequences only) and on Metal on a Mac.
 """
 
-import json
 import shutil
 
 import numpy as np
@@ -12,7 +12,6 @@ import pytest
 mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install -e '.[mlx]')")
 
 import flashllm  # noqa: E402
-from flashllm.format import manifest as fmt  # noqa: E402
 from tiny import write_random_predictors  # noqa: E402
 
 rng = np.random.default_rng(1)
@@ -23,40 +22,6 @@ FLOAT16_ATOL = 5e-2  # logits of magnitude ~5; measured max error 0.019 (torch f
 
 def mlx_model(model_dir, mode="dense", **kw):
     return flashllm.load(model_dir, backend="mlx", mode=mode, threads=2, **kw)
-
-
-@pytest.fixture(scope="module")
-def torch_dense():
-    cache = {}
-
-    def get(tiny):
-        if tiny.family not in cache:
-            cache[tiny.family] = flashllm.load(tiny.model_dir, mode="dense").logits(IDS, prefill=PREFILL)
-        return cache[tiny.family]
-
-    return get
-
-
-def test_mlx_dense_matches_torch_and_every_mode_matches_mlx_dense(tiny, torch_dense):
-    dense = mlx_model(tiny.model_dir).logits(IDS, prefill=PREFILL)
-    assert dense.dtype == np.float32 and dense.shape == (len(IDS), 96)
-    np.testing.assert_allclose(dense, torch_dense(tiny), atol=1e-4, rtol=1e-4)
-    for mode, kw in (("sparse", dict(predictor="oracle", window=2)), ("naive", {}), ("hybrid", {})):
-        model = mlx_model(tiny.model_dir, mode, **kw)
-        np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense, atol=1e-5, rtol=1e-5, err_msg=mode)
-        assert model.stats["backend"] == "mlx"
-
-
-def test_mlx_greedy_tokens_match_torch(tiny):
-    prompt = IDS[:PREFILL]
-    ref = list(flashllm.load(tiny.model_dir, mode="dense").generate_ids(prompt, 8))
-    assert list(mlx_model(tiny.model_dir).generate_ids(prompt, 8)) == ref
-    assert list(mlx_model(tiny.model_dir, "sparse", predictor="oracle").generate_ids(prompt, 8)) == ref
-
-
-def test_mlx_float16_compute_within_stated_bound(tiny, torch_dense):
-    ours = mlx_model(tiny.model_dir, dtype="float16").logits(IDS, prefill=PREFILL)
-    np.testing.assert_allclose(ours, torch_dense(tiny), atol=FLOAT16_ATOL, rtol=0)
 
 
 def test_mlx_sliding_window_inside_the_prompt(tiny_models):

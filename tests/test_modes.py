@@ -1,4 +1,6 @@
-"""naive, hybrid and sparse(oracle) reproduce dense; bytes read per token follow each mode's rule."""
+"""The modes beyond the parity runner (tests/test_parity.py: every mode reproduces dense in every family):
+read-ahead, budgets and cache sizes, pinned neurons, predictor choices; bytes read per token follow each
+mode's rule."""
 
 import numpy as np
 import pytest
@@ -21,32 +23,6 @@ def dense_logits():
         return cache[tiny.family]
 
     return get
-
-
-@pytest.mark.parametrize("window, aio_depth", [(1, 0), (4, 2)])  # preadv threads; native AIO where available
-def test_sparse_oracle_matches_dense(tiny, dense_logits, window, aio_depth):
-    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=window, threads=4,
-                          aio_depth=aio_depth)
-    np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
-    stats = model.stats
-    assert stats["decode_tokens"] == len(IDS) - PREFILL
-    assert stats["neurons_dropped"] == 0
-    lay = fmt.read_manifest(tiny.model_dir).layout
-    loaded = sum(stats["neurons_loaded_per_layer"])
-    assert stats["bytes_read"] >= loaded * lay.bundle_bytes  # new neurons x bundle (+ alignment waste)
-    assert stats["bytes_read"] - stats["bytes_wasted"] == pytest.approx(loaded * lay.stride)
-
-
-@pytest.mark.parametrize("aio_depth", [0, 2])
-def test_sparse_oracle_with_read_ahead_and_gap_filling_matches_dense(tiny, dense_logits, aio_depth):
-    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=4,
-                          aio_depth=aio_depth, read_ahead=True, gap_bytes=3 * fmt.read_manifest(tiny.model_dir).layout.stride)
-    np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
-    stats = model.stats
-    recall = stats["read_ahead_recall_per_layer"]
-    assert recall[0] is None and all(0 <= r <= 1 for r in recall[1:])
-    if model.predictor.selective:  # a dense activation has every neuron cached after the first token
-        assert stats["neurons_read_ahead"] > 0
 
 
 def test_read_ahead_pauses_for_layers_whose_lookahead_misses(tiny_models, dense_logits):
@@ -156,12 +132,6 @@ def test_read_ahead_reads_no_more_than_the_cache_keeps(tiny_models):
     stats = model.stats
     assert stats["neurons_dropped"] > 0  # the oracle's sets overflow 8 rows
     assert 0 < stats["neurons_read_ahead"] <= 8  # per token: layer 1 only (layer 0 has none), at most its cache
-
-
-@pytest.mark.parametrize("mode, aio_depth", [("naive", 2), ("hybrid", 0)])
-def test_streaming_modes_match_dense(tiny, dense_logits, mode, aio_depth):
-    model = flashllm.load(tiny.model_dir, mode=mode, threads=4, aio_depth=aio_depth)
-    np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
 
 
 def test_bytes_per_token_by_mode(tiny_models):

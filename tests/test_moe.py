@@ -9,7 +9,7 @@ import torch
 import flashllm
 from flashllm.format import manifest as fmt
 from flashllm.errors import FlashLLMError
-from flashllm.modes.moe import ExpertCache, by_expert, route
+from flashllm.modes.experts import ExpertCache, by_expert, route
 
 IDS = [1, 17, 33, 5, 60, 8, 21, 90, 44, 12, 3, 71]
 
@@ -111,7 +111,7 @@ def quantized_moe(request, tiny_models, tmp_path_factory):
 
 def test_moe_quantized_expert_bundles_are_aligned_and_within_bounds(quantized_moe):
     """Each stored expert row dequantizes to within half a group step of the checkpoint's weights."""
-    from flashllm.modes.moe import expert_values
+    from flashllm.modes.experts import expert_values
     from flashllm.format.quant import QuantScheme
 
     tiny, out, name = quantized_moe
@@ -142,7 +142,7 @@ def test_moe_quantized_streamed_equals_dense_and_transformers_on_the_dequantized
     (The plain kernels: dequantized experts; the int4 kernel slots are checked against them below.)"""
     import copy
 
-    from flashllm.modes.moe import expert_values
+    from flashllm.modes.experts import expert_values
 
     tiny, out, name = quantized_moe
     dense_model = flashllm.load(out, mode="dense", kernels="plain")
@@ -161,7 +161,7 @@ def test_moe_quantized_streamed_equals_dense_and_transformers_on_the_dequantized
     np.testing.assert_allclose(dense, hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
     budget = _budget_for_slots(out, 2, kernels="plain")
     model = flashllm.load(out, mode="sparse", dram_budget=budget, kernels="plain")
-    assert not model.mode_impl.in_place and model.mode_impl.capacities == [2] * model.spec.n_layers
+    assert not (model.mode_impl.slots.kind == "in place (as stored)") and model.mode_impl.capacities == [2] * model.spec.n_layers
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
     stats = model.stats
     assert stats["expert_slots"] == "dequantized on insert" and stats["expert_misses"] > 0
@@ -334,7 +334,7 @@ def test_moe_streamed_through_staging_equals_dense(tiny_models, backend, dtype):
     kw = dict(backend=backend, dtype=dtype, device="cpu")
     dense = flashllm.load(tiny.model_dir, mode="dense", **kw).logits(IDS, prefill=4)
     model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=_budget_for_slots(tiny.model_dir, 2, **kw), **kw)
-    assert not model.mode_impl.in_place and model.mode_impl.capacities == [2] * model.spec.n_layers
+    assert not (model.mode_impl.slots.kind == "in place (as stored)") and model.mode_impl.capacities == [2] * model.spec.n_layers
     # both plans sum expert outputs in float32 and round once; with top-2, a + b == b + a, so streaming the
     # experts in other groups than dense changes nothing, bit for bit (bfloat16 sums differed by 0.03)
     np.testing.assert_array_equal(model.logits(IDS, prefill=4), dense)
@@ -350,7 +350,7 @@ def test_moe_prefetch_is_exact_and_measured(tiny_models, dtype):
     dense = flashllm.load(tiny.model_dir, mode="dense", **kw).logits(IDS, prefill=3)
     budget = _budget_for_slots(tiny.model_dir, 3, expert_read_ahead=True, **kw)
     model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=budget, expert_read_ahead=True, **kw)
-    assert model.mode_impl.in_place == (dtype is None)
+    assert (model.mode_impl.slots.kind == "in place (as stored)") == (dtype is None)
     np.testing.assert_array_equal(model.logits(IDS, prefill=3), dense)  # float32 sums of top-2 (see above)
     stats, spec = model.stats, model.spec
     assert 0 < stats["expert_read_ahead_recall"] <= 1 and stats["experts_read_ahead"] <= spec.top_k * (spec.n_layers - 1)

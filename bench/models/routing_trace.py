@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 import flashllm
-from flashllm.modes.moe import ExpertCache, route
+from flashllm.modes.experts import ExpertCache, route
 from flashllm.options import EXPERT_POLICIES as POLICIES
 
 SHIFT = 131  # tokens between the trace windows of successive blocks of small-model layers

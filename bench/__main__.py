@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench import harness
 
     load = harness.load()
+    sys.argv[0] = " ".join(["python -m bench", suite, *([command] if command else [])])  # argparse's usage line
     result = importlib.import_module(module).main(args)
     if keep and isinstance(result, (dict, list)) and result:
         path = harness.append(harness.record(suite, command, args, result, load))

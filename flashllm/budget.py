@@ -34,8 +34,8 @@ def return_freed_memory() -> bool:
     kernel at once (mallopt M_MMAP_THRESHOLD, which also stops glibc raising that threshold after the
     first large free). By default glibc keeps freed blocks of up to 32 MiB in its heaps, one per
     thread, for reuse: loading a quantized model with 2 compute threads left 450-600 MiB of such
-    blocks resident on the opt-1.3b shape, which the budget does not count (the int8 hybrid run of
-    bench/quant_table3.py went over its cgroup limit). False where the C library has no mallopt."""
+    blocks resident on the opt-1.3b shape, which the budget does not count (and a cgroup limit of the
+    budget's size then kills the process). False where the C library has no mallopt."""
     try:
         return bool(ctypes.CDLL(None).mallopt(-3, HEAP_MMAP_THRESHOLD))  # -3: M_MMAP_THRESHOLD
     except (OSError, AttributeError):

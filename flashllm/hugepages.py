@@ -1,8 +1,8 @@
-"""Fresh buffers on 2 MiB transparent huge pages for big, long-lived memory one token streams (weights
-fused at load: torch's allocator gives them 4 KiB pages, while numpy already advises its big arrays huge):
-fewer TLB misses per GB the mat-vecs stream. Linux asks with madvise(MADV_HUGEPAGE) on a new private
-anonymous mapping (THP in "madvise" or "always" mode); elsewhere, for small buffers, or with
-FLASHLLM_HUGEPAGES=0 these are plain arrays."""
+"""Host memory for what a token streams: page-aligned buffers that direct I/O reads land in (`aligned_empty`),
+and fresh buffers on 2 MiB transparent huge pages for big, long-lived memory (weights fused at load: torch's
+allocator gives them 4 KiB pages, while numpy already advises its big arrays huge): fewer TLB misses per GB the
+mat-vecs stream. Linux asks with madvise(MADV_HUGEPAGE) on a new private anonymous mapping (THP in "madvise" or
+"always" mode); elsewhere, for small buffers, or with FLASHLLM_HUGEPAGES=0 these are plain arrays."""
 from __future__ import annotations
 
 import mmap
@@ -11,6 +11,15 @@ import os
 import numpy as np
 
 HUGE_PAGE = 2 << 20
+
+
+def aligned_empty(shape, dtype, align: int = 4096) -> np.ndarray:
+    """An uninitialised array whose data starts on an `align`-byte boundary (for in-place direct reads)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def enabled() -> bool:

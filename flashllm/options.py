@@ -39,7 +39,7 @@ class LoadOptions:
     window: int = 4  # sparse: tokens whose neurons stay cached
     threads: int = 32  # flash reads in flight
     # > 0: native AIO with this many reads in flight; 0: blocking reads in `threads` threads; None: native AIO
-    # for sparse mode's FFN reads (measured faster, with and without read-ahead), threads otherwise
+    # for sparse mode's FFN reads (measured faster: docs/architecture.md, "Defaults"), threads otherwise
     aio_depth: int | None = None
     gap_bytes: int | None = 0  # read through file gaps up to this size (None: the disk profile's cost model)
     # read-ahead: read layer l+1's weights (sparse: the neurons predicted from layer l's residual stream) while
@@ -60,7 +60,7 @@ class LoadOptions:
     # MoE: (layer, router logits [T, n_experts], early) -> expert ids [T, top_k] chosen instead of the router's
     # top-k (e.g. routing replayed from a trace; `early`: a read-ahead guess); None: the router decides
     expert_routing: Callable | None = None
-    # tuned: projections fused at load and the kernel per dtype that bench/compute_roofline.py measured
+    # tuned: projections fused at load and the kernel per dtype measured
     # fastest (same math); plain: the file's tensors as they are with torch's default kernels (reference)
     kernels: str = "tuned"
     # intra-op threads of the math (torch CPU); None: every core the process may run on (backends.base.compute_threads)

@@ -29,13 +29,11 @@ def default_compute_dtype(requested: str | None, storage: str, on_cpu: bool, flo
     """The compute dtype: the requested one, else the storage dtype, except float16 files on a CPU
     whose backend is slow in float16 (`float16_on_cpu` False: MLX's CPU build), which compute in
     float32. torch CPU keeps float16: its matrix-vector products stream float16 at least as many
-    values per second as float32 at half the bytes, and a 7B float16 model fits in DRAM only so
-    (bench/results/compute_roofline.md; quality cost in bench/results/compute_dtype.md). Quantized
-    FFN bundles (not experts) with float16 resident tensors on torch's CPU compute in bfloat16: their rows are
-    dequantized into cache rows of the compute dtype, and one token's FFN over bfloat16 rows took
-    0.44-1.02x the time of float16 rows (0.50-0.54x over 4096 rows; bench/results/quant_compute.md: a
-    cache of the stored quantized rows computes 1.7-27x slower than either; torch's weight-only kernels
-    for quantized resident matrices take bfloat16 activations too)."""
+    values per second as float32 at half the bytes, and a 7B float16 model fits in DRAM only so.
+    Quantized FFN bundles (not experts) with float16 resident tensors on torch's CPU compute in bfloat16:
+    their rows are dequantized into cache rows of the compute dtype, where a token's FFN over bfloat16 rows
+    is faster than over float16 rows, and torch's weight-only kernels for quantized resident matrices take
+    bfloat16 activations too (measurements: docs/architecture.md, "Defaults")."""
     if requested is not None:
         return requested
     if on_cpu and storage == "float16" and not float16_on_cpu:
@@ -46,9 +44,7 @@ def default_compute_dtype(requested: str | None, storage: str, on_cpu: bool, flo
 def compute_threads(requested: int | None, most: int) -> int:
     """Intra-op threads of the math: the requested count, else every core this process may run on (at most
     `most`: the process's own setting before any load changed it). With OpenMP workers sleeping at barriers
-    and decode attention in one thread, 2 threads on this 2-core machine were 1.39-1.42x faster than 1 when
-    the run had priority and equal at load 9 at normal priority (bench/results/compute_roofline.md, session 5;
-    sessions 3-4's 1.2-1.9x losses were spinning workers)."""
+    and decode attention in one thread, more threads are faster or equal (docs/architecture.md, "Defaults")."""
     if requested:
         return requested
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

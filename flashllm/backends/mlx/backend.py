@@ -143,7 +143,7 @@ class MLXBackend(Backend):
 
     def staging(self, stride: int) -> np.ndarray:
         """One page-aligned staging buffer shared by every cache of this backend (reads are sequential)."""
-        from flashllm.io.reader import aligned_empty
+        from flashllm.hugepages import aligned_empty
 
         if self._staging is None or self._staging.shape[1] != stride:
             self._staging = aligned_empty((self.staging_rows(stride), stride), np.uint8)
@@ -151,7 +151,7 @@ class MLXBackend(Backend):
 
     def host_buffer(self, shape) -> np.ndarray:
         """A page-aligned host buffer for flash reads."""
-        from flashllm.io.reader import aligned_empty
+        from flashllm.hugepages import aligned_empty
 
         return aligned_empty(shape, np.uint8)
 

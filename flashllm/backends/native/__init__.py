@@ -114,7 +114,7 @@ def build(portable: bool = False, source: Path | tuple[Path, ...] = SOURCES) -> 
 
 class Kernels:
     """ctypes signatures of the kernels' entry points (pointers as integers; see kernels.c and kernels_quant.c for
-    the math). An entry point the library lacks (a build of older sources, as bench/matvec_ab.py makes) is None."""
+    the math). An entry point the library lacks (a build of older sources) is None."""
 
     def __init__(self, lib: ctypes.CDLL):
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

@@ -10,11 +10,11 @@ from flashllm.backends.torch.quant import KVCache
 
 
 class TorchAttention:
-    """A part of `TorchBackend` (torch_backend.py): attention of one block over its KV cache, one sequence's tokens
+    """A part of `TorchBackend` (backend.py beside it): attention of one block over its KV cache, one sequence's tokens
     or one token per sequence; a decode token's in one native call where the kernels load. Uses the backend's
     spec, weights, KV caches, norms, projections, rotary tables, kernels and timers."""
 
-    # decode attention in one thread when compute threads > 1 (bench/results/compute_roofline.md, session 5)
+    # decode attention in one thread when compute threads > 1 (waking OpenMP workers costs more than it saves)
     serial_attention = True
     native_attention = True  # a decode token's attention in one native call where the kernels load (bench switch)
 

@@ -1,6 +1,6 @@
 """The decoder math on torch (CPU or CUDA): embeddings, attention with a static KV cache, FFN, head.
 
-Attention is in torch_attention.py, a neuron cache's rows in torch_row_store.py."""
+Attention is in flashllm/backends/torch/attention.py, a neuron cache's rows in rows.py beside it."""
 
 from __future__ import annotations
 
@@ -26,22 +26,21 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 INITIAL_THREADS = torch.get_num_threads()
 
 
-# How one token's down projection h[1, n] @ rows[n, d] (rows = cache rows, any row stride) runs on
-# the CPU, per compute dtype, chosen by bench/compute_roofline.py (bench/kernel_survey.py): torch 2.13's
-# float16/bfloat16 vector-matrix `h @ rows` takes a scalar path (~0.2 GB/s here) and its matrix-vector
-# `mv(rows.t(), h)` converts float16 one value at a time (~3 GB/s, no gain from a second thread); "chunked"
-# casts DOWN_CHUNK rows at a time into a cache-sized float32 buffer (vectorized) and accumulates float32
-# BLAS addmv over them: the products and the float32 sum of mv, rounded once (equal to mv's float16 result
-# in the survey), 1.3-1.8x faster. float32 goes to BLAS either way. "matmul": torch's default ("plain").
+# How one token's down projection h[1, n] @ rows[n, d] (rows = cache rows, any row stride) runs on the CPU
+# where the native kernels do not, per compute dtype (the fastest measured: docs/architecture.md, "Defaults"):
+# torch's float16/bfloat16 vector-matrix `h @ rows` takes a scalar path and its matrix-vector `mv(rows.t(), h)`
+# converts float16 one value at a time; "chunked" casts DOWN_CHUNK rows at a time into a cache-sized float32
+# buffer (vectorized) and accumulates float32 BLAS addmv over them: the products and the float32 sum of mv,
+# rounded once. float32 goes to BLAS either way. "matmul": torch's default ("plain").
 DOWN_KERNEL = {"float32": "matmul", "bfloat16": "mv", "float16": "chunked"}
-DOWN_CHUNK = 64  # rows per float32 piece: 64 x 4096 x 4 B = 1 MiB, the L2 of this CPU
+DOWN_CHUNK = 64  # rows per float32 piece: 64 x 4096 x 4 B = 1 MiB, about a core's L2
 
 
 class TorchBackend(TorchAttention, Backend):
     """Holds resident weights and the KV cache on one torch device and computes one decoder."""
 
     name = "torch"
-    STAGING_BYTES = 256 << 10  # per staging buffer (bench/results/io_pipeline.md: more is taken from the caches)
+    STAGING_BYTES = 256 << 10  # per staging buffer (more would be taken from the caches, for no faster reads)
     STAGING_BUFFERS = 2  # on CUDA a ring: one is read into while the other's copy is in flight (CPU: 1)
 
     def __init__(self, spec: ArchSpec, device: str, dtype: str | None, storage_dtype: str, context: int,
@@ -115,7 +114,7 @@ class TorchBackend(TorchAttention, Backend):
     def native_quant(self) -> bool:
         """Whether quantized FFN bundles stay as stored (cache rows read in place, dense rows as read: QuantRows)
         for the native int8/int4 kernels, which dequantize in registers; else they are dequantized into rows of
-        the compute dtype when read (bench/results/compute_roofline.md, session 7). MoE experts: expert slots."""
+        the compute dtype when read. MoE experts: expert slots."""
         return self.native is not None and self.quantized_ffn and not self.spec.is_moe
 
     def bundle_rows(self, block: np.ndarray, layout, parts: tuple[str, ...] | None = None,

@@ -13,7 +13,7 @@ import torch
 from flashllm.backends import native
 from flashllm.backends.torch.quant import QuantRows
 
-# compute dtypes the native kernels serve (bench/results/compute_roofline.md: float32 stays on torch's BLAS)
+# compute dtypes the native kernels serve (float32 stays on torch's BLAS, which is as fast there)
 NATIVE_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -52,8 +52,8 @@ class NativeKernels:
     def low_rank(self, x: torch.Tensor, proj_in, proj_out, bias) -> np.ndarray | None:
         """A low-rank predictor's logits proj_out (proj_in x) + bias [1, n] as float32 numpy: the two `linear` calls
         into buffers made once, then one copy into numpy (the same bits as `linear`, `linear`, `to_host`); None:
-        not for this kernel. It runs twice per layer and token (prediction and lookahead), and the output tensors
-        and float32 copy made per call cost more than its 1-4 MB of weights (bench/results/compute_roofline.md)."""
+        not for this kernel. It runs twice per layer and token (prediction and read-ahead), and the output tensors
+        and float32 copy made per call would cost more than its 1-4 MB of weights."""
         if not (type(proj_in) is type(proj_out) is torch.Tensor and proj_in.dim() == proj_out.dim() == 2):
             return None
         key = (proj_in.shape[0], proj_out.shape[0], x.dtype)

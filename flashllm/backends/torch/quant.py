@@ -1,8 +1,8 @@
 """Quantized resident matrices and an int8 KV cache on torch (CPU), in the formats of torch's kernels.
 
 Resident matrices ([out, in]: attention projections, embeddings, lm_head) use torch's weight-only
-CPU kernels, chosen by measurement (bench/results/quant_resident.md): they beat dequantizing per
-call by 5-20x, and they are fastest with bfloat16 activations, so x is cast to bfloat16 for them.
+CPU kernels, chosen by measurement (docs/architecture.md, "Defaults"): they beat dequantizing per
+call, and they are fastest with bfloat16 activations, so x is cast to bfloat16 for them.
 - int8: per output row symmetric codes (`torch._weight_int8pack_mm`, as gpt-fast's int8);
 - int4: groups of 64 (32 where 64 does not divide `in`) along `in`, min/max codes 0..15 with
   w = (q - 8) * scale + zero (`torch._weight_int4pack_mm_for_cpu`); rows padded to a multiple of 16.
@@ -205,9 +205,8 @@ class KVCache:
 
     16-bit caches are head-major, K and V as [layers, kv heads, context, head dim]: a decode token's scores
     (q . keys) and output (weights . values) are then batched matrix-vector products over contiguous rows of each
-    head, written in place (bench/results/compute_roofline.md: 12-25x faster than torch's CPU SDPA at 256 float16
-    keys, 1.4-12x at 2048), and a short window's keys and values are a few cache lines per head (V as
-    [head dim, context] made them one line per value: 1.3-1.7x slower at 5-64 keys, session 11).
+    head, written in place (faster than torch's CPU SDPA for one query), and a short window's keys and values are
+    a few cache lines per head (V as [head dim, context] would make them one line per value).
     """
 
     def __init__(self, spec, context: int, dtype: torch.dtype, device, bits: int = 16):
@@ -303,8 +302,8 @@ class Int4ExpertSlots:
     their slots (`reads_in_place`: no insert at all); any other stored bundle is repacked when it is
     inserted (a nibble permutation; scales to bfloat16, zero = min + 8 * scale). Each use is two kernel
     calls with bfloat16 activations (`QuantMatrix.linear`), instead of dequantizing 3 * d_ffn * d_model
-    values. The bfloat16 rounding of scales, zeros and activations is a quality cost, measured in
-    bench/results (the "plain" kernels dequantize instead)."""
+    values. The bfloat16 rounding of scales, zeros and activations is a quality cost (docs/quantization.md;
+    the "plain" kernels dequantize instead)."""
 
     @staticmethod
     def fits(layout) -> bool:

@@ -18,7 +18,7 @@ class TorchRowStore:
     """
 
     def __init__(self, backend, capacity: int, layout, biases: dict[str, torch.Tensor | None]):
-        from flashllm.io.reader import aligned_empty
+        from flashllm.hugepages import aligned_empty
 
         storage_dtype = backend.storage_dtype
         self.layout, self.storage_dtype, self.backend = layout, storage_dtype, backend

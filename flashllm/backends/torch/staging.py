@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flashllm.io.reader import aligned_empty
+from flashllm.hugepages import aligned_empty
 
 PAGE = 4096
 

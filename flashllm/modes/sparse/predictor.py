@@ -214,7 +214,7 @@ def auto_predictor(ctx) -> str:
     """`auto`: for a gated FFN made sparse by calibrated thresholds (SiLU/GELU), the resident gate rows
     (exact, and a neuron read is 2/3 of a bundle) whenever the budget holds them and a cache row per
     layer: measured better than the low-rank predictors at every budget, even where it leaves half the
-    cache rows (bench/results/silu_sparsity.md); else, and for every other model, lowrank."""
+    cache rows (docs/sparsity.md); else, and for every other model, lowrank."""
     spec = ctx.spec
     if not spec.gated_ffn or ctx.sparsity is None:
         return "lowrank"

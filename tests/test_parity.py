@@ -13,7 +13,7 @@ pinning in test_modes.py; calibrated thresholds in test_sparsity.py; quantized b
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -165,6 +165,8 @@ CASES = [
          check=experts_stream_through(2), greedy=TRANSFORMERS),
     Case("moe_sparse_5_slots_matches_dense", MOE, run("sparse", dram_budget=slots(5)), DENSE, 1e-5, 1e-5,
          check=experts_stream_through(5)),
+    Case("moe_sparse_1_slot_fewer_than_top_k_matches_dense", ("olmoe",), run("sparse", dram_budget=slots(1)), DENSE,
+         1e-5, 1e-5, check=experts_stream_through(1)),  # each token's experts pass through one slot in turn
     # experts converted on insert sum in float32 and round once, as dense does: equal bit for bit
     Case("moe_sparse_staged_bfloat16_equals_dense", ("qwen2_moe",),
          run("sparse", dtype="bfloat16", dram_budget=slots(2)), run(dtype="bfloat16"), 0.0, check=experts_staged),

@@ -31,11 +31,11 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
     `quantize` int8/int4 stores the FFN bundles group-wise quantized (groups of `group_size`
     along d_model, `quant_scheme` asymmetric or symmetric; see flashllm/format/quant.py); resident
     tensors stay in `dtype`. `force` replaces `out` only if it is a flashllm model directory or
-    empty. Everything is written into a temporary directory beside `out` and renamed into place at
-    the end; on any error it is removed and `out` is untouched. `bundled=False` stores up rows and
+    empty. Everything is written into a temporary directory (inside an existing `out`, else beside it) and
+    moved into place at the end; on any error it is removed and `out` is untouched. `bundled=False` stores up rows and
     down columns in separate regions (the paper's baseline without row-column bundling; for benchmarks).
     `expert_layout` `torch-cpu` stores an MoE model's int4 experts in torch's CPU int4 kernel layout of
-    this machine (moe_families.expert_packing), so torch reads them into its cache slots with no repack."""
+    this machine (families.moe.expert_packing), so torch reads them into its cache slots with no repack."""
     quant = None if quantize == "none" else QuantScheme.named(quantize, group_size, quant_scheme)
     out = Path(out)
     check_output(Path(src), out, force)
@@ -79,7 +79,7 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise FlashLLMError(f"{out.parent}: no space left on the device while converting (the partial "
+            raise FlashLLMError(f"{tmp.parent}: no space left on the device while converting (the partial "
                                 f"output was removed; free some space and convert again)") from None
         raise FlashLLMError(f"{exc.filename or out}: {exc.strerror or exc} (the partial output was removed)") from None
     except BaseException:
@@ -98,20 +98,36 @@ def check_output(src: Path, out: Path, force: bool) -> None:
     check_replaceable(out, force)
 
 
+# Entries of an existing output directory that converting into it keeps and ignores: a file system's own
+# lost+found at a mount point, and the temporary directories of a conversion into it (`make_temporary`).
+PARTIAL, OLD = ".flashllm-partial-", ".flashllm-old-"
+
+
+def _entries(out: Path) -> list[str]:
+    """What `out` holds besides lost+found and conversion leftovers."""
+    return sorted(name for name in os.listdir(out)
+                  if name != "lost+found" and not name.startswith((PARTIAL, OLD)))
+
+
 def check_replaceable(out: Path, force: bool) -> None:
     """`out` may be written: it does not exist, or `force` and it is empty or a flashllm model directory that holds
     only what flashllm wrote (`format.foreign_files`)."""
     if not (out.exists() or out.is_symlink()):
+        return
+    if out.is_dir() and not out.is_symlink() and not _entries(out):  # e.g. a freshly mounted disk
+        if not force:
+            raise FlashLLMError(f"{out}: already exists (empty: pass --force to convert into it)")
         return
     if not force:
         raise FlashLLMError(f"{out}: already exists (pass --force to replace a flashllm model directory)")
     if out.is_symlink() or not out.is_dir():
         raise FlashLLMError(f"{out}: exists and is not a directory; --force replaces only a flashllm model "
                             f"directory or an empty one (nothing was changed)")
-    if not (out / fmt.MANIFEST).is_file() and any(out.iterdir()):
+    if not (out / fmt.MANIFEST).is_file():
         raise FlashLLMError(f"{out}: not a flashllm model directory (no {fmt.MANIFEST}) and not empty; --force "
-                            f"replaces only those (nothing was changed)")
-    foreign = fmt.foreign_files(out) if (out / fmt.MANIFEST).is_file() else []
+                            f"replaces only those (nothing was changed); convert into a new subdirectory of it "
+                            f"instead, e.g. {out / 'model'}")
+    foreign = [name for name in fmt.foreign_files(out) if name in _entries(out)]
     if foreign:
         names = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise FlashLLMError(f"{out}: holds what flashllm did not write ({names}); --force replaces a model directory "
@@ -119,14 +135,22 @@ def check_replaceable(out: Path, force: bool) -> None:
 
 
 def make_temporary(out: Path) -> Path:
-    """The temporary directory beside `out` (this is where an unwritable location shows, before any work)."""
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    """The temporary directory the model is written into (this is where an unwritable location shows, before any
+    work): inside `out` when it is an existing directory, so that the model is written on `out`'s own file system
+    and `out` itself is never renamed (a mount point cannot be), else beside `out`."""
+    inside = out.is_dir() and not out.is_symlink()
+    tmp = out / f"{PARTIAL}{os.getpid()}" if inside else out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if inside:  # leftovers of an interrupted conversion into `out` (check_replaceable ignored them)
+            for name in os.listdir(out):
+                if name.startswith((PARTIAL, OLD)):
+                    shutil.rmtree(out / name, ignore_errors=True)
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as exc:
-        raise FlashLLMError(f"{out.parent}: cannot write the output there ({exc.strerror})") from None
+        raise FlashLLMError(f"{tmp.parent}: cannot write the output there ({exc.strerror})") from None
     return tmp
 
 
@@ -174,7 +198,7 @@ def _part_bytes(rows: np.ndarray, layout: fmt.FFNLayout, dtype: str) -> np.ndarr
 
 def write_manifest(root: Path, spec: ArchSpec, dtype_name: str, layout: fmt.FFNLayout, ffn_sha: str,
                    layer_sha: list[str], tokenizer_files: list[str], source: dict, ffn_file: str = fmt.FFN_FILE) -> None:
-    """Write flashllm.json describing the files already in `root` (sizes and checksums measured here).
+    """Write flashllm.json describing the files already in `root` (their sizes and checksums).
     `ffn_file` is the streamed file: FFN bundles, or expert bundles for an MoE model."""
     files = {"resident": fmt.RESIDENT_FILE, "ffn": ffn_file, **{f: f for f in tokenizer_files}}
     manifest = {
@@ -195,12 +219,22 @@ def write_manifest(root: Path, spec: ArchSpec, dtype_name: str, layout: fmt.FFNL
 
 
 def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished directory into place; an existing `out` is removed only after that succeeds."""
-    if out.exists():
+    """Move the finished model into place; what `out` held is removed only after that succeeds. A temporary
+    directory inside `out` (`make_temporary`) has its files moved up into `out`: the old manifest goes aside
+    first and the new one comes last, so `out` never holds a manifest over a mix of files."""
+    if tmp.parent == out:
+        old = out / f"{OLD}{os.getpid()}"
+        old.mkdir()
+        for name in sorted(_entries(out), key=lambda n: n != fmt.MANIFEST):
+            os.replace(out / name, old / name)
+        for name in sorted(os.listdir(tmp), key=lambda n: n == fmt.MANIFEST):
+            os.replace(tmp / name, out / name)
+        tmp.rmdir()
+        shutil.rmtree(old, ignore_errors=True)
+    elif out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.replace(out, old)
         os.replace(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out)
-

@@ -4,8 +4,8 @@ import os
 
 # OpenMP workers sleep at barriers instead of spinning (unless the user chose: OMP_WAIT_POLICY or
 # GOMP_SPINCOUNT set). On shared cores a spinning worker loses its core and every parallel region
-# waits for it: a 2-thread token measured 3-5x slower than with sleeping workers
-# (bench/results/compute_roofline.md). The OpenMP runtime reads this when torch is first imported.
+# waits for it, several times slower than with sleeping workers (docs/platforms.md). The OpenMP runtime
+# reads this when torch is first imported.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 

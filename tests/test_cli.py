@@ -249,18 +249,19 @@ def test_a_warning_while_text_streams_starts_on_its_own_line_in_a_terminal(capsy
     are one terminal (it was glued to the streamed text); redirected output is left as it is."""
     import warnings
 
-    from flashllm.cli import main as cli
+    from flashllm.cli import console
+    from flashllm.errors import OptionsWarning
     from flashllm.model import Model
 
     def warn_midway(self, *a, **k):
         yield "partial"
-        warnings.warn("caches too small", RuntimeWarning)
+        warnings.warn(OptionsWarning("caches too small"))
         yield " more\n"
-        warnings.warn("again at a line start", UserWarning)
+        warnings.warn(OptionsWarning("again at a line start"))
         yield "end"
 
     monkeypatch.setattr(Model, "stream", warn_midway)
-    monkeypatch.setattr(cli, "_same_terminal", lambda: same_terminal)
+    monkeypatch.setattr(console, "same_terminal", lambda: same_terminal)
     # shown as outside pytest (which records warnings instead of writing them)
     monkeypatch.setattr(warnings, "showwarning", lambda m, c, f, n, file=None, line=None:
                         sys.stderr.write(warnings.formatwarning(m, c, f, n, line)))
@@ -272,9 +273,52 @@ def test_a_warning_while_text_streams_starts_on_its_own_line_in_a_terminal(capsy
     assert err == f"{lead}flashllm: warning: caches too small\nflashllm: warning: again at a line start\n"
 
 
+def test_only_flashllm_warnings_take_the_cli_form_and_the_display_is_restored(capsys, flash, monkeypatch):
+    """main() formats flashllm's own warnings (its warning classes, or raised from its code) as `flashllm:
+    warning:` lines; another library's warning keeps Python's format; afterwards warnings.showwarning is what it
+    was (the CLI used to replace warnings.formatwarning for the whole process)."""
+    import warnings
+    from pathlib import Path
+
+    from flashllm.model import Model
+    from flashllm.modes import registry
+
+    ours = Path(registry.__file__)  # a module of flashllm's runtime
+
+    def warn(self, *a, **k):
+        warnings.warn_explicit("from flashllm's code", RuntimeWarning, str(ours), 1)
+        warnings.warn_explicit("from another library", DeprecationWarning, "/elsewhere/lib.py", 7)
+        yield "text"
+
+    def shown(m, c, f, n, file=None, line=None):
+        sys.stderr.write(warnings.formatwarning(m, c, f, n, line))
+
+    monkeypatch.setattr(Model, "stream", warn)
+    monkeypatch.setattr(warnings, "showwarning", shown)
+    formatwarning = warnings.formatwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        code, out, err = run_cli(capsys, "generate", flash, "--prompt", PROMPT, "--max-new-tokens", 2)
+    assert code == 0 and out == "text\n"
+    lines = err.splitlines()
+    assert lines[0] == "flashllm: warning: from flashllm's code"
+    assert lines[1] == "/elsewhere/lib.py:7: DeprecationWarning: from another library"
+    assert warnings.showwarning is shown and warnings.formatwarning is formatwarning
+
+
 def test_a_missing_predictors_subcommand_is_named_by_its_choices(capsys):
     """`flashllm predictors` alone names the subcommands it needs (it said `predictors_command`, a dest)."""
     with pytest.raises(SystemExit) as exit_:
         main(["predictors"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "required: {train,order,eval}" in err and "predictors_command" not in err
+
+
+@pytest.mark.parametrize("reads,shown", [(0.45, "0.45"), (2.5, "2.5"), (12.0, "12"), (1234.4, "1234")])
+def test_stats_show_the_mean_reads_per_token_with_its_fraction(reads, shown):
+    """Reads per decode token are a mean: 0.45 (most tokens found their neurons cached) was printed as 0."""
+    from flashllm.cli.stats_text import format_stats
+
+    stats = dict(mode="sparse", backend="torch", decode_tokens=20, dram_bytes=1 << 20, total_ms=1.0, io_ms=0.5,
+                 mem_ms=0.1, compute_ms=0.3, predictor_ms=0.1, bytes_read=3 << 16, reads=reads)
+    assert f"flash read per token: 0.188 MiB in {shown} reads" in format_stats(stats)

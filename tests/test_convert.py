@@ -188,6 +188,63 @@ def test_force_replaces_only_a_model_directory_or_an_empty_one(capsys, ckpt, tmp
     assert sorted(os.listdir(empty)) == before and (empty / "notes.txt").read_text() == "mine"
 
 
+def test_an_existing_empty_directory_is_written_into_not_renamed(capsys, ckpt, tmp_path, monkeypatch):
+    """`convert SRC /mnt/ssd --force` onto an empty mount point: the model is built on that directory's own file
+    system, inside it, and moved up into it; the directory itself is never renamed (a mount point cannot be: the
+    rename failed with "Device or resource busy" after the whole model had been written on the parent's disk).
+    A file system's lost+found there stays; a model there is replaced the same way."""
+    import flashllm.converters.writer as writer
+
+    mount = tmp_path / "ssd"
+    (mount / "lost+found").mkdir(parents=True)
+    inode = mount.stat().st_ino
+    replace = os.replace
+
+    def busy_mount_point(src, dst):
+        if os.path.abspath(src) == str(mount):
+            raise OSError(errno.EBUSY, "Device or resource busy", str(src))
+        return replace(src, dst)
+
+    monkeypatch.setattr(writer.os, "replace", busy_mount_point)
+    for _ in range(2):  # into the empty directory, then over the model it holds
+        assert main(["convert", str(ckpt), str(mount), "--force"]) == 0, capsys.readouterr().err
+        assert mount.stat().st_ino == inode
+        assert sorted(os.listdir(mount)) == sorted(["lost+found", *os.listdir(convert(ckpt, tmp_path / "ref",
+                                                                                      force=True))])
+        assert flashllm.load(mount).spec.n_layers > 0
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ref", "ssd"]  # nothing written beside it
+
+
+def test_a_failed_conversion_into_an_existing_directory_leaves_it_as_it_was(capsys, ckpt, tmp_path, monkeypatch):
+    import flashllm.converters.writer as writer
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "write_ffn", full)
+    convert_fails(capsys, ckpt, empty, "--force", needles=["no space left"])
+    assert os.listdir(empty) == [] and sorted(os.listdir(tmp_path)) == ["ckpt", "empty"]
+
+
+def test_a_directory_of_other_files_is_refused_before_any_work_with_a_subdirectory_named(capsys, ckpt, tmp_path,
+                                                                                         monkeypatch):
+    import flashllm.converters.writer as writer
+
+    def no_reading(src):
+        raise AssertionError("the checkpoint was read before the output was checked")
+
+    monkeypatch.setattr(writer, "Checkpoint", no_reading)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (disk / "photos").mkdir()
+    convert_fails(capsys, ckpt, disk, "--force", needles=["not a flashllm model directory", "nothing was changed",
+                                                          f"a new subdirectory of it instead, e.g. {disk / 'model'}"])
+    assert os.listdir(disk) == ["photos"]
+
+
 def test_companion_files_are_the_ones_flashllm_commands_write():
     from flashllm.planner.solver import PLAN_FILE
     from flashllm.modes.sparse.predictor import PREDICTOR_FILE, PREDICTOR_META

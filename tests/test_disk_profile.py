@@ -95,6 +95,27 @@ def test_a_large_file_is_measured_in_place_without_a_scratch_file(tmp_path):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["ffn.bin"] and big.stat().st_size == 1 << 20
 
 
+def test_a_read_only_model_directory_is_measured_on_its_largest_file(tmp_path, monkeypatch):
+    """`flashllm plan` on a read-only model directory: no scratch file can be written there, so the model's own
+    ffn.bin is read (it said "no file to read there" with ffn.bin in the directory); a directory with no file
+    large enough says what to do instead."""
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(disk_profile.tempfile, "mkstemp", read_only)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "flashllm.json").write_text("{}")
+    (model / "ffn.bin").write_bytes(np.random.default_rng(0).bytes(1 << 20))
+    small = dict(sizes=(4096,), inflight=(2,), seconds=0.01, scratch_bytes=64 << 20)
+    p = disk_profile.measure(model, **small)
+    assert p.scratch_bytes == 0 and any(str(model / "ffn.bin") in n and "read-only" in n for n in p.notes)
+    assert sorted(x.name for x in model.iterdir()) == ["ffn.bin", "flashllm.json"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FlashLLMError, match="not writable, and it holds no file large enough.*flashllm profile"):
+        disk_profile.measure(tmp_path / "empty", **small)
+
+
 def test_no_gap_from_a_profile_measured_without_direct_io():
     p = synthetic(50, 1000)
     assert p.gap_bytes(32) > 0

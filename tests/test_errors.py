@@ -158,7 +158,7 @@ def test_serve_without_its_extra_says_how_to_install(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "starlette", None)
     with pytest.raises(flashllm.FlashLLMError, match=r"starlette is missing\): in the flashllm checkout, pip install -e \"\.\[serve\]\""):
-        serve._require()
+        serve.require()
 
 
 def test_console_script_exit_code(flash, tmp_path):

@@ -7,7 +7,8 @@ import pytest
 
 import flashllm
 from flashllm.budget import GiB, MiB, parse_budget
-from flashllm.cli.main import build_parser, load_options, main
+from flashllm.cli.args import load_options
+from flashllm.cli.main import build_parser, main
 from flashllm.modes.registry import MODES
 from flashllm.options import LoadOptions
 
@@ -135,7 +136,7 @@ def test_budget_above_the_model_is_named_as_a_size_the_parser_accepts(tiny_model
 def test_dropped_neurons_warning_names_options_as_the_caller_passes_them(tiny_models, recwarn):
     """The once-per-model warning about predicted neurons the caches could not hold: API keywords in Python,
     flags in the CLI's one-line form."""
-    from flashllm.cli import main as cli
+    from flashllm.cli import console
     from flashllm.errors import DroppedNeuronsWarning
 
     tiny = tiny_models("llama-relu")
@@ -145,6 +146,6 @@ def test_dropped_neurons_warning_names_options_as_the_caller_passes_them(tiny_mo
     dropped = [w.message for w in recwarn if issubclass(w.category, DroppedNeuronsWarning)]
     assert len(dropped) == 1, [str(w.message) for w in recwarn]  # once per loaded model
     assert "raise dram_budget, or on_overflow='error' to refuse" in str(dropped[0]) and "--" not in str(dropped[0])
-    line = cli._one_line_warning(dropped[0], DroppedNeuronsWarning, "x.py", 1)
+    line = console.one_line_warning(dropped[0], DroppedNeuronsWarning, "x.py", 1)
     assert line.startswith("flashllm: warning: the neuron caches could not hold every predicted neuron: ")
     assert "raise --dram-budget, or --on-overflow error to refuse" in line and line.count("\n") == 1

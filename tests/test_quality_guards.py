@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import flashllm
-from flashllm.cli.main import format_stats
+from flashllm.cli.stats_text import format_stats
 from flashllm.errors import DroppedNeuronsWarning
 
 IDS = [1, 5, 9, 12, 7, 3, 20, 4, 8, 11]

@@ -120,6 +120,28 @@ def test_bad_group_size_is_one_clear_line(tiny_models, tmp_path, capsys, args, n
     assert not out.exists()
 
 
+def test_a_group_size_wider_than_the_experts_names_the_size_that_fits(tiny_models, tmp_path, capsys):
+    """int4 on a mixture-of-experts model whose experts are 32 neurons wide: the default group of 64 divides
+    d_model but not the experts' d_ffn (a quantized down projection is grouped along it); the error names the
+    option value that divides both, spelled as the caller passes options, and that value converts."""
+    src = tiny_models("mixtral").ckpt
+    capsys.readouterr()
+    code = main(["convert", str(src), str(tmp_path / "out"), "--quantize", "int4"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "does not divide the experts' d_ffn 32" in err, err
+    assert "--group-size 32" in err and not (tmp_path / "out").exists()
+    with pytest.raises(FlashLLMError, match="group_size=32"):
+        convert(src, tmp_path / "api", quantize="int4", progress=False)
+    assert main(["convert", str(src), str(tmp_path / "out"), "--quantize", "int4", "--group-size", "32"]) == 0
+
+
+def test_group_size_help_says_what_it_must_divide(capsys):
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "must divide d_model and the experts' d_ffn" in text and "(default: 64)" in text
+
+
 @pytest.mark.parametrize("edit,needle", [
     (lambda d: d.update(quantization="int3"), "quantization 'int3' is not supported"),
     (lambda d: d["ffn"]["quantization"].update(scheme="nf4"), "not supported"),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashllm
-from flashllm.cli.main import format_stats
+from flashllm.cli.stats_text import format_stats
 from flashllm.cli.main import main as cli_main
 from flashllm.predictors import calibrate as calib
 from flashllm.modes.sparse.predictor import auto_predictor

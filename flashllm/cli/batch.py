@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from flashllm.cli.args import load_options
+from flashllm.cli.stats_text import format_stats
 from flashllm.errors import FlashLLMError
 
 
@@ -35,10 +37,9 @@ def batch_context(model_dir: str, prompts: list[str], max_new_tokens: int) -> in
     return min(max(len(tokenizer.encode(p)) for p in prompts) + max_new_tokens, manifest.spec.context_limit)
 
 
-def cmd_generate_batch(args) -> None:
+def generate_batch(args) -> None:
     """Decode the prompts of --batch-file in batches of --batch-size (default: all at once)."""
     from flashllm import load
-    from flashllm.cli.main import format_stats, load_options
 
     prompts = read_batch_file(args.batch_file)
     size = args.batch_size = args.batch_size or len(prompts)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 
+from flashllm.cli.args import add_load_options, add_model_dir, add_sampling_options, load_options, warn_if_context_cut
+from flashllm.cli.stats_text import format_stats
 from flashllm.errors import FlashLLMError
 
 HELP = "/reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
@@ -15,8 +17,6 @@ HELP = "/reset starts over, /exit (or Ctrl-D) quits, Ctrl-C stops a reply"
 
 def add_parser(sub) -> None:
     """The `flashllm chat` subcommand."""
-    from flashllm.cli.main import add_load_options, add_model_dir, add_sampling_options
-
     c = sub.add_parser("chat", help="chat with a model in the terminal",
                        description="An interactive multi-turn chat through the model's chat template, streamed "
                        "as it is generated. " + HELP + ".")
@@ -24,16 +24,15 @@ def add_parser(sub) -> None:
     c.add_argument("--system", help="system prompt that opens the conversation (default: none)")
     c.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file, or 'plain' (role-prefixed "
                    "turns, for base models) (default: the checkpoint's own)")
-    c.add_argument("--stats", action="store_true", help="print per-token stats after each reply (to stderr)")
+    c.add_argument("--stats", action="store_true", help="print per-token stats after each reply (to stderr) (default: off)")
     add_sampling_options(c)
-    c.set_defaults(max_new_tokens=256, func=run)
+    c.set_defaults(max_new_tokens=256, func=command)
     add_load_options(c, skip=("batch_size",))  # one conversation: no batches
 
 
-def run(args) -> None:
+def command(args) -> None:
     from flashllm import load
     from flashllm.text.chat_template import ChatTemplate
-    from flashllm.cli.main import format_stats, load_options, warn_if_context_cut
     from flashllm.format.manifest import read_manifest
 
     # a model without a template (or a bad --chat-template) fails here, before the weights are loaded

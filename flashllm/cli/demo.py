@@ -4,64 +4,55 @@ the embedded small mixture-of-experts model, its experts streamed at half its si
 
 from __future__ import annotations
 
-import hashlib
-import shutil
+import json
+import sys
 import warnings
-from pathlib import Path
 
-from flashllm.format import manifest as fmt
+from flashllm.cli.args import count
+from flashllm.embedded import EMBEDDED_SWIGLU, EMBEDDED_SWIGLU_SPARSITY, prepare, prepare_moe
+from flashllm.embedded import EMBEDDED, EMBEDDED_MOE, EMBEDDED_PREDICTORS, ORDER_FILE  # noqa: F401 (benchmarks use them)
 from flashllm.errors import DroppedNeuronsWarning, FlashLLMError
-from flashllm.paths import cache_home
-from flashllm.modes.sparse.predictor import PREDICTOR_META
 
-DATA = Path(__file__).resolve().parents[1] / "data"  # flashllm/data: the embedded models
-EMBEDDED = DATA / "tiny-opt"
-EMBEDDED_PREDICTORS = DATA / "tiny-opt-predictors"
-EMBEDDED_MOE = DATA / "tiny-moe"
-# The embedded SwiGLU model and what `flashllm predictors train --sparsity 0.4` wrote for it: calibrated
-# thresholds (sparsity.json) and low-rank predictors. It is sparse only through those thresholds.
-EMBEDDED_SWIGLU = DATA / "tiny-swiglu"
-EMBEDDED_SWIGLU_SPARSITY = DATA / "tiny-swiglu-sparsity"
 PROMPT = "def read_config(path):\n    \"\"\"Read a configuration file and return"
 
 
-# Each layer's neurons in co-activation order (`flashllm predictors order` on the stdlib corpus' train split,
-# written by `python bench/neuron_order.py --ship`): neurons the predictors select together are adjacent on
-# flash, so a token's missing bundles take fewer reads. A permutation: the model's function is unchanged.
-ORDER_FILE = "neuron_order.safetensors"
+def add_parser(sub) -> None:
+    """The `flashllm demo` subcommand."""
+    from flashllm.options import BACKENDS, LoadOptions
+
+    d = sub.add_parser("demo", help="convert the embedded small model and run it at half its size",
+                       description="Convert the embedded small ReLU model (into $FLASHLLM_CACHE, else "
+                       "$XDG_CACHE_HOME/flashllm or ~/.cache/flashllm), generate in sparse mode at a DRAM budget of "
+                       "50% of the model, and compare bytes read and latency per token with naive mode (--moe, "
+                       "--swiglu: the other embedded models).")
+    d.add_argument("--max-new-tokens", type=count, default=48, help="tokens to generate in sparse mode, at "
+                   "least 2 (default: %(default)s)")
+    d.add_argument("--json", action="store_true", help="print one JSON object: model_dir, text, stats "
+                   "(default: off)")
+    d.add_argument("--backend", default=LoadOptions.backend, choices=BACKENDS, help="array library: torch (CPU), "
+                   "or mlx (Metal on Apple silicon; on Linux its CPU build, 10-30x slower than torch) "
+                   "(default: %(default)s)")
+    which = d.add_mutually_exclusive_group()
+    which.add_argument("--moe", action="store_true", help="the embedded mixture-of-experts model instead (4 layers, "
+                   "16 experts, top-2): experts streamed at 50%% of its size, compared with dense (default: off)")
+    which.add_argument("--swiglu", action="store_true", help="the embedded SwiGLU (Llama-style) model instead, "
+                   "sparse through its shipped thresholds (--sparsity 0.4), at 50%% of its size (default: off)")
+    d.set_defaults(func=command)
 
 
-def prepare(out: Path | None = None, embedded: Path = EMBEDDED, extras: Path = EMBEDDED_PREDICTORS,
-            order: bool = True) -> Path:
-    """The converted embedded model with its shipped predictors (and thresholds, if any: every file of
-    `extras`) and, with `order`, in the neuron order `extras` ships, if any; converted once, then reused
-    (again when the shipped order differs from the directory's)."""
-    from flashllm.converters import convert
-
-    out = out or cache_home() / embedded.name
-    if not (embedded / "config.json").is_file():
-        raise FlashLLMError(f"{embedded}: the embedded model is missing from this installation")
-    shipped = extras / ORDER_FILE if order and (extras / ORDER_FILE).is_file() else None
-    want = hashlib.sha256(shipped.read_bytes()).hexdigest() if shipped else None
-    try:
-        have = fmt.read_manifest(out).data.get("neuron_order", {}).get("shipped_sha256")
-        ready = (out / PREDICTOR_META).is_file() and have == want
-    except FlashLLMError:
-        ready = False
-    if not ready:
-        convert(embedded, out, dtype="float32", force=True)
-        names = sorted(f.name for f in extras.iterdir() if f.name not in (PREDICTOR_META, ORDER_FILE))
-        for name in names + [PREDICTOR_META]:  # the file that marks the directory ready comes last
-            shutil.copyfile(extras / name, out / name)
-        if shipped:
-            from flashllm.predictors.reorder import apply_order
-            from flashllm.format.safetensors_io import SafetensorsFile
-
-            st = SafetensorsFile(shipped)
-            perms = [st.read(f"layers.{i}.perm") for i in range(len(st.entries))]
-            apply_order(out, perms, {"method": "coactivation", "shipped_sha256": want,
-                                     "source": f"{shipped.name} shipped with the embedded model"}, progress=False)
-    return out
+def command(args) -> None:
+    if args.max_new_tokens < 2:  # the first new token comes from the prompt's forward: no decode token to compare
+        raise FlashLLMError(f"--max-new-tokens {args.max_new_tokens}: the demo compares decode tokens, so it needs at "
+                            "least 2 (the first new token comes from the prompt)")
+    if args.moe:
+        result = run_moe(max_new_tokens=args.max_new_tokens, backend=args.backend)
+        print(json.dumps(result) if args.json else report_moe(result))
+        return
+    result = run(max_new_tokens=args.max_new_tokens, swiglu=args.swiglu, backend=args.backend)
+    print(json.dumps(result) if args.json else report(result))
+    note = dropped_note(result)
+    if args.json and note:  # the report ends with it; with --json it goes to stderr
+        print(f"flashllm: warning: {note}", file=sys.stderr)
 
 
 # The embedded model is stored as float32 on flash; computing in bfloat16 halves what the resident
@@ -143,22 +134,6 @@ def compare(ours: float, base: float, better: str, worse: str) -> str:
 
 # The MoE model computes in float16 (its storage dtype), so expert reads land in the slots themselves.
 MOE_SETTINGS = dict(dtype="float16", context=256)
-
-
-def prepare_moe(out: Path | None = None) -> Path:
-    """The converted embedded MoE model (converted once per checkpoint, then reused: the cache directory
-    is named by the checkpoint's hash, so a newer embedded model is converted again)."""
-    from flashllm.converters import convert
-
-    weights = EMBEDDED_MOE / "model.safetensors"
-    if not (EMBEDDED_MOE / "config.json").is_file() or not weights.is_file():
-        raise FlashLLMError(f"{EMBEDDED_MOE}: the embedded MoE model is missing from this installation")
-    out = out or cache_home() / f"tiny-moe-{hashlib.sha256(weights.read_bytes()).hexdigest()[:12]}"
-    try:
-        fmt.read_manifest(out)
-    except FlashLLMError:
-        convert(EMBEDDED_MOE, out, dtype="float16", force=True)
-    return out
 
 
 def run_moe(prompt: str = PROMPT, max_new_tokens: int = 48, budget: float = 0.5, backend: str = "torch") -> dict:

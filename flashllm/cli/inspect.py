@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
+from flashllm.cli.args import add_model_dir
+
 
 def add_parser(sub) -> None:
-    from flashllm.cli.main import add_model_dir
-
     i = sub.add_parser("inspect", help="describe a model directory", description="Validate a model directory "
                        "(sizes; checksums of the files load checks, up to 256 MiB each, or of all with --verify) and "
                        "describe it.")
@@ -15,10 +15,10 @@ def add_parser(sub) -> None:
     i.add_argument("--verify", action="store_true", help="checksum every file (reads the whole model) "
                    "(default: off)")
     i.add_argument("--json", action="store_true", help="print one JSON object (default: off)")
-    i.set_defaults(func=cmd_inspect)
+    i.set_defaults(func=command)
 
 
-def cmd_inspect(args) -> None:
+def command(args) -> None:
     from flashllm.format import manifest as fmt
     from flashllm.modes.sparse.predictor import PREDICTOR_FILE, PREDICTOR_META, verify_predictor_files
     from flashllm.modes.sparse.activation_sparsity import read_sparsity

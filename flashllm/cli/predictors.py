@@ -1,4 +1,5 @@
-"""`flashllm predictors train|eval`: argument parsers and handlers (flashllm/cli/main.py mounts them)."""
+"""`flashllm predictors train|order|eval`: train the low-rank activation predictors, order neurons by co-activation,
+and measure what sparse mode costs in quality (thin CLI over flashllm.predictors)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from flashllm.cli.args import DEFAULT_DTYPE_HELP, add_load_options, add_model_dir, budget, load_options
 from flashllm.progress import log_line
 
 TRAIN_DESCRIPTION = """\
@@ -15,8 +17,8 @@ activation mask (spilled to zstd-compressed per-layer shards in a temporary dire
 per layer a low-rank predictor sigmoid(B(Ax)+b) with a class-balanced BCE. Whole calibration
 sequences are held out: each layer's threshold is the largest reaching the recall target on them,
 and its rank the one of the ladder with the lowest DRAM cost at that recall (predictor weights +
-the cache rows a window of predicted sets needs; --rank N forces one). Writes predictors.safetensors (with per-neuron activation frequencies) and predictors.json
-into MODEL_DIR."""
+the cache rows a window of predicted sets needs; --rank N forces one). Writes predictors.safetensors
+(with per-neuron activation frequencies) and predictors.json into MODEL_DIR."""
 
 
 ORDER_DESCRIPTION = """\
@@ -42,9 +44,7 @@ def _train_epilog() -> str:
 
 
 def _budgets(text: str) -> list:
-    from flashllm.cli.main import _budget  # the budget syntax of every load option
-
-    return [None if v == "unlimited" else _budget(v) for v in text.split(",")]
+    return [None if v == "unlimited" else budget(v) for v in text.split(",")]  # every load option's budget syntax
 
 
 def _dtypes(text: str) -> list[str]:
@@ -56,10 +56,17 @@ def _dtypes(text: str) -> list[str]:
     return text.split(",")
 
 
-def add_parsers(sub) -> None:
-    """Add `train` and `eval` to the subparsers of `flashllm predictors`."""
-    from flashllm.cli.main import DEFAULT_DTYPE_HELP, add_load_options, add_model_dir
+def add_parser(sub) -> None:
+    """The `flashllm predictors` subcommand and its own subcommands."""
+    pr = sub.add_parser("predictors", help="train and evaluate the low-rank activation predictors",
+                        description="Predictors decide which FFN neurons each token needs (sparse mode).")
+    commands = pr.add_subparsers(dest="predictors_command", required=True)
+    add_parsers(commands)
+    commands.metavar = "{" + ",".join(commands.choices) + "}"  # named so in "required" errors, not by its dest
 
+
+def add_parsers(sub) -> None:
+    """Add `train`, `order` and `eval` to the subparsers of `flashllm predictors`."""
     from flashllm.predictors.train import DEFAULT_MAX_TOKENS, RANK_LADDER, TrainSettings
 
     d = TrainSettings()
@@ -87,8 +94,8 @@ def add_parsers(sub) -> None:
                        help="instead: in each layer the largest sparsity whose relative FFN output error is <= E")
     dense.add_argument("--activation-threshold", type=float, default=None, metavar="T",
                        help="instead: the same threshold T on |act(pre)| in every layer")
-    t.add_argument("--epochs", type=int, default=d.epochs, help="training passes over each layer's samples (more on small calibration sets, for at least "
-                   "400 steps) (default: %(default)s)")
+    t.add_argument("--epochs", type=int, default=d.epochs, help="training passes over each layer's samples (more on "
+                   "small calibration sets, for at least 400 steps) (default: %(default)s)")
     t.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per optimizer step (default: %(default)s)")
     t.add_argument("--lr", type=float, default=d.lr, help="Adam's learning rate, decayed on a cosine (default: %(default)s)")
     t.add_argument("--seq-len", type=int, default=None, help="tokens per calibration sequence (default 256)")
@@ -148,7 +155,7 @@ def add_parsers(sub) -> None:
     e.add_argument("--sweep-dtype", type=_dtypes, default=None, metavar="D1,D2,...",
                    help="evaluate these compute dtypes in turn, e.g. float32,bfloat16 (replaces --dtype)")
     e.add_argument("--out", default=None, help="write PREFIX.json, PREFIX.md and PREFIX.png (the quality-vs-memory "
-                   "table and plot), e.g. bench/results/quality_vs_memory")
+                   "table and plot), e.g. out/quality_vs_memory")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     add_load_options(e, skip=("mode", "plan", "batch_size"))  # the same options, help and defaults as generate
@@ -177,10 +184,7 @@ def cmd_train(args) -> None:
                             target=target, low_memory=args.low_memory,
                             dtype=args.dtype, workdir=args.workdir, **chatter)
     if args.order == "coactivation":
-        from flashllm.predictors.order import order_model
-
         from flashllm.modes.sparse.predictor import PREDICTOR_META
-
         from flashllm.predictors.order import DEFAULT_MAX_TOKENS as ORDER_TOKENS, order_model
 
         order_model(args.model_dir, args.data, max_tokens=min(args.max_tokens, ORDER_TOKENS), seq_len=args.seq_len,
@@ -217,8 +221,6 @@ def cmd_order(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from flashllm.cli.main import load_options
-
     from flashllm.predictors.evaluate import evaluate
     from flashllm.predictors.report import check_out_prefix, format_report, write_sweep
 

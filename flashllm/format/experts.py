@@ -12,12 +12,13 @@ repack; readers with another layout unpack them (`unpack_nibbles`). See docs/for
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from flashllm.errors import FlashLLMError
-from flashllm.format.quant import QuantScheme
+from flashllm.errors import FlashLLMError, OptionsError
+from flashllm.format.quant import QuantScheme, divisor_near
 from flashllm.format.spec import ArchSpec
 
 EXPERTS_FILE = "experts.bin"
@@ -232,8 +233,11 @@ class ExpertLayout:
     def plan(cls, spec: ArchSpec, itemsize: int, quant: QuantScheme | None = None,
              packing: str | None = None) -> "ExpertLayout":
         if quant and spec.d_ffn % quant.group_size:
-            raise FlashLLMError(f"group size {quant.group_size}: does not divide the experts' d_ffn {spec.d_ffn} "
-                                "(quantized down projections are grouped along d_ffn)")
+            both = math.gcd(spec.d_model, spec.d_ffn)
+            raise OptionsError(f"group size {quant.group_size}: does not divide the experts' d_ffn {spec.d_ffn} "
+                               f"(quantized down projections are grouped along d_ffn, the other parts along d_model "
+                               f"{spec.d_model}; pick a divisor of both: "
+                               f"{{group_size={divisor_near(both, quant.group_size)}}})")
         if packing is not None:
             block = packing_block(packing)
             if not quant or quant.bits != 4 or spec.d_model % block or (2 * spec.d_ffn) % block:

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flashllm.errors import FlashLLMError
+from flashllm.errors import FlashLLMError, OptionsError
 
 BITS = {"int8": 8, "int4": 4}  # --quantize name -> bits per code
 SCHEMES = ("symmetric", "asymmetric")
 SCALE_DTYPE = "float16"
 DEFAULT_GROUP = 64
-DEFAULT_SCHEME = "asymmetric"  # chosen by measurement: bench/results/quant_error.md
+DEFAULT_SCHEME = "asymmetric"  # the lower reconstruction error of the two (docs/quantization.md)
 
 
 def _f16_up(x: np.ndarray) -> np.ndarray:
@@ -72,9 +72,10 @@ class QuantScheme:
         return cls(BITS[name], group_size, scheme)
 
     def check(self, d_model: int) -> None:
+        """Groups run along d_model (the rows of every FFN part but a quantized expert's down projection)."""
         if d_model % self.group_size:
-            raise FlashLLMError(f"group size {self.group_size}: does not divide d_model {d_model} "
-                                f"(pick a divisor of {d_model}, e.g. {_divisor_near(d_model, self.group_size)})")
+            raise OptionsError(f"group size {self.group_size}: does not divide d_model {d_model} (pick a divisor "
+                               f"of {d_model}: {{group_size={divisor_near(d_model, self.group_size)}}})")
 
     # -- byte layout of one part ---------------------------------------------------------------
     def groups(self, d: int) -> int:
@@ -172,6 +173,7 @@ class QuantScheme:
         return w.reshape(n, d)
 
 
-def _divisor_near(d: int, g: int) -> int:
+def divisor_near(d: int, g: int) -> int:
+    """The even divisor of `d` nearest to the group size `g` (the smaller one on a tie), else `d` itself."""
     divisors = [k for k in range(2, d + 1) if d % k == 0 and k % 2 == 0] or [d]
     return min(divisors, key=lambda k: (abs(k - g), k))

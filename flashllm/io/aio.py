@@ -140,8 +140,8 @@ class AioJob:
 class AioQueue:
     """One AIO context shared by a reader's calls. `add` submits what the device queue takes without
     sleeping and leaves the rest of a call to a submitter thread: io_submit sleeps in the kernel while
-    the block device's request queue is full (here 256 requests: a 7B layer's ~800 reads slept ~20 ms in
-    the generating thread, which should be computing meanwhile: bench/results/cpu_overhead.md). Whoever
+    the block device's request queue is full (typically 256 requests, fewer than a large layer's reads),
+    and the generating thread should be computing meanwhile. Whoever
     waits for a call (`progress`) first submits what is left of it itself, then reaps completions in one
     sleeping syscall and credits them to their calls (``data`` = call id << 32 | read index). A failed
     call stops submitting but reaps what it has in flight before it finishes, so no read lands in a
@@ -150,7 +150,7 @@ class AioQueue:
     Locks: ``lock`` guards the bookkeeping (never held in a syscall); ``submitting`` is held by the one
     thread in io_submit, ``reaping`` by the one in io_getevents."""
 
-    INLINE_SHARE = 0.5  # of the device queue: the reads `add` submits itself (bench/results/cpu_overhead.md)
+    INLINE_SHARE = 0.5  # of the device queue: the reads `add` submits itself, without sleeping
     SUBMITTER_NICE = 0  # the submitter thread's nice relative to the process (Linux)
 
     def __init__(self, ctx: AioContext, inline: int = 64):

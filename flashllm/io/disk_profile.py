@@ -4,20 +4,20 @@ The flash I/O engine itself (O_DIRECT, N threads) reads random, request-sized pi
 file on that disk, for each request size and number of reads in flight; the profile keeps the
 throughput of every cell and the median latency of single reads. What it measures must be the
 device, not a cache: the scratch file is written with direct I/O (it never enters this kernel's page
-cache), it is large (1 GiB; a virtual disk's host may still cache what the guest just wrote, and a
-small file it keeps whole: the 128 MiB file of earlier versions measured 1.4 GiB/s of 1 MiB reads on a
-0.8 GiB/s disk and so a 674 KiB gap), no piece of it is read twice, and reads go to random offsets
-over all of it. A model file at least that large is read instead (read-only): written earlier, it is
-less likely to be in a host's cache than a scratch file just written (on this machine's virtual disk
-a fresh 1 GiB scratch file still gave 1.2-1.5 GiB/s of 1 MiB reads: bench/results/io_pipeline.md). A profile measured without direct I/O derives no gap (``gap_bytes`` 0). Fitting the amortised cost of one
-read, ``size / throughput(size)``, to ``per_read_s + size / bandwidth`` gives the cost model that
-gap-filling uses: reading through a gap of g bytes costs g / bandwidth, a separate read costs
-per_read_s, so a gap is read through when ``g < per_read_s * bandwidth`` (``gap_bytes``).
+cache), it is large (1 GiB: a virtual disk's host may still cache what the guest just wrote, and a
+small file it keeps whole, which overstates throughput and so the gap), no piece of it is read twice,
+and reads go to random offsets over all of it. A model file at least that large is read instead
+(read-only): written earlier, it is less likely to be in a host's cache than a scratch file just
+written. Where no scratch file can be written (a read-only model directory), the largest file there
+is read. A profile measured without direct I/O derives no gap (``gap_bytes`` 0). Fitting the
+amortised cost of one read, ``size / throughput(size)``, to ``per_read_s + size / bandwidth`` gives
+the cost model that gap-filling uses: reading through a gap of g bytes costs g / bandwidth, a separate
+read costs per_read_s, so a gap is read through when ``g < per_read_s * bandwidth`` (``gap_bytes``).
 
 Profiles are cached as JSON under ``disk/`` of flashllm's cache (``paths.cache_home``: ``$FLASHLLM_CACHE``,
 default ``~/.cache/flashllm``), one file per host and block device; ``profile(path, refresh=True)`` measures again.
 
-    from flashllm import disk_profile
+    from flashllm.io import disk_profile
     p = disk_profile.profile("/models/opt/ffn.bin")   # cached, or measured now (a few seconds)
     p.gap_bytes(32), p.cost_model(32), p.throughput(16384, 32), p.latency_s(4096)
 """
@@ -250,6 +250,16 @@ def _scratch(directory: Path, nbytes: int, notes: list) -> tuple[str, bool]:
     return path, True
 
 
+def _largest_file(directory: Path, at_least: int) -> str:
+    """The largest regular file directly in ``directory`` of at least ``at_least`` bytes, or ""."""
+    try:
+        files = [(f.stat().st_size, str(f)) for f in directory.iterdir() if f.is_file()]
+    except OSError:
+        return ""
+    size, file = max(files, default=(0, ""))
+    return file if size >= at_least else ""
+
+
 def measure(path, sizes=SIZES, inflight=None, seconds: float = SECONDS,
             scratch_bytes: int = SCRATCH_BYTES, progress=None, open_reader=None, engine: str = "preadv") -> DiskProfile:
     """Measure the disk holding ``path`` (a file or directory) with the flash I/O engine.
@@ -275,11 +285,12 @@ def measure(path, sizes=SIZES, inflight=None, seconds: float = SECONDS,
                      f"scratch file to be held by a host's cache)")
     else:
         file, ours = _scratch(directory, scratch_bytes, notes)
-    if not file:
-        if not target.is_file():
-            raise FlashLLMError(f"{directory}: not writable, and no file to read there to profile the disk")
-        file = str(target)
-        notes.append(f"measured on {target} (read-only; it may be cached)")
+    if not file:  # a read-only place: read the file itself, or a directory's largest file (a model's ffn.bin)
+        file = str(target) if target.is_file() else _largest_file(directory, max(sizes) * max(*inflight, 2))
+        if not file:
+            raise FlashLLMError(f"{directory}: not writable, and it holds no file large enough to read instead; "
+                                f"profile a writable directory on the same disk (`flashllm profile DIR`)")
+        notes.append(f"measured on {file} (read-only; it may be cached)")
     sizes, inflight = sorted(set(int(s) for s in sizes)), sorted(set(int(q) for q in inflight))
     rng = np.random.default_rng()
     mibps = [[0.0] * len(sizes) for _ in inflight]

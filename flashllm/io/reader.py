@@ -8,10 +8,10 @@ separated by at most that many bytes: the gap is read into a junk buffer, becaus
 it costs less than a second read (flashllm/io/disk_profile.py measures where that holds). With ``aio_depth > 0`` aligned
 direct reads go through Linux native AIO instead (flashllm/io/aio.py): the calling thread submits a call's reads
 in one syscall, ``aio_depth`` in flight, and reaps them when it waits; no thread is woken, which on
-a loaded machine is most of what a small call costs (bench/results/io_pipeline.md). Unaligned
+a loaded machine is most of what a small call costs. Unaligned
 reads still go to the threads. ``read_*`` wait for the reads;
 ``submit_*`` return a handle to wait on later, so that I/O overlaps compute or the next call.
-One Python task per read is measurably slower (bench/io_throughput.py --per-read-tasks).
+One Python task per read would cost more than the read itself at these sizes.
 
 Here: `FlashReader` (opening, checking and planning a call, choosing its engine); the reader threads are
 in flashllm/io/threads.py, the AIO submission in flashllm/io/aio_engine.py, a call's handle and stats in flashllm/io/call.py.
@@ -46,8 +46,8 @@ IO_ENGINES = ("auto", "io_uring", "aio", "preadv")
 def io_engine() -> str:
     """$FLASHLLM_IO_ENGINE: "auto" (Linux AIO for readers given an aio_depth, reader threads otherwise), or
     forced: "io_uring" (still Linux AIO where it is missing), "aio" (Linux AIO), "preadv" (reader threads).
-    io_uring is not the default: inside the runtime it cost the 7B sparse token more CPU than Linux AIO and
-    saved no I/O time, though fio measured its reads cheaper (bench/results/compute_roofline.md, session 8)."""
+    io_uring is not the default: inside the runtime a large sparse model's decode token took more CPU with it
+    than with Linux AIO and no less I/O time, though its reads alone are cheaper (docs/benchmarks.md)."""
     choice = os.environ.get("FLASHLLM_IO_ENGINE", "auto").strip().lower() or "auto"
     if choice not in IO_ENGINES:
         raise FlashIOError(f"FLASHLLM_IO_ENGINE={choice!r}: expected one of {', '.join(IO_ENGINES)}")
@@ -105,8 +105,8 @@ class FlashReader:
     """
 
     # io_uring reads in flight: at most this share of the device's request queue. Past a full queue a read
-    # waits for a request in io_uring's kernel workers, which took the cores from the math: the 7B sparse
-    # token's FFN 276-352 ms at 2048 in flight, 70 at 192 (bench/results/compute_roofline.md, session 8).
+    # waits for a request in io_uring's kernel workers, which take the cores from the math (a large sparse
+    # model's FFN step ran several times slower with thousands of reads in flight than within the queue).
     URING_QUEUE_SHARE = 0.75
 
     def __init__(self, path, threads: int = 32, max_chunk_bytes: int = 1 << 20, direct: bool = True,

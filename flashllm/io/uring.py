@@ -1,9 +1,8 @@
 """io_uring for a reader's direct reads (Linux 5.19+): the AIO engine's queue (``aio.AioQueue``) over a ring
 instead of an AIO context, with the reader's large destinations registered as fixed buffers.
 
-A read into a registered buffer skips pinning its pages, the largest per-read cost in the kernel here:
-fio measured 3.3-3.9 µs of CPU per 16-64 KiB read against 4.0-6.0 µs with Linux AIO; plain io_uring
-reads cost what AIO's do (bench/results/cpu_overhead.md). The ring is driven by C (backends/native/uring.c)
+A read into a registered buffer skips pinning its pages, the largest per-read cost in the kernel, so it
+takes less CPU than a Linux AIO read; plain io_uring reads cost what AIO's do (docs/benchmarks.md). The ring is driven by C (backends/native/uring.c)
 that takes the AIO engine's request records and returns its completion records, so everything above
 (request building, the submitter thread, error reporting) is shared. ``UringContext.open`` returns None
 where the C build, the syscall or its features are missing: the reader then uses AIO.

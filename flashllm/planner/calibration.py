@@ -106,10 +106,10 @@ class Calibration:
 
 def cold_io_s(measured_s: float, nbytes: float, disk) -> float:
     """I/O seconds of a measured configuration, never below what its bytes take at the disk profile's
-    fastest measured rate: on this VM the host caches the virtual disk, so reads of a file written or read
-    shortly before (a model just converted) once ran at 3 GB/s on a disk whose best is 1.4 GiB/s. Measured
-    reads slower than that stand as measured (until session 4 they were floored at the cost model's
-    random-read time, which a contended disk profile put at 3x what the runtime then measured)."""
+    fastest measured rate: a virtual disk's host may cache a file written or read shortly before (a model
+    just converted), whose reads then run faster than the disk can, which a plan must not count on.
+    Measured reads slower than that stand as measured (the cost model's random-read time is no floor: a
+    disk profile taken under contention overstates it)."""
     mibps = getattr(disk, "mibps", None)
     return max(measured_s, nbytes / (max(map(max, mibps)) * (1 << 20))) if mibps else measured_s
 

@@ -109,9 +109,9 @@ def measure_layer_overhead(profile: MachineProfile, tokens: int = 24, seconds: f
     from flashllm.planner import calibration
     from flashllm.planner import cost_model as cm
     from flashllm import load
-    from flashllm.cli import demo
+    from flashllm.embedded import prepare
 
-    model_dir = demo.prepare()
+    model_dir = prepare()
     out = {}
     for kind in ("dense", "sparse"):
         m = load(model_dir, mode=kind, dtype="float32", context=64, **({"predictor": "lowrank"} if kind == "sparse" else {}))

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 import socket
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -138,7 +136,7 @@ class Server:
 
 def create_app(server: Server):
     """The Starlette application for `server` (routes, JSON errors, the API-key check)."""
-    anyio = _require()
+    anyio = require()
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.responses import JSONResponse, StreamingResponse
@@ -292,7 +290,7 @@ class APIKeyCheck:
         await self.app(scope, receive, send)
 
 
-def _require():
+def require():
     """anyio (after checking that starlette and uvicorn are installed), or a clear error saying how
     to install the server's dependencies."""
     try:
@@ -327,44 +325,3 @@ def run(server: Server, sock: socket.socket, log_level: str = "info") -> None:
     finally:
         sock.close()
         server.queue.close()
-
-
-def add_parser(sub) -> None:
-    """The `flashllm serve` subcommand."""
-    from flashllm.cli.main import _checked, _count, _positive, add_load_options, add_model_dir
-
-    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                       description="Load MODEL once and answer POST /v1/chat/completions, POST /v1/completions "
-                       "(OpenAI-compatible, stream: true as server-sent events), GET /v1/models and GET /health. "
-                       "One request decodes at a time; others wait in a bounded queue (503 when full).")
-    add_model_dir(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback unless you open it up)")
-    s.add_argument("--port", type=_checked(int, lambda v: 0 <= v <= 65535, "a TCP port, 0-65535"), default=8080,
-                   help="TCP port (0: any free one, printed at start)")
-    s.add_argument("--api-key", default=os.environ.get("FLASHLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every request (default: $FLASHLLM_API_KEY, else none)")
-    s.add_argument("--model-name", help="the model id clients send (default: the model directory's name)")
-    s.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file, or 'plain' (role-prefixed "
-                   "turns, for base models) (default: the checkpoint's own; without one, only /v1/completions)")
-    s.add_argument("--max-queue", type=_count, default=8, help="requests that may wait while one decodes")
-    s.add_argument("--max-body", type=_positive, default=MAX_BODY_BYTES, help="largest request body in bytes")
-    add_load_options(s, skip=("batch_size",))  # requests decode one at a time
-    s.set_defaults(func=_cmd_serve)
-
-
-def _cmd_serve(args) -> None:
-    from flashllm import load
-    from flashllm.cli.main import load_options
-
-    _require()
-    sock = listen(args.host, args.port)
-    try:
-        server = Server(load(args.model_dir, load_options(args)), args.model_name, args.max_queue, args.api_key,
-                        args.chat_template, args.max_body)
-    except BaseException:
-        sock.close()
-        raise
-    print(f"flashllm serve: {server.name} ({server.model.mode} mode, context {server.model.context}, chat template: "
-          f"{server.template.origin if server.template else 'none'}) on http://{args.host}:{sock.getsockname()[1]}/v1 "
-          f"(one decode at a time, {args.max_queue} may wait)", file=sys.stderr, flush=True)
-    run(server, sock)

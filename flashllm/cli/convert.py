@@ -1,0 +1,56 @@
+"""`flashllm convert`: an HF checkpoint directory into a flashllm model directory."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    """The `flashllm convert` subcommand."""
+    c = sub.add_parser("convert", help="convert an HF checkpoint directory into a flashllm model directory",
+                       description="Rewrite an HF checkpoint (config.json + safetensors or .bin) into flashllm's "
+                       "layout: resident tensors plus FFN row-column bundles. Streams tensor by tensor into a "
+                       "temporary directory (inside OUT when it exists, e.g. an empty mount point, else beside it) "
+                       "and moves the result into place at the end.")
+    c.add_argument("src", help="HF checkpoint directory")
+    c.add_argument("out", help="output model directory: a new path, or with --force an empty directory (a mount "
+                   "point too) or a flashllm model directory")
+    c.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="storage dtype (default: the checkpoint's)")
+    c.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                   help="store FFN bundles group-wise quantized (asymmetric min/max, float16 scales; "
+                   "resident tensors stay in --dtype) (default: %(default)s)")
+    c.add_argument("--group-size", type=int, default=64,
+                   help="values per quantization group: groups run along d_model (and, in a mixture-of-experts "
+                   "model, along each expert's FFN width too), so the size must divide d_model and the experts' "
+                   "d_ffn; even for int4 (default: %(default)s)")
+    c.add_argument("--expert-layout", default="portable", choices=["portable", "torch-cpu"],
+                   help="MoE int4 experts: `portable` rows (every backend), or `torch-cpu`: torch's CPU int4 kernel "
+                   "layout of this machine, read straight into the expert cache with no repack (other backends "
+                   "and CPUs unpack it on insert) (default: %(default)s)")
+    c.add_argument("--force", action="store_true", help="replace OUT if it is empty or a flashllm model directory "
+                   "holding only flashllm's files (its predictors, thresholds and plan go with it); anything else "
+                   "is refused (default: off)")
+    c.add_argument("--no-bundle", action="store_true", help="store up rows and down columns in separate "
+                   "regions (the paper's baseline without bundling; for benchmarks) (default: off)")
+    c.set_defaults(func=command)
+
+
+def command(args) -> None:
+    """Convert, then say what the replaced model took with it and whether text prompts will work."""
+    from flashllm.converters import convert
+
+    old = Path(args.out)
+    before = set(os.listdir(old)) if args.force and old.is_dir() else set()
+    out = convert(args.src, args.out, dtype=args.dtype, quantize=args.quantize, group_size=args.group_size,
+                  force=args.force, bundled=not args.no_bundle, expert_layout=args.expert_layout)
+    print(f"wrote {out}")
+    # what went with the replaced model, e.g. predictors trained for it
+    gone = sorted(n for n in before - set(os.listdir(out)) if not n.startswith(".flashllm-"))
+    if gone:
+        print(f"flashllm: note: removed with the replaced model: {', '.join(gone)}", file=sys.stderr)
+    if not (out / "tokenizer.json").is_file():  # text in and out (generate, chat, serve) goes through it
+        print(f"flashllm: note: no tokenizer.json in {args.src}, so none was copied: text prompts (generate, chat, "
+              f"serve) will fail until the model's tokenizer.json (and tokenizer_config.json) is copied into {out}; "
+              f"without it, give token ids from Python (Model.generate_ids)", file=sys.stderr)

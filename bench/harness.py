@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -55,10 +54,15 @@ def interleaved(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str
     return times
 
 
-def spread(values, fmt: str = "{:.2f}") -> str:
-    """median [min, max] of a list of numbers."""
-    values = list(values)
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
+def spread(values, fmt: str = "{:.1f}") -> str:
+    """min–max of a list of numbers (one number where they print alike)."""
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def number(x, nd: int = 0) -> str:
+    """x with thousands separators and nd decimals; "-" for None or NaN (a table's empty cell)."""
+    return "-" if x is None or x != x else f"{x:,.{nd}f}"
 
 
 def load() -> float | None:

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from bench.harness import ROOT, command_line, module_argv
+from bench.harness import ROOT, command_line, module_argv, spread
 
 
 INLINE = {"flashllm.io.aio.AioQueue.INLINE_SHARE": 1e9}  # every read submitted by the caller (no submitter thread)
@@ -220,9 +220,6 @@ def submit_probe(model_dir: str, sizes=(64, 128, 256, 512, 800, 1024), repeats: 
                       f"{(w2 - w1) * 1e3:6.2f} ms, {io.bytes_read / (w2 - w0) / 1e9:.2f} GB/s")
 
 
-def spread(values, fmt="{:.1f}") -> str:
-    lo, hi = min(values), max(values)
-    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}–{fmt.format(hi)}"
 
 
 def report(runs: list[dict], meta: dict) -> str:

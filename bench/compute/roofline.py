@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.compute import kernel_survey
-from bench.harness import GB, ROOT, command_line, module_argv
+from bench.harness import GB, ROOT, command_line, module_argv, spread
 from bench.models import activation_trace
 
 
@@ -412,9 +412,6 @@ def _forward_args(args) -> list[str]:
 
 
 # -- report ---------------------------------------------------------------------------------------
-def spread(values, fmt="{:.1f}") -> str:
-    lo, hi = min(values), max(values)
-    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}–{fmt.format(hi)}"
 
 
 def report(meta, roof_rows, survey, runs) -> str:

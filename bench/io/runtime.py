@@ -52,7 +52,7 @@ import numpy as np
 
 from flashllm.format import manifest as fmt
 from flashllm.budget import budget_bytes, parse_budget
-from bench.harness import GB, baseline_rss, command_line, MemoryGroup, MiB, model_files
+from bench.harness import GB, MemoryGroup, MiB, baseline_rss, command_line, model_files, number
 from bench.io import neuron_order as nm
 from bench.models import activation_trace as tr
 from bench.paper.measure import Runner
@@ -232,8 +232,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _f(x, nd=0):
-    return "-" if x is None else f"{x:,.{nd}f}"
 
 
 def markdown(reps: list[dict]) -> str:
@@ -251,13 +249,13 @@ def markdown(reps: list[dict]) -> str:
             eng = r["bytes_read"] / r["read_ms"] / 1e6 if r["read_ms"] else None
             f = r["fio"]["bw_bytes"] / GB
             fl = r["fio_layer"]["bw_bytes"] / GB if "fio_layer" in r else None  # (runs before it was measured)
-            L.append(f"| {rep['date']} | {name} | {_f(r['total_ms'])} | {_f(r['read_ms'])} | {_f(r['io_ms'])} | {_f(r['mem_ms'])} | "
-                     f"{_f(r['compute_ms'])} | {_f(r['predictor_ms'])} | {r['total_ms'] / max(r['read_ms'], cpu):.2f} | "
-                     f"{_f(r.get('cpu_ms'))} / {_f(r.get('io_cpu_ms'))} | "
-                     f"{r['bytes_read'] / GB:.3f} | {_f(r['reads'])} | {_f(eng, 3)} | {f:.3f} / {_f(fl, 3)} | "
-                     f"{_f(eng / f if eng else None, 2)} / {_f(eng / fl if eng and fl else None, 2)} | "
-                     f"{_f(r['neurons_dropped'])} | "
-                     f"{_f(r.get('read_ahead_recall'), 2)} | {r['load_average_at_start']:.1f}–{r['load_average_after']:.1f} |")
+            L.append(f"| {rep['date']} | {name} | {number(r['total_ms'])} | {number(r['read_ms'])} | {number(r['io_ms'])} | {number(r['mem_ms'])} | "
+                     f"{number(r['compute_ms'])} | {number(r['predictor_ms'])} | {r['total_ms'] / max(r['read_ms'], cpu):.2f} | "
+                     f"{number(r.get('cpu_ms'))} / {number(r.get('io_cpu_ms'))} | "
+                     f"{r['bytes_read'] / GB:.3f} | {number(r['reads'])} | {number(eng, 3)} | {f:.3f} / {number(fl, 3)} | "
+                     f"{number(eng / f if eng else None, 2)} / {number(eng / fl if eng and fl else None, 2)} | "
+                     f"{number(r['neurons_dropped'])} | "
+                     f"{number(r.get('read_ahead_recall'), 2)} | {r['load_average_at_start']:.1f}–{r['load_average_after']:.1f} |")
     L += ["", "Runs: " + "; ".join(f"`{rep['command']}` ({rep['date']})" for rep in reps),
           f"memory limit {first['memory_limit'] / GB:.2f} GB (DRAM budget {first['dram_budget'] / GB:.2f} GB of "
           f"{first['model_bytes'] / GB:.2f} GB); {first['fio_version']}"]
@@ -281,7 +279,7 @@ def markdown(reps: list[dict]) -> str:
         if rep.get("fio_gap"):
             g = rep["fio_gap"]
             L.append(f"- gap cost model (fio, same jobs): a read costs {g['per_read_us']:.0f} us + size / "
-                     f"{_f(g['bandwidth_mibps'])} MiB/s: gaps under {g['gap_bytes']:,} bytes are read through")
+                     f"{number(g['bandwidth_mibps'])} MiB/s: gaps under {g['gap_bytes']:,} bytes are read through")
         if rep.get("replay"):
             rp = rep["replay"]
             gaps = list(rp["none"])

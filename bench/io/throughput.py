@@ -28,7 +28,6 @@ import datetime
 import json
 import mmap
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -40,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 
 from flashllm.io.reader import FlashReader, aligned_empty
-from bench.harness import MiB
+from bench.harness import MiB, machine_desc
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 CALL_BYTES = 64 * MiB  # bytes requested per read_rows call (one call ~ many layers' worth of bundles)
@@ -218,14 +217,6 @@ def fio_version() -> str:
     return subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{platform.system()} {platform.release()}, {os.cpu_count()} CPUs ({cpu})"
 
 
 def run(args) -> dict:
@@ -293,7 +284,7 @@ def run(args) -> dict:
                 if res["fio"]:
                     row[f"{extra}_ratio"] = round(statistics.median(x / f for x, f in zip(res[extra], res["fio"])), 3)
         rows.append(row)
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine_desc(),
             "command": " ".join(["python"] + sys.argv), "file": path, "size": size, "rounds": args.rounds,
             "seconds": args.seconds, "layer_bytes": layer_bytes, "inflight": args.inflight, "aio_depth": args.aio_depth, "cpu_hogs": args.cpu_hogs,
             "small_pages": args.small_pages,

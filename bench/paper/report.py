@@ -3,12 +3,11 @@ targets, the markdown text, and the description of the setting (machine, code, m
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 
-from bench.harness import GB
+from bench.harness import GB, number
 from bench.models import activation_trace as tr
 
 
@@ -109,10 +108,6 @@ def trace_report(path, manifest, windows: list[int]) -> dict:
             "held_fraction_per_layer": held}
 
 
-def _f(x, nd=2) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    return f"{x:,.{nd}f}"
 
 
 class Units:
@@ -122,7 +117,7 @@ class Units:
         self.scale, self.name = (1.0, "GB") if model_gb >= 1 else (1e3, "MB")
 
     def __call__(self, x, nd=2) -> str:
-        return _f(None if x is None else x * self.scale, nd)
+        return number(None if x is None else x * self.scale, nd)
 
 
 YES = {True: "✓", False: "✗"}
@@ -172,8 +167,8 @@ def _table2(report: dict, g: Units) -> list[str]:
     for r in report["table2"]:
         L.append(f"| {r['config']} | {yes[r['hybrid']]} | {yes[r['predictor']]} | {yes[r['windowing']]} | "
                  f"{yes[r['bundling']]} | {g(r['dram_gb'])} | {g(r['dram_allocated_gb'])} | "
-                 f"{g(r['flash_gb_per_token'], 3)} | {_f(r['throughput_gbs'])} | {_f(r['io_ms'], 0)} | "
-                 f"{_f(r['read_ms'], 0)} | {_f(r['reads_per_token'], 0)} | {_f(r['neurons_dropped_per_token'], 0)} | "
+                 f"{g(r['flash_gb_per_token'], 3)} | {number(r['throughput_gbs'], 2)} | {number(r['io_ms'], 0)} | "
+                 f"{number(r['read_ms'], 0)} | {number(r['reads_per_token'], 0)} | {number(r['neurons_dropped_per_token'], 0)} | "
                  f"{r['tokens']} |")
     L.append("\nDRAM in use: resident weights + KV cache + predictors + the neuron-cache rows holding neurons "
              "(mean over the measured tokens); allocated: what the runtime reserves (caches at full capacity).")
@@ -189,8 +184,8 @@ def _table3(report: dict, g: Units) -> list[str]:
     L.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["table3"]:
         L.append(f"| {r['config']} | {r['backend']} | {r['compute_dtype']} | {g(r['flash_gb_per_token'], 3)} | "
-                 f"{_f(r['io_ms'], 0)} | {_f(r['mem_ms'], 1)} | {_f(r['compute_ms'], 0)} | {_f(r['predictor_ms'], 1)} | "
-                 f"{_f(r['total_ms'], 0)} | {g(r['dram_gb'])} | {r['tokens']} |")
+                 f"{number(r['io_ms'], 0)} | {number(r['mem_ms'], 1)} | {number(r['compute_ms'], 0)} | {number(r['predictor_ms'], 1)} | "
+                 f"{number(r['total_ms'], 0)} | {g(r['dram_gb'])} | {r['tokens']} |")
     L.append("")
     for name, v in report["ratios"].items():
         L.append(f"- {name}: {v['total']:.2f}× end-to-end, {v['io_ms']:.1f}× I/O time, "
@@ -228,9 +223,9 @@ def _fig7(report: dict, g: Units) -> list[str]:
                  "FFN held in cache | dropped neurons/token | tokens |")
         L.append("|---|---|---|---|---|---|---|---|---|")
         for r in report["fig7"]:
-            L.append(f"| {r['window']} | {g(r['dram_gb'])} | {g(r['flash_gb_per_token'], 3)} | {_f(r['io_ms'], 0)} | "
-                     f"{_f(r['mem_ms'], 1)} | {_f(r['total_ms'], 0)} | {r['cached_fraction']:.1%} | "
-                     f"{_f(r['neurons_dropped_per_token'], 0)} | {r['tokens']} |")
+            L.append(f"| {r['window']} | {g(r['dram_gb'])} | {g(r['flash_gb_per_token'], 3)} | {number(r['io_ms'], 0)} | "
+                     f"{number(r['mem_ms'], 1)} | {number(r['total_ms'], 0)} | {r['cached_fraction']:.1%} | "
+                     f"{number(r['neurons_dropped_per_token'], 0)} | {r['tokens']} |")
     return L
 
 
@@ -248,9 +243,9 @@ def _fig8(report: dict, g: Units) -> list[str]:
         for a, b in zip(edges, edges[1:]):
             part = f8[a:b]
             v = io[a:b]
-            L.append(f"| {a + 1}–{b} | {_f(float(v.mean()), 0)} | {_f(float(np.median(v)), 0)} | "
-                     f"{_f(float(np.percentile(v, 90)), 0)} | {g(sum(r['flash_gb'] for r in part) / len(part), 3)} | "
-                     f"{_f(sum(r['total_ms'] for r in part) / len(part), 0)} |")
+            L.append(f"| {a + 1}–{b} | {number(float(v.mean()), 0)} | {number(float(np.median(v)), 0)} | "
+                     f"{number(float(np.percentile(v, 90)), 0)} | {g(sum(r['flash_gb'] for r in part) / len(part), 3)} | "
+                     f"{number(sum(r['total_ms'] for r in part) / len(part), 0)} |")
     return L
 
 
@@ -273,7 +268,7 @@ def _trace(report: dict, g: Units) -> list[str]:
             rec = sm.get("recall", [None] * len(sm["active"]))[i]
             pot = sm.get("predicted_over_true", [None] * len(sm["active"]))[i]
             L.append(f"| {i} | {rng_} | {a:.1%} | {sm['new_w1'][i]:.1%} | {sm[f'new_w{k}'][i]:.1%} | "
-                     f"{sm[f'held_w{k}'][i]:.1%} | {_f(rec, 3)} | {_f(pot, 2)} |")
+                     f"{sm[f'held_w{k}'][i]:.1%} | {number(rec, 3)} | {number(pot, 2)} |")
         imp = t["unlimited_flash_gb_per_token"]
         L.append("\nWith caches large enough for every window (no DRAM limit), this trace implies per token: " +
                  ", ".join(f"window {w}: {g(v, 3)} {U}" for w, v in imp.items()) + ".")
@@ -307,10 +302,10 @@ def _runs(report: dict, g: Units) -> list[str]:
         cg = (r.get("cgroup_usage") or {}).get("peak_bytes")
         pc = r.get("page_cache_at_start")
         L.append(f"| {name} | {r['run']['mode']} | {r['run'].get('window') or '-'} | "
-                 f"{'bundled' if r['bundled'] else 'unbundled'} | {_f(r['load_s'], 1)} | "
+                 f"{'bundled' if r['bundled'] else 'unbundled'} | {number(r['load_s'], 1)} | "
                  f"{r['warmup_tokens']}+{r['decode_tokens']} | {g((r.get('rss_peak') or 0) / GB)} | "
                  f"{g(cg / GB) if cg else '-'} | {'-' if pc is None else f'{pc:.1%}'} | "
-                 f"{_f(r.get('load_average_at_start'), 1)} |")
+                 f"{number(r.get('load_average_at_start'), 1)} |")
     return L
 
 

@@ -275,8 +275,8 @@ def test_a_warning_while_text_streams_starts_on_its_own_line_in_a_terminal(capsy
 
 def test_only_flashllm_warnings_take_the_cli_form_and_the_display_is_restored(capsys, flash, monkeypatch):
     """main() formats flashllm's own warnings (its warning classes, or raised from its code) as `flashllm:
-    warning:` lines; another library's warning keeps Python's format; afterwards warnings.showwarning is what it
-    was (the CLI used to replace warnings.formatwarning for the whole process)."""
+    warning:` lines; another library's warning keeps Python's format; afterwards warnings.formatwarning is what
+    it was, so a program that runs the CLI in-process keeps its own warning format."""
     import warnings
     from pathlib import Path
 

@@ -52,25 +52,22 @@ def is_ours(category, filename: str) -> bool:
 
 @contextlib.contextmanager
 def flashllm_warnings():
-    """While the command runs, flashllm's warnings are shown as `one_line_warning` lines and any other
-    warning as before; `warnings.showwarning` is restored afterwards."""
-    shown_before = warnings.showwarning
+    """While the command runs, flashllm's warnings are formatted as `one_line_warning` lines and any other warning
+    as before; `warnings.formatwarning` is restored afterwards. (Formatting, not showing: where warnings are
+    recorded instead of shown, as under `warnings.catch_warnings(record=True)`, they stay recorded.)"""
+    format_before = warnings.formatwarning
 
-    def show(message, category, filename, lineno, file=None, line=None):
-        if not is_ours(category, filename):
-            return shown_before(message, category, filename, lineno, file, line)
-        out = sys.stderr if file is None else file
-        try:
-            out.write(one_line_warning(message, category, filename, lineno))
-        except (OSError, AttributeError):  # stderr gone or not a file: a warning is not worth failing over
-            pass
+    def format_(message, category, filename, lineno, line=None):
+        if is_ours(category, filename):
+            return one_line_warning(message, category, filename, lineno)
+        return format_before(message, category, filename, lineno, line)
 
-    warnings.showwarning = show
+    warnings.formatwarning = format_
     try:
         yield
     finally:
-        if warnings.showwarning is show:
-            warnings.showwarning = shown_before
+        if warnings.formatwarning is format_:
+            warnings.formatwarning = format_before
 
 
 def discard_stdout() -> None:

@@ -233,7 +233,7 @@ def cmd_eval(args) -> None:
                for dtype in (args.sweep_dtype or [options.dtype])]
     if args.out:
         paths = write_sweep(results, args.out, "flashllm " + " ".join(sys.argv[1:]))
-        note = "" if len(paths) == 3 else " (no plot: matplotlib is not installed; pip install 'flashllm[bench]')"
+        note = "" if len(paths) == 3 else " (no plot: matplotlib is not installed; pip install matplotlib)"
         print("wrote " + ", ".join(map(str, paths)) + note, file=sys.stderr)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else {"results": results}))

@@ -298,8 +298,8 @@ def require():
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        raise FlashLLMError(f"flashllm serve needs the 'serve' extra ({exc.name} is missing): in the "
-                            f"flashllm checkout, pip install -e \".[serve]\"") from None
+        raise FlashLLMError(f"flashllm serve needs the 'serve' extra ({exc.name} is missing): in the flashllm "
+                            f"checkout, pip install -e \".[serve]\" --config-settings editable_mode=strict") from None
     return anyio
 
 

@@ -22,15 +22,11 @@
    With --paired (the default), each measured token also gets a roofline of its own minute: one pass of the
    native mat-vec over the model's q/k/v/o weights just before and after it (paired_roofline).
 
-Configurations (--configs): `default` (every runtime default: kernels "tuned", dtype and compute threads by the
-machine's load); `1t` / `2t` (compute_threads 1 / 2; OpenMP workers sleep at barriers, flashllm's default);
-`2t-spin` (workers spin first, libgomp's own default); `plain-2t-spin` (kernels "plain": the file's tensors with
-torch's default kernels); `mv-down-1t` / `mv-down-2t` (the down projection by torch.mv, decode attention on
-every thread); `no-native-1t` / `no-native-2t` (FLASHLLM_NATIVE=0: torch's kernels only); `2t-torch-attention`
-(decode attention by torch, not the native kernel); `2t-no-read-ahead`; `2t-thp` (torch's allocator on 2 MiB
-transparent huge pages); `2t-4k-pages` (weights on 4 KiB pages, not flashllm's huge pages); `2t-io-uring`
-(reads through io_uring, not Linux AIO); `mlx`. Each run also records the process's CPU seconds per token
-("cpu ms"): on a loaded machine wall time is mostly waiting for a core, and CPU time shows the work itself.
+Configurations (--configs, CONFIGS below): named by what they set against the defaults (`default`): compute
+threads (`1t`, `2t`), OpenMP waiting (`-spin`), kernels (`plain-`, `mv-down-`, `no-native-`, `-torch-attention`),
+read-ahead, page sizes (`-thp`, `-4k-pages`), the I/O engine (`-io-uring`), or the backend (`mlx`).
+Each run also records the process's CPU seconds per token ("cpu ms"): on a loaded machine wall time is mostly
+waiting for a core, and CPU time shows the work itself.
 """
 
 from __future__ import annotations

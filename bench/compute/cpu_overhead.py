@@ -17,7 +17,7 @@ io_submit alone: calls of N random bundle reads of the model's FFN file through 
 every read submitted by the caller (how long the submit takes, and how much of it is CPU).
 
     python -m bench compute overhead MODEL --trace T.npz --dram-budget 0.5 --context 512 --configs default
-    python -m bench compute overhead MODEL --trace T.npz --src /tmp/before --src . --rounds 2 --json-out r.json
+    python -m bench compute overhead MODEL --trace T.npz --src OTHER_CHECKOUT --src . --rounds 2 --json-out r.json
     python -m bench compute overhead MODEL --submit-probe
 
 """

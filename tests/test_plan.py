@@ -356,3 +356,22 @@ def test_plan_of_a_directory_that_is_no_model_fails_before_profiling(tmp_path, c
     assert main(["plan", str(tmp_path), "--dram-budget", "50%", "--quiet"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("flashllm: error:") and "not a flashllm model directory" in err and err.count("\n") == 1
+
+
+def test_plan_of_a_read_only_model_directory_is_printed_and_said_unsaved(planned_model, cached_profiles, capsys,
+                                                                          monkeypatch):
+    """`flashllm plan` where plan.json cannot be written (a read-only model directory): the plan is printed as
+    usual and one warning line says it was not saved, instead of a traceback."""
+    from flashllm.cli.main import main
+
+    def read_only(model_dir, plan):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(planner, "save_plan", read_only)
+    capsys.readouterr()
+    with pytest.warns(RuntimeWarning, match=r"plan.json not saved \(Permission denied\); `--plan auto` plans again"):
+        code = main(["plan", str(planned_model), "--dram-budget", "345KiB", "--context", "64", "--data",
+                     str(planned_model.parent / "sample.txt"), "--sample-tokens", "128", "--calibrate-tokens", "0",
+                     "--quiet"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.startswith("plan: ") and "Traceback" not in err, err

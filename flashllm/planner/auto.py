@@ -97,5 +97,6 @@ def auto_options(model_dir, options, log=None):
         raise FlashLLMError(f"--plan auto: {exc}. `flashllm plan {model_dir}` with the same --dram-budget takes "
                             f"those options and saves a plan that --plan auto then uses; or pass --dtype or a "
                             f"smaller --context here") from None
-    log(plan.describe().splitlines()[0] + f" (saved in {model_dir}/{planner.PLAN_FILE})")
+    kept = (Path(model_dir) / planner.PLAN_FILE).is_file()
+    log(plan.describe().splitlines()[0] + (f" (saved in {model_dir}/{planner.PLAN_FILE})" if kept else ""))
     return options.replace(**plan.load_options())

@@ -89,10 +89,8 @@ class TorchAttention:
         (x + output, its FFN norm), where the kernels load and the layer fits them (RMS norm, fused q/k/v, 16-bit
         KV, no q/k norms or soft-capping); else None. Where the parts are timed, each step is charged to its part
         by the call's own clock (the residual's add with its norm)."""
-        args = self._block_args.get(layer)
-        if args is None:
-            args = self._block_args[layer] = self._block_of(layer) or False
-        if not args or not self.native_attention or kv.bits != 16:
+        args = self._block_args[layer]
+        if args is None or not self.native_attention or kv.bits != 16:
             return None
         s = self.spec
         window, timed = s.window(layer), self.parts is not None
@@ -117,6 +115,11 @@ class TorchAttention:
             self._rope_addr[rope] = tables, addr
         return addr
 
+    def prepare_attention(self) -> None:
+        """At load, once the resident weights are in place (and fused): each layer's fixed arguments of the
+        one-call attention block, or None where it does not apply (`attention` then takes the op-by-op path)."""
+        self._block_args = [self._block_of(layer) for layer in range(self.spec.n_layers)]
+
     def _block_of(self, layer: int) -> tuple | None:
         """Layer `layer`'s fixed arguments of the one-call attention block (`NativeKernels.block_args`), or None
         where the block does not apply to it."""
@@ -136,12 +139,12 @@ class TorchAttention:
         S, window = pos + T, s.window(layer)
         lo = max(0, pos - window + 1) if window else 0  # earliest key any of the new queries sees
         scale = s.attn_scale or s.head_dim ** -0.5
-        if T == 1 and self.native is not None and self.native_attention and kv.bits == 16 and not s.attn_softcap:
+        if T == 1 and self._native_attend is not None and self.native_attention:
             cos_sin = None
             if s.positional == "rotary":
                 cos_sin = tuple(t.reshape(-1) for t in self.rope_tables(self.ropes[layer], pos, 1))
-            out = self.native.attend(q, k, v, kv.k[layer], kv.v[layer], pos, lo, scale, cos_sin)
-            if out is not None:
+            out = self._native_attend(q, k, v, kv.k[layer], kv.v[layer], pos, lo, scale, cos_sin)
+            if out is not None:  # (tensors of another layout: torch's)
                 return out
         if s.positional == "rotary" and qk is not None:
             qk = self._rope(qk, self.ropes[layer], pos)

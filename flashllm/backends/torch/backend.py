@@ -67,7 +67,17 @@ class TorchBackend(TorchAttention, Backend):
         # one decode token's mat-vecs and sparse FFN in C (backends/native) where it builds; torch otherwise
         lib = native.library() if self.device.type == "cpu" and self.tuned else None
         self.native = NativeKernels(lib, self.threads) if lib is not None else None
-        self._block_args: dict[int, tuple | bool] = {}  # layer -> its one-call attention block's fixed arguments
+        # the kernels, chosen once: the native ones for one decode token where they serve the compute dtype
+        # (float16, bfloat16; quantized FFN rows as stored at any float dtype), else torch's
+        floats = self.native if self.native is not None and self.dtype in NATIVE_DTYPES else None
+        self._matvec = None if floats is None else floats.linear  # x [1, in] @ w.T + b
+        self._low_rank = None if floats is None else floats.low_rank
+        self._row_ffn = self.native.ffn if self.ffn_index_in_place() else None  # one token over cache rows
+        self._native_attend = floats.attend if floats is not None and kv_bits == 16 and not spec.attn_softcap else None
+        self.norm = self._layer_norm if spec.norm == "layernorm" else self._native_rms_norm if floats is not None \
+            else self._fused_rms_norm if self.tuned else self._rms_norm
+        self._block_args: list[tuple | None] = [None] * spec.n_layers  # per layer: its one-call attention block's
+        # fixed arguments, made at load (prepare_attention)
         self._rope_addr: dict = {}  # rope -> (its _rope_rows entry, (values, cos address, sin address))
         self.w: dict[str, torch.Tensor] = {}
         self.kv_bits = kv_bits
@@ -163,16 +173,18 @@ class TorchBackend(TorchAttention, Backend):
         if isinstance(w, QuantRows):  # FFN rows as stored (native_quant): natively for one token, else dequantized
             y = self.native.qlinear(x, w, b) if self.native is not None else None
             return y if y is not None else F.linear(x, w.values(x.dtype), b)
-        if self.native is not None and x.shape[0] == 1:
-            y = self.native.linear(x, w, b)
-            if y is not None:
+        if isinstance(w, QuantMatrix):
+            return w.linear(x, b)
+        if self._matvec is not None and x.shape[0] == 1:
+            y = self._matvec(x, w, b)
+            if y is not None:  # (a weight of another layout: torch's)
                 return y
-        return w.linear(x, b) if isinstance(w, QuantMatrix) else F.linear(x, w, b)
+        return F.linear(x, w, b)
 
     def low_rank(self, x: torch.Tensor, proj_in, proj_out, bias) -> np.ndarray:
-        if self.native is not None:
-            logits = self.native.low_rank(x, proj_in, proj_out, bias)
-            if logits is not None:
+        if self._low_rank is not None and x.shape[0] == 1:
+            logits = self._low_rank(x, proj_in, proj_out, bias)
+            if logits is not None:  # (predictor weights of another layout: torch's)
                 return logits
         return super().low_rank(x, proj_in, proj_out, bias)
 
@@ -208,17 +220,27 @@ class TorchBackend(TorchAttention, Backend):
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # -- forward pieces ------------------------------------------------------------------------
-    def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        t0, w, b, eps = self._tic(), self.w[name + ".weight"], self.w.get(name + ".bias"), self.spec.norm_eps
-        if self.spec.norm == "layernorm":
-            return self._toc("norms", t0, F.layer_norm(x, (x.shape[-1],), w, b, eps))
-        y = self.native.rms_norm(x, w, eps) if self.native is not None else None  # the same in one C pass
-        if y is not None:
-            return self._toc("norms", t0, y)
-        if self.tuned:  # one fused float32 kernel (torch's rms_norm), then transformers' cast and scale
-            return self._toc("norms", t0, w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype))
-        xf = x.float()
-        return self._toc("norms", t0, w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
+    # `norm(name, x)` is one of these, chosen in __init__
+    def _layer_norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        t0, w, b = self._tic(), self.w[name + ".weight"], self.w.get(name + ".bias")
+        return self._toc("norms", t0, F.layer_norm(x, (x.shape[-1],), w, b, self.spec.norm_eps))
+
+    def _native_rms_norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """`_fused_rms_norm`'s result in one C pass."""
+        t0, w = self._tic(), self.w[name + ".weight"]
+        y = self.native.rms_norm(x, w, self.spec.norm_eps)
+        return self._toc("norms", t0, y) if y is not None else self._fused_rms_norm(name, x)
+
+    def _fused_rms_norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """One fused float32 kernel (torch's rms_norm), then transformers' cast and scale."""
+        t0, w = self._tic(), self.w[name + ".weight"]
+        return self._toc("norms", t0, w * F.rms_norm(x.float(), (x.shape[-1],), eps=self.spec.norm_eps).to(x.dtype))
+
+    def _rms_norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """transformers' RMSNorm, op by op (the "plain" kernels)."""
+        t0, w, xf = self._tic(), self.w[name + ".weight"], x.float()
+        y = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.norm_eps)).to(x.dtype)
+        return self._toc("norms", t0, y)
 
     def embedding_rows(self, ids: list[int]) -> torch.Tensor:
         idx = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -240,9 +262,13 @@ class TorchBackend(TorchAttention, Backend):
     def fuse_resident(self) -> None:
         """At load: each layer's q, k, v weights (and biases) as one matrix, so a token's projections
         are one call streaming one matrix. Same math; skipped for layers whose q/k/v are not plain
-        tensors of the compute dtype (e.g. quantized) and with the "plain" kernels."""
-        if not self.tuned:
-            return
+        tensors of the compute dtype (e.g. quantized) and with the "plain" kernels. Then each layer's
+        one-call attention block is prepared where it applies (`prepare_attention`)."""
+        if self.tuned:
+            self._fuse_qkv()
+        self.prepare_attention()
+
+    def _fuse_qkv(self) -> None:
         for layer in range(self.spec.n_layers):
             p = f"layers.{layer}."
             names = [p + n + ".weight" for n in "qkv"]
@@ -267,13 +293,13 @@ class TorchBackend(TorchAttention, Backend):
         contributions into it and return it, or with `finish` (a layer's last rows) return the FFN's
         output from it, `ffn_result(acc, x, down_bias)`."""
         t0, gated, packed = self._tic(), self.spec.gated_ffn, "down_t" in rows
-        if self.native is not None and not packed and x.shape[0] == 1:  # the output rounded in the kernel call
+        if self._row_ffn is not None and not packed and x.shape[0] == 1:  # the output rounded in the kernel call
             y = torch.empty_like(x) if acc is None or finish else None
-            out = self.native.ffn(x, rows, up_bias, gate_bias, gate_pre, self.spec.activation,
-                                  self.spec.activation_threshold, threshold, index,
-                                  acc if acc is not None else self._ffn_buffer(x), gated, y=y,
-                                  down_bias=None if y is None else down_bias, zero=acc is None)
-            if out is not None:
+            out = self._row_ffn(x, rows, up_bias, gate_bias, gate_pre, self.spec.activation,
+                                self.spec.activation_threshold, threshold, index,
+                                acc if acc is not None else self._ffn_buffer(x), gated, y=y,
+                                down_bias=None if y is None else down_bias, zero=acc is None)
+            if out is not None:  # (rows of another layout, e.g. experts: torch's)
                 return self._toc("ffn", t0, out if y is None else y)
         if isinstance(rows.get("up"), QuantRows):  # no kernel for this call (e.g. prefill): dequantized rows
             rows = {p: t.values(self.dtype) for p, t in rows.items()}

@@ -149,3 +149,16 @@ def test_dropped_neurons_warning_names_options_as_the_caller_passes_them(tiny_mo
     line = console.one_line_warning(dropped[0], DroppedNeuronsWarning, "x.py", 1)
     assert line.startswith("flashllm: warning: the neuron caches could not hold every predicted neuron: ")
     assert "raise --dram-budget, or --on-overflow error to refuse" in line and line.count("\n") == 1
+
+
+def test_registries_hold_exactly_the_names_options_own():
+    """options.py owns the names of modes, expert policies and predictors; each registry builds exactly those."""
+    from flashllm import options
+    from flashllm.modes.experts import ExpertCache
+    from flashllm.modes.moe import MOE_MODES
+    from flashllm.modes.sparse.predictor import PREDICTORS
+
+    assert tuple(MODES) == options.MODES and set(MOE_MODES) <= set(options.MODES)
+    assert set(PREDICTORS) | {"auto"} == set(options.PREDICTORS)
+    for policy in options.EXPERT_POLICIES:  # every policy name builds a cache
+        ExpertCache(2, 4, 1, policy)

@@ -158,8 +158,8 @@ def test_runtime_gap_comes_from_the_profile(tiny_models, tmp_path, monkeypatch):
     p.key = disk_profile.disk_key(tm.model_dir / "ffn.bin")
     disk_profile.save(p)
     model = flashllm.load(tm.model_dir, mode="sparse", predictor="oracle", threads=32, gap_bytes=None)
-    assert model.mode_impl.reader.io.gap_bytes == min(p.gap_bytes(32), model.mode_impl.reader.io.max_chunk_bytes)
-    assert flashllm.load(tm.model_dir, mode="sparse", predictor="oracle").mode_impl.reader.io.gap_bytes == 0  # default
+    assert model.stats["gap_bytes"] == min(p.gap_bytes(32), 1 << 20)  # up to the reader's largest read (1 MiB)
+    assert flashllm.load(tm.model_dir, mode="sparse", predictor="oracle").stats["gap_bytes"] == 0  # default
     ids = np.arange(3, 12).tolist()
     np.testing.assert_allclose(model.logits(ids, prefill=2), flashllm.load(tm.model_dir, mode="dense").logits(
         ids, prefill=2), atol=1e-4, rtol=1e-4)

@@ -43,7 +43,7 @@ def test_mlx_small_cache_swaps_and_chunks_exactly(tiny_models):
                 2 * capacity * full.compute_row_bytes()
             model = flashllm.load(tiny.model_dir, backend=backend, mode="sparse", predictor="oracle",
                                   dram_budget=budget, window=8, threads=2, read_ahead=False)
-            assert model.mode_impl.capacity == capacity
+            assert model.stats["cache_capacity"] == [capacity] * model.spec.n_layers
             runs[backend] = (model.logits(IDS, prefill=PREFILL), model.stats)
             assert model.stats["dram_bytes"] <= budget
         (ours, stats), (ref, ref_stats) = runs["mlx"], runs["torch"]
@@ -113,7 +113,7 @@ def test_mlx_caches_hold_as_many_rows_as_torch_at_the_demos_settings(tmp_path):
                                context=256) for b in ("torch", "mlx")}
     stride = models["mlx"].layout.stride
     assert models["mlx"].backend.staging_bytes(stride) <= models["torch"].backend.staging_bytes(stride)
-    assert models["mlx"].mode_impl.capacities == models["torch"].mode_impl.capacities
+    assert models["mlx"].stats["cache_capacity"] == models["torch"].stats["cache_capacity"]
 
 
 def test_mlx_budget_error_says_a_float16_file_computes_in_float32(tiny_models, tmp_path):

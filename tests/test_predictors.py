@@ -319,7 +319,7 @@ def test_budget_below_the_predicted_sets_warns_at_load_with_the_numbers(tiny_mod
     (model_dir / "predictors.json").write_text(json.dumps(meta))
     with pytest.warns(RuntimeWarning, match=r"2 of 2 layer caches hold fewer neurons .* \(layer \d: \d+ for 96\)") as w:
         model = flashllm.load(model_dir, mode="sparse", dram_budget=1.0)  # the resident part is most of it
-    assert all(c < 96 for c in model.mode_impl.capacities) and "will be dropped" in str(w[0].message)
+    assert all(c < 96 for c in model.stats["cache_capacity"]) and "will be dropped" in str(w[0].message)
     assert w[0].category is flashllm.DroppedNeuronsWarning
     for kw, then in ((dict(on_overflow="error"), "are refused"), (dict(batch_size=2, dram_budget="330KiB"),
                                                                   "(exact, slower)")):
@@ -333,7 +333,7 @@ def test_budget_below_the_predicted_sets_warns_at_load_with_the_numbers(tiny_mod
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the suggested budget holds every layer's mean predicted set
         model = flashllm.load(model_dir, mode="sparse", dram_budget=enough)
-        assert all(c >= 96 for c in model.mode_impl.capacities)
+        assert all(c >= 96 for c in model.stats["cache_capacity"])
         flashllm.load(model_dir, mode="sparse")  # unlimited: no warning either
 
 

@@ -111,7 +111,7 @@ def test_resident_quantization_leaves_room_for_the_cache(tiny_models):
     kw = dict(mode="sparse", predictor="oracle", dram_budget=0.9)
     plain, quant = flashllm.load(d, **kw), flashllm.load(d, quantize_resident="int4", **kw)
     assert quant.backend.nbytes() < plain.backend.nbytes()
-    assert sum(quant.mode_impl.capacities) > sum(plain.mode_impl.capacities)
+    assert sum(quant.stats["cache_capacity"]) > sum(plain.stats["cache_capacity"])
 
 
 def test_cli_stats_say_what_is_quantized(tiny_models, capsys):

@@ -39,8 +39,8 @@ def test_read_ahead_pauses_for_layers_whose_lookahead_misses(tiny_models, dense_
     np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
     assert (model.stats["neurons_read_ahead"] > 0) == model.predictor.selective and not model.stats["read_ahead_paused"]
     assert model.stats["read_ahead_cut"] == [0] * model.spec.n_layers
-    named, right = model.mode_impl.read_ahead.named[1:], model.mode_impl.read_ahead.right[1:]
-    assert ((0 <= right) & (right <= named)).all()
+    precision = model.stats["read_ahead_precision_per_layer"]  # of the lookahead's named neurons, the right ones
+    assert precision[0] is None and all(0 <= p <= 1 for p in precision[1:])
 
 
 def test_a_missing_lookahead_costs_reads_and_the_cut_bounds_them(tiny_models):
@@ -73,7 +73,6 @@ def test_submitting_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeyp
 
     tiny = tiny_models("opt")
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, read_ahead=True)
-    model.mode_impl.read_ahead.precision = 0.0  # read ahead whatever the lookahead's precision
     calls, real = [], FFNReader.submit
 
     def slow_submit(self, *a, **k):
@@ -97,7 +96,6 @@ def test_reaping_the_read_ahead_counts_as_io_not_compute(tiny_models, monkeypatc
 
     tiny = tiny_models("opt")
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, read_ahead=True)
-    model.mode_impl.read_ahead.precision = 0.0  # read ahead whatever the lookahead's precision
     calls, real = [], PendingNeurons.done
 
     def slow_done(self):
@@ -158,19 +156,19 @@ def test_budget_sizes_the_caches_and_is_reported(tiny_models):
     budget = full.backend.nbytes() + 2 * 40 * full.compute_row_bytes()  # 40 rows per layer
     model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8,
                           read_ahead=False)
-    assert model.mode_impl.capacities == [40, 40]
+    assert model.stats["cache_capacity"] == [40, 40]
     ahead = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget, window=8,
                           read_ahead=True)
-    assert ahead.mode_impl.capacities == [40, 40] and ahead.mode_impl.read_ahead.rows == 0  # into the rows the caches free
+    assert ahead.stats["cache_capacity"] == [40, 40] and ahead.stats["read_ahead_rows"] == 0  # into the rows the caches free
     ahead.logits(IDS, prefill=PREFILL)
     assert ahead.stats["dram_bytes"] <= budget and ahead.stats["read_ahead_recall"] > 0
     assert ahead.stats["neurons_read_ahead"] > 0 and ahead.stats["read_ahead"] == "into cache rows"
     # rows that cannot take reads directly (a compute dtype other than the storage's): a buffer of its own
     full = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dtype="bfloat16")
-    budget16 = full.backend.nbytes() + 2 * 40 * full.compute_row_bytes() + full.mode_impl.host_bytes()
+    budget16 = full.backend.nbytes() + 2 * 40 * full.compute_row_bytes() + full.memory()[0]
     with_buffer = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", dram_budget=budget16, window=8,
                                 read_ahead=True, dtype="bfloat16")
-    assert 0 < with_buffer.mode_impl.read_ahead.rows and max(with_buffer.mode_impl.capacities) < 40  # the read-ahead buffer
+    assert 0 < with_buffer.stats["read_ahead_rows"] and max(with_buffer.stats["cache_capacity"]) < 40  # the read-ahead buffer
     with_buffer.logits(IDS, prefill=PREFILL)  # counts against the same budget
     assert with_buffer.stats["dram_bytes"] <= budget16 and with_buffer.stats["read_ahead_recall"] > 0
     assert with_buffer.stats["read_ahead"] == "via a buffer"

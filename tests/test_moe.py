@@ -111,7 +111,7 @@ def test_moe_quantized_streamed_equals_dense_and_transformers_on_the_dequantized
     np.testing.assert_allclose(dense, hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
     budget = _budget_for_slots(out, 2, kernels="plain")
     model = flashllm.load(out, mode="sparse", dram_budget=budget, kernels="plain")
-    assert not (model.mode_impl.slots.kind == "in place (as stored)") and model.mode_impl.capacities == [2] * model.spec.n_layers
+    assert model.stats["expert_slots"] != "in place (as stored)" and model.stats["cache_capacity"] == [2] * model.spec.n_layers
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
     stats = model.stats
     assert stats["expert_slots"] == "dequantized on insert" and stats["expert_misses"] > 0
@@ -131,7 +131,7 @@ def test_moe_quantized_slots_when_top_k_dequantized_experts_do_not_fit(quantized
     budget = probe.charged(0, probe.backend.nbytes()) + L * 3 * stride
     assert L * 3 * stride < L * probe.spec.top_k * probe.mode_impl.slot_bytes  # 2 dequantized experts do not fit
     model = flashllm.load(out, mode="sparse", dram_budget=budget, kernels="plain")
-    assert model.mode_impl.capacities == [3] * L and model.mode_impl.slot_bytes == stride
+    assert model.stats["cache_capacity"] == [3] * L and model.mode_impl.slot_bytes == stride
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
     assert model.stats["expert_slots"] == "quantized as stored (dequantized at each use)"
     assert model.stats["dram_bytes"] <= budget and model.stats["expert_misses"] > 0
@@ -148,7 +148,7 @@ def test_moe_int4_kernel_slots_equal_dense_and_stay_close_to_dequantized(quantiz
     kw = dict(expert_read_ahead=name == "int4")  # prefetched experts are inserted from the second staging buffer
     budget = _budget_for_slots(out, 2, **kw)
     model = flashllm.load(out, mode="sparse", dram_budget=budget, **kw)
-    assert model.mode_impl.capacities == [2] * model.spec.n_layers
+    assert model.stats["cache_capacity"] == [2] * model.spec.n_layers
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
     stats = model.stats
     assert stats["expert_misses"] > 0 and stats["dram_bytes"] <= budget
@@ -176,7 +176,7 @@ def test_moe_mlx_quantized_slots_equal_dense_and_the_dequantized_experts(quantiz
     np.testing.assert_allclose(dense, plain, atol=1e-4, rtol=1e-4)
     budget = _budget_for_slots(out, 2, **kw)
     model = flashllm.load(out, mode="sparse", dram_budget=budget, **kw)
-    assert model.mode_impl.capacities == [2] * model.spec.n_layers
+    assert model.stats["cache_capacity"] == [2] * model.spec.n_layers
     np.testing.assert_array_equal(model.logits(IDS, prefill=4), dense)
     stats, lay = model.stats, model.layout
     assert stats["expert_slots"] == "MLX affine format (copied on insert)"
@@ -284,7 +284,7 @@ def test_moe_prefetch_is_exact_and_measured(tiny_models, dtype):
     dense = flashllm.load(tiny.model_dir, mode="dense", **kw).logits(IDS, prefill=3)
     budget = _budget_for_slots(tiny.model_dir, 3, expert_read_ahead=True, **kw)
     model = flashllm.load(tiny.model_dir, mode="sparse", dram_budget=budget, expert_read_ahead=True, **kw)
-    assert (model.mode_impl.slots.kind == "in place (as stored)") == (dtype is None)
+    assert (model.stats["expert_slots"] == "in place (as stored)") == (dtype is None)
     np.testing.assert_array_equal(model.logits(IDS, prefill=3), dense)  # float32 sums of top-2 (see above)
     stats, spec = model.stats, model.spec
     assert 0 < stats["expert_read_ahead_recall"] <= 1 and stats["experts_read_ahead"] <= spec.top_k * (spec.n_layers - 1)

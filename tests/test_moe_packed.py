@@ -55,7 +55,7 @@ def test_packed_experts_are_read_in_place_and_compute_what_the_repacked_rows_com
     for prefetch in (False, True):
         budget = _budget_for_slots(packed, 2, expert_read_ahead=prefetch)
         model = flashllm.load(packed, mode="sparse", dram_budget=budget, expert_read_ahead=prefetch)
-        assert model.mode_impl.capacities == [2] * model.spec.n_layers
+        assert model.stats["cache_capacity"] == [2] * model.spec.n_layers
         np.testing.assert_array_equal(model.logits(IDS, prefill=4), want)
         stats = model.stats
         assert stats["expert_slots"] == "int4 kernel layout (read in place)"

@@ -296,17 +296,14 @@ def test_sixteen_clients_complete_or_get_a_clean_503(model_dir):
             except openai.APIStatusError as exc:
                 return exc.status_code, exc.body
 
-        t0 = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:  # the timeout: a hang fails, not a slow machine
             results = list(pool.map(ask, range(16), timeout=120))
-        elapsed = time.monotonic() - t0
         oks = [r for r in results if r[0] == "ok"]
         busy = [r for r in results if r[0] == 503]
         assert len(oks) + len(busy) == 16, results
         assert oks and busy, results  # 16 at once cannot fit in 1 decoding + 3 queued
         assert all("server is busy" in body["message"] and body["code"] == "overloaded" for _, body in busy)
         assert len({text for _, text in oks if text}) <= 2  # greedy: one answer per endpoint
-        assert elapsed < 60
         running.wait_idle(5)
         again = running.client().completions.create(model="tiny", prompt="the", max_tokens=2, temperature=0)
         assert again.choices[0].text

@@ -41,7 +41,7 @@ def down_kernels(d: int, n: int, dt) -> dict:
     """Formulations of h [1, n] @ rows [n, d] over a strided view of the rows: name -> fn(rows, h)."""
     import torch
 
-    from flashllm.backends.torch.backend import DOWN_CHUNK, chunked_down
+    from flashllm.backends.torch.ffn import DOWN_CHUNK, chunked_down
 
     out, chunk, acc = torch.empty(d, dtype=dt), torch.empty(DOWN_CHUNK, d), torch.empty(d)
     return {"h @ rows (matmul)": lambda m, h: h @ m,
@@ -82,7 +82,7 @@ def torch_ffn(x, d: int):
     import torch
     import torch.nn.functional as F
 
-    from flashllm.backends.torch.backend import DOWN_CHUNK, DOWN_KERNEL, chunked_down
+    from flashllm.backends.torch.ffn import DOWN_CHUNK, DOWN_KERNEL, chunked_down
 
     kernel, chunk, acc = DOWN_KERNEL[str(x.dtype).removeprefix("torch.")], torch.empty(DOWN_CHUNK, d), torch.empty(d)
 

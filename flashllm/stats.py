@@ -19,11 +19,11 @@ def untimed(what: str):
 
 @dataclass
 class ReadAheadCounts:
-    """One decode layer's read-ahead: how well its lookahead predicted the layer's own set."""
+    """One decode layer's read-ahead: how well its early prediction named the layer's own set."""
 
-    found: int = 0  # predicted neurons the lookahead named
-    active: int = 0  # predicted neurons (0: the layer had no lookahead)
-    named: int = 0  # neurons the lookahead named
+    found: int = 0  # predicted neurons the early prediction named
+    active: int = 0  # predicted neurons (0: the layer had no early prediction)
+    named: int = 0  # neurons the early prediction named
     used: int = 0  # loaded neurons that were read ahead
 
 
@@ -47,7 +47,7 @@ class TokenCost:
     neurons_cached: list[int] = field(default_factory=list)  # per layer, after the update
     neurons_dropped: int = 0  # predicted neurons left out because the cache could not hold them
     read_ahead: list[ReadAheadCounts] = field(default_factory=list)  # per decode layer: how its read-ahead did
-    neurons_read_ahead: int = 0  # bundles read ahead from the lookahead prediction
+    neurons_read_ahead: int = 0  # bundles read ahead from the early prediction
     read_ahead_unused: int = 0  # ... of which the layer did not need
     predicted_mass: float = 0.0  # sum of the predictor's scores over the predicted neurons
     dropped_mass: float = 0.0  # ... over those dropped (lowest-scored first)

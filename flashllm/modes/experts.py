@@ -56,7 +56,7 @@ class Router:
 
     `choose(layer, logits, early)` (LoadOptions.expert_routing), if given, picks the expert ids
     [T, top_k] instead; `early` is True when layer `layer`'s router is run ahead on the previous
-    layer's input (a prefetch guess), so a replayed trace can give its recorded guess."""
+    layer's input (a read-ahead guess), so a replayed trace can give its recorded guess."""
 
     kind = "router"
 

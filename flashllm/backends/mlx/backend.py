@@ -341,7 +341,7 @@ class MLXRowStore:
     converting to the compute dtype. On Apple silicon both arrays live in unified memory, so there
     is no host-to-device transfer: the remaining copies are that one memcpy plus the scatter itself.
     Swap-delete is an indexed update too (`part[dst] = part[src]`), done in place by MLX when no
-    pending graph still references the array. Bundles quantized in MLX's affine format (mlx_quant.py)
+    pending graph still references the array. Bundles quantized in MLX's affine format (quant.py beside this file)
     stay quantized: each part is a QuantArray whose codes, scales and mins are scattered as read,
     and the FFN runs `mx.quantized_matmul` on them.
     """
@@ -349,7 +349,7 @@ class MLXRowStore:
     def __init__(self, backend: MLXBackend, capacity: int, layout, biases: dict):
         self.layout, self.backend = layout, backend
         dt = backend.dtype
-        self.quantized = mlx_quantizable(layout)  # rows stay in MLX's affine format (see mlx_quant.py)
+        self.quantized = mlx_quantizable(layout)  # rows stay in MLX's affine format (see quant.py beside this file)
         if self.quantized:
             q, d = layout.quant, layout.d_model
             self.parts = {p: QuantArray(mx.zeros((capacity, d * q.bits // 32), dtype=mx.uint32),

@@ -99,7 +99,7 @@ class NeuronCache:
         return self._make_room(active, window, self.token)
 
     def reserve(self, guess: np.ndarray, window: int, keep: np.ndarray | None = None) -> np.ndarray:
-        """Before the next token's set is known: make room for the neurons of `guess` (a lookahead
+        """Before the next token's set is known: make room for the neurons of `guess` (an early
         prediction) that are not cached, in the rows of cached neurons outside the window that are in
         neither `guess` nor `keep` (neurons likely needed too, not read), least recently active first,
         then in free rows, then, where those are too few, in more such rows — as many as needed, no row

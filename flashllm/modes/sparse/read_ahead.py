@@ -4,8 +4,8 @@ while layer l computes.
 `SparseMode` owns one read-ahead object, chosen at load by `make_read_ahead`: `RowsReadAhead` reads into
 the rows the layer's cache frees for them (no budget, no copy), `BufferReadAhead` into a buffer of its own
 (placed into the cache once the layer knows its set), `NoReadAhead` reads nothing. All three measure the
-lookahead the same way (its recall, and the running precision of each score cut that decides how much of a
-lookahead set is worth reading), so the stats describe them alike.
+early prediction the same way (its recall, and the running precision of each score cut that decides how
+much of it is worth reading), so the stats describe them alike.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from flashllm.stats import ReadAheadCounts
 
 @dataclass
 class InFlight:
-    """A read started ahead of one layer, and the lookahead prediction that chose it."""
+    """A read started ahead of one layer, and the early prediction that chose it."""
 
     layer: int
     ids: np.ndarray  # neurons read ahead (ascending)
-    predicted: np.ndarray  # the lookahead's whole predicted set
-    levels: np.ndarray  # [cuts, d_ffn]: the lookahead's sets above each cut
+    predicted: np.ndarray  # the early prediction's whole set
+    levels: np.ndarray  # [cuts, d_ffn]: the early prediction's sets above each cut
     read: object | None  # the read in flight (a PendingRead); None: nothing was read
     rows: np.ndarray | None  # the cache rows it lands in; None: the read-ahead buffer
 
@@ -54,9 +54,9 @@ def buffer_rows(layout, n_layers: int, avail: int | None, row: int, need: list[f
 
 
 class ReadAhead:
-    """What every read-ahead shares: the lookahead's prediction and its measurement per layer.
+    """What every read-ahead shares: the early prediction and its measurement per layer.
 
-    A layer reads ahead only the part of its lookahead set that is likely right: the neurons scored above the
+    A layer reads ahead only the part of its early prediction that is likely right: the neurons scored above the
     lowest of CUTS (score above the predictor's threshold, logits for the low-rank predictors) whose running
     precision against the layer's own set is at least `precision`; the rest is read when the layer knows its
     set (wrong guesses cost reads and evict needed rows)."""
@@ -64,7 +64,7 @@ class ReadAhead:
     kind = "off"
     PRECISION = 0.9
     CUTS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-    # reading into cache rows keeps the cached neurons the lookahead scores above this (likely needed)
+    # reading into cache rows keeps the cached neurons the early prediction scores above this (likely needed)
     KEEP = -1.0
     EMA = 0.3  # weight of the newest token in the running shares
 
@@ -74,7 +74,7 @@ class ReadAhead:
         self.precision = self.PRECISION
         self.residual = None  # the residual stream the current layer's FFN input came from (decode)
         self.pending: InFlight | None = None
-        # per layer and cut: running neurons the lookahead named above the cut, and of those the layer needed
+        # per layer and cut: running neurons the early prediction named above the cut, and of those the layer needed
         # (a prior of precision 1: a layer reads ahead until measured otherwise)
         self.named = np.ones((len(caches), len(self.CUTS)))
         self.right = np.ones((len(caches), len(self.CUTS)))
@@ -118,7 +118,7 @@ class ReadAhead:
             return
         self.drop()
         cache = self.caches[layer]
-        with cost.timed("predictor_ms"), self.backend.untimed_parts():  # the lookahead and its guess
+        with cost.timed("predictor_ms"), self.backend.untimed_parts():  # the early prediction and its guess
             x = self.backend.norm(f"layers.{layer}.{self.norm}", self.residual)
             mask, scores = union(*predict_scored(self.predictor, layer, x))
             levels = scores[None, :] > self._cuts if scores is not None else \
@@ -138,7 +138,7 @@ class ReadAhead:
         return guess, None, None
 
     def finish(self, layer: int, active: np.ndarray, counts: ReadAheadCounts | None, cost) -> int:
-        """Wait for the read ahead of `layer` once its true set `active` is known, and measure the lookahead
+        """Wait for the read ahead of `layer` once its true set `active` is known, and measure the early prediction
         (`counts`: this decode layer's record, None in a prompt). Returns how many neurons read ahead into
         cache rows the layer needs (they are held from now on; the others leave at its eviction)."""
         p = self.pending
@@ -148,7 +148,7 @@ class ReadAhead:
         if p.read is not None:
             with cost.timed("io_ms"):
                 cost.add_io(p.read.wait())
-        with cost.timed("predictor_ms"):  # the lookahead's recall and running precision per cut
+        with cost.timed("predictor_ms"):  # the early prediction's recall and running precision per cut
             needed = np.zeros(p.levels.shape[1], dtype=bool)  # (a mask: no sorting, unlike np.isin)
             needed[active] = True
             if counts is not None:
@@ -195,12 +195,12 @@ class NoReadAhead(ReadAhead):
 
 class RowsReadAhead(ReadAhead):
     """Reads into the rows the layer's cache frees for them by its window rule (`NeuronCache.reserve`),
-    keeping the cached neurons the lookahead scores above KEEP."""
+    keeping the cached neurons the early prediction scores above KEEP."""
 
     kind = "into cache rows"
 
     def _submit(self, layer: int, guess: np.ndarray, scores, cost) -> tuple:
-        if not len(guess):  # nothing likely enough: only measure the lookahead
+        if not len(guess):  # nothing likely enough: only measure the early prediction
             return guess, None, guess
         cache = self.caches[layer]
         keep = np.flatnonzero(scores > self.KEEP) if scores is not None else guess

@@ -97,13 +97,13 @@ def test_compute_roofline_bench_reports_every_part(tiny_models, tmp_path):
     from bench.compute import roofline
 
     out = tmp_path / "roof.md"
-    roofline.main([str(tiny_models("llama").model_dir), "--mode", "sparse", "--configs", "before", "after-1t",
+    roofline.main([str(tiny_models("llama").model_dir), "--mode", "sparse", "--configs", "plain-2t-spin", "1t",
                                     "--rounds", "1", "--tokens", "2", "--warmup", "1", "--backends", "torch",
                                     "--roofline-dtypes", "float32", "--roofline-rounds", "1", "--out", str(out)])
     text = out.read_text()
     for part in PartTimer.PARTS + ("python/other", "compute (all parts)"):
-        assert f"| after-1t | torch float32 1 | {part} |" in text
-    assert "| before | torch float32 2 spin | ffn |" in text and "process CPU" in text
+        assert f"| 1t | torch float32 1 | {part} |" in text
+    assert "| plain-2t-spin | torch float32 2 spin | ffn |" in text and "process CPU" in text
     assert "| float32, S=256 | " in text and "| float32 | " in text  # the attention and down-projection surveys
 
 
@@ -115,7 +115,7 @@ def test_compute_roofline_sets_each_run_against_the_roofline_beside_its_tokens(t
         pytest.skip(f"no native kernels: {native.describe()}")
     out = tmp_path / "roof.md"
     roofline.main([str(tiny_models("llama").model_dir), "--mode", "sparse", "--dtype", "float16",
-                                    "--configs", "after-1t", "--rounds", "1", "--tokens", "2", "--warmup", "1",
+                                    "--configs", "1t", "--rounds", "1", "--tokens", "2", "--warmup", "1",
                                     "--backends", "native", "--roofline-dtypes", "float16", "--roofline-rounds", "0",
                                     "--out", str(out), "--json"])
     run = json.loads(capsys.readouterr().out)["runs"][0]  # each measured token on its own too

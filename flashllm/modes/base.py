@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from flashllm.modes.context import ModeContext
+
+
+@dataclass
+class LayerReads:
+    """The reads started for one layer of a flash-reading mode: its FFN rows, and (naive) its other weights."""
+
+    ffn: object | None  # a PendingNeurons
+    resident: object | None = None  # a PendingRead of the layer's attention and norms (naive)
+
+    def wait(self) -> None:
+        for read in (self.resident, self.ffn):
+            if read is not None:
+                read.wait()
 
 
 class Mode:
@@ -55,7 +70,7 @@ class StreamingMode(Mode):
                                      aio_depth=getattr(self, "aio_depth", None))
         # dense modes: read layer l+1 while layer l computes (two buffers), never across tokens
         self.buffers = 2 if ctx.options.read_ahead is not False and ctx.spec.n_layers > 1 else 1
-        self._inflight: dict = {}  # layer -> reads started for it
+        self._inflight: dict[int, LayerReads] = {}  # layer -> the reads started for it
 
     def wait_rows(self, pending, buf: np.ndarray, n: int, cost) -> dict:
         """The first `n` neuron rows of `buf` as backend rows, once the read `pending` has filled them."""
@@ -66,7 +81,6 @@ class StreamingMode(Mode):
 
     def reset(self) -> None:
         for reads in self._inflight.values():
-            for r in reads:
-                r.wait()
+            reads.wait()
         self._inflight.clear()
 

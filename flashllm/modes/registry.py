@@ -13,7 +13,7 @@ import numpy as np
 
 from flashllm import budget as budget_mod
 from flashllm.io.reader import FlashReader
-from flashllm.modes.base import Mode, StreamingMode
+from flashllm.modes.base import LayerReads, Mode, StreamingMode
 from flashllm.modes.sparse.mode import SparseMode
 from flashllm.modes.context import ModeContext
 from flashllm.modes.quant_layers import QuantizedLayers
@@ -78,15 +78,16 @@ class NaiveMode(StreamingMode):
             return
         offset, nbytes, _ = self.spans[layer]
         i, n = layer % self.buffers, self.lay.d_ffn
-        self._inflight[layer] = (self.attn_reader.submit_range(offset, nbytes, self.attn_bufs[i]),
-                                 self.reader.submit(layer, np.arange(n), self.ffn_bufs[i], np.arange(n)))
+        resident = self.attn_reader.submit_range(offset, nbytes, self.attn_bufs[i])
+        self._inflight[layer] = LayerReads(self.reader.submit(layer, np.arange(n), self.ffn_bufs[i], np.arange(n)),
+                                           resident)
 
     def before_layer(self, layer: int, cost) -> None:
         """Make this layer's resident tensors (attention, norms, biases) live; start reading the next layer."""
         self._start(layer)
         offset, nbytes, names = self.spans[layer]
         with cost.timed("io_ms"):
-            io = self._inflight[layer][0].wait()
+            io = self._inflight[layer].resident.wait()
             cost.add_io(io)
             self.ctx.hooks.emit("read", io)
         if self.buffers > 1:
@@ -104,7 +105,7 @@ class NaiveMode(StreamingMode):
 
     def ffn(self, layer: int, x, cost):
         self._start(layer)
-        _, ffn_read = self._inflight.pop(layer)
+        ffn_read = self._inflight.pop(layer).ffn
         rows = self.wait_rows(ffn_read, self.ffn_bufs[layer % self.buffers], self.lay.d_ffn, cost)
         b = self.ctx.biases(layer)
         return self.backend.ffn(x, rows, b["up"], b["gate"], b["down"])
@@ -151,8 +152,8 @@ class HybridMode(StreamingMode):
         """Start reading `layer`'s streamed neurons into its buffer (once)."""
         h, n = self.resident_rows, self.lay.d_ffn
         if self.bufs and layer not in self._inflight and layer < len(self.lay.layer_offsets):
-            self._inflight[layer] = (self.reader.submit(layer, np.arange(h, n), self.bufs[layer % self.buffers],
-                                                        np.arange(n - h)),)
+            buf = self.bufs[layer % self.buffers]
+            self._inflight[layer] = LayerReads(self.reader.submit(layer, np.arange(h, n), buf, np.arange(n - h)))
 
     def ffn(self, layer: int, x, cost):
         B = self.backend
@@ -166,7 +167,7 @@ class HybridMode(StreamingMode):
         y = B.ffn(x, self.resident[layer], part(up_b, 0, h), part(gate_b, 0, h), down_b) if h else None
         if h < n:
             self._start(layer)
-            pending, = self._inflight.pop(layer)
+            pending = self._inflight.pop(layer).ffn
             if self.buffers > 1:
                 self._start(layer + 1)
             rows = self.wait_rows(pending, self.bufs[layer % self.buffers], n - h, cost)

@@ -104,7 +104,7 @@ def test_sparse_oracle_equals_the_thresholded_ffn(tiny_models, tmp_path, data, f
 
 
 def test_a_dense_activation_is_dropped_only_by_stated_thresholds(tiny_models, tmp_path, data):
-    """Issue 12 stays true: the oracle on SiLU refuses to drop neurons at a small budget; with
+    """The oracle on SiLU refuses to drop neurons at a small budget; with
     calibrated thresholds the same load works, and the drop is stated (warning, stats)."""
     full = flashllm.load(tiny_models("llama").model_dir, mode="sparse", predictor="oracle")
     budget = full.backend.nbytes() + full.spec.n_layers * 80 * full.compute_row_bytes()

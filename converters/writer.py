@@ -118,8 +118,11 @@ def check_replaceable(out: Path, force: bool) -> None:
         if not force:
             raise FlashLLMError(f"{out}: already exists (empty: pass --force to convert into it)")
         return
+    if not force and out.is_dir() and (out / fmt.MANIFEST).is_file():
+        raise FlashLLMError(f"{out}: already exists (pass --force to replace this flashllm model directory)")
     if not force:
-        raise FlashLLMError(f"{out}: already exists (pass --force to replace a flashllm model directory)")
+        raise FlashLLMError(f"{out}: already exists and is not a flashllm model directory; convert into a new "
+                            f"directory, e.g. {out / 'model'}")
     if out.is_symlink() or not out.is_dir():
         raise FlashLLMError(f"{out}: exists and is not a directory; --force replaces only a flashllm model "
                             f"directory or an empty one (nothing was changed)")

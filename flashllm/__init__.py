@@ -1,6 +1,13 @@
 """flashllm: run LLMs larger than memory by streaming FFN neurons from flash."""
 
 import os
+from pathlib import Path
+
+# Run from a source checkout (`python -m pytest` in the clone, whose own flashllm/ comes first on sys.path), the
+# folders installed as flashllm.converters and flashllm.predictors sit beside this package: look there too.
+_checkout = Path(__file__).resolve().parent.parent
+if not (Path(__file__).parent / "converters").exists() and (_checkout / "converters" / "__init__.py").is_file():
+    __path__.append(str(_checkout))
 
 # OpenMP workers sleep at barriers instead of spinning (unless the user chose: OMP_WAIT_POLICY or
 # GOMP_SPINCOUNT set). On shared cores a spinning worker loses its core and every parallel region

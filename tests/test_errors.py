@@ -92,6 +92,15 @@ def test_existing_output_is_not_overwritten(capsys, ckpt, tmp_path):
     assert code != 0 and "already exists" in err
 
 
+def test_a_folder_that_is_no_model_is_not_offered_to_force(capsys, ckpt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    code, err = run_cli(capsys, "convert", ckpt, out)
+    assert code != 0 and "not a flashllm model directory" in err and "--force" not in err
+    assert "model" in err.split("e.g.")[-1] and (out / "notes.txt").read_text() == "mine\n"
+
+
 def test_manifest_pointing_outside_the_directory(capsys, flash, tmp_path):
     manifest = json.loads((flash / "flashllm.json").read_text())
     shutil.copy(flash / "resident.safetensors", tmp_path / "elsewhere.safetensors")

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 import flashllm.io.reader as flashio
 import flashllm.io.threads as flashio_threads
 from flashllm.errors import FlashLLMError
-from flashllm.io.reader import FlashIOError, FlashReader, IOStats, aligned_empty
+from flashllm.hugepages import aligned_empty
+from flashllm.io.reader import FlashIOError, FlashReader, IOStats
 from flashllm.io.uring import MIN_BUFFER, UringContext
 
 CONTEXTS = {"io_uring": UringContext, "aio": flashio.AioContext}  # the kernel interfaces under AioQueue
@@ -438,7 +439,7 @@ def test_aligned_empty_is_aligned():
 
 def test_open_reader_does_not_hang_interpreter_exit(data_file):
     path, _ = data_file
-    code = ("import numpy as np; from flashllm.io.reader import FlashReader, aligned_empty; "
+    code = ("import numpy as np; from flashllm.io.reader import FlashReader; from flashllm.hugepages import aligned_empty; "
             f"r = FlashReader({path!r}); r.read_range(0, 4096, aligned_empty(4096, np.uint8))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], cwd=root, timeout=60, check=True)

@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # files pyproject.toml names (the embedded models in flashllm/data are left out: they only make the copy slower)
 SOURCES = ("pyproject.toml", "README.md", "flashllm", "converters", "predictors")
 
-CHECK = ("import site, sys; site.addsitedir(sys.argv[1]); import flashllm; flashllm.load; "
+# run with -S: the install under test first on the path, then the environment's own site directories (whose
+# editable install of this checkout must not be what is found)
+CHECK = ("import site, sys; [site.addsitedir(p) for p in sys.argv[1:]]; import flashllm; flashllm.load; "
          "import flashllm.converters, flashllm.predictors.train; print(flashllm.__file__)")
 
 
@@ -65,7 +67,9 @@ def _import_from_a_clones_parent(tmp_path: Path, site_dir: Path) -> Path:
     (parent / "flashllm").mkdir(parents=True)  # a clone: pyproject.toml, README.md, ... but no __init__.py
     (parent / "flashllm" / "README.md").write_text("a checkout\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-s", "-c", CHECK, str(site_dir)], cwd=parent, capture_output=True,
+    import site
+
+    proc = subprocess.run([sys.executable, "-S", "-c", CHECK, str(site_dir), *site.getsitepackages()], cwd=parent, capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return Path(proc.stdout.strip())

@@ -199,7 +199,8 @@ def submit_probe(model_dir: str, sizes=(64, 128, 256, 512, 800, 1024), repeats: 
 
     from flashllm.format import manifest as fmt
     from flashllm.io.aio import AioQueue
-    from flashllm.io.reader import FlashReader, aligned_empty
+    from flashllm.hugepages import aligned_empty
+    from flashllm.io.reader import FlashReader
 
     AioQueue.INLINE_SHARE = 1e9  # every read submitted by the caller, as before the submitter thread
     m = fmt.read_manifest(model_dir, verify=False)

@@ -38,7 +38,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
-from flashllm.io.reader import FlashReader, aligned_empty
+from flashllm.hugepages import aligned_empty
+from flashllm.io.reader import FlashReader
 from bench.harness import MiB, machine_desc
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

@@ -34,8 +34,8 @@ def _source_roots() -> tuple[str, ...]:
     import flashllm.converters
     import flashllm.predictors
 
-    return tuple(str(Path(p).resolve()) + os.sep for m in (flashllm, flashllm.converters, flashllm.predictors)
-                 for p in m.__path__)
+    return tuple(str(Path(m.__file__).resolve().parent) + os.sep
+                 for m in (flashllm, flashllm.converters, flashllm.predictors))
 
 
 def is_ours(category, filename: str) -> bool:

@@ -217,7 +217,7 @@ def _cell(reader, order: np.ndarray, size: int, inflight: int, seconds: float, d
 def _scratch(directory: Path, nbytes: int, notes: list) -> tuple[str, bool]:
     """(path of a file to read, whether we wrote it): a scratch file of random bytes in ``directory``,
     written with direct I/O where the file system allows (so that this kernel's page cache never holds it)."""
-    from flashllm.io.reader import aligned_empty
+    from flashllm.hugepages import aligned_empty
 
     try:
         fd, path = tempfile.mkstemp(prefix=".flashllm-disk-profile-", dir=directory)
@@ -268,7 +268,8 @@ def measure(path, sizes=SIZES, inflight=None, seconds: float = SECONDS,
     scratch file of ``scratch_bytes`` written next to it and deleted afterwards, or, where that cannot
     be written, to ``path`` if it is a file. ``open_reader(file,
     threads, max_chunk_bytes)``: the engine to measure (default: FlashReader)."""
-    from flashllm.io.reader import FlashReader, aligned_empty
+    from flashllm.hugepages import aligned_empty
+    from flashllm.io.reader import FlashReader
 
     inflight = inflight or (INFLIGHT_AIO if engine == "aio" else INFLIGHT)
     open_reader = open_reader or (lambda f, q, chunk: FlashReader(f, threads=1 if engine == "aio" else q,

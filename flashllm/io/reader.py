@@ -36,6 +36,7 @@ from flashllm.io.call import FlashIOError, IOStats, PendingRead  # noqa: F401  (
 from flashllm.io.threads import ReaderThreads
 from flashllm.io.read_list import Reads, split
 from flashllm.io.uring import UringContext
+from flashllm.hugepages import aligned_empty
 
 _STATX_DIOALIGN = 0x2000
 _AT_FDCWD = -100
@@ -52,15 +53,6 @@ def io_engine() -> str:
     if choice not in IO_ENGINES:
         raise FlashIOError(f"FLASHLLM_IO_ENGINE={choice!r}: expected one of {', '.join(IO_ENGINES)}")
     return choice
-
-
-def aligned_empty(shape, dtype, align: int = 4096) -> np.ndarray:
-    """An uninitialised array whose data starts on an ``align``-byte boundary (for in-place direct reads)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = -raw.ctypes.data % align
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def dio_alignment(path: str) -> tuple[int, int]:

@@ -40,8 +40,9 @@ def make_backend(name: str, spec, device: str, dtype: str | None, storage_dtype,
         except ModuleNotFoundError as exc:
             if not (exc.name or "").startswith("mlx"):
                 raise
-            raise FlashLLMError("backend 'mlx': MLX is not installed; install it with `pip install \".[mlx]\"` "
-                                "(mlx on macOS, mlx[cpu] on Linux) or use --backend torch") from None
+            raise FlashLLMError("backend 'mlx': MLX is not installed; in the flashllm checkout, install it with "
+                                "`pip install -e \".[mlx]\" --config-settings editable_mode=strict` (mlx on macOS, mlx[cpu] on "
+                                "Linux) or use --backend torch") from None
         return MLXBackend(spec, device, dtype, storage_dtype, context, quantized_ffn, kv_bits)
     raise FlashLLMError(f"backend {name!r}: expected torch or mlx")
 

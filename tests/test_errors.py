@@ -156,7 +156,8 @@ def test_mlx_backend_without_mlx_says_how_to_install(flash, monkeypatch):
     monkeypatch.delitem(sys.modules, "flashllm.backends.mlx.backend", raising=False)
     monkeypatch.setitem(sys.modules, "mlx", None)  # import mlx.core now fails as if MLX were absent
     monkeypatch.setitem(sys.modules, "mlx.core", None)
-    with pytest.raises(flashllm.FlashLLMError, match=r"MLX is not installed; install it with `pip install -e \"\.\[mlx\]\"`"):
+    with pytest.raises(flashllm.FlashLLMError, match=r"MLX is not installed; in the flashllm checkout, install it with `pip install -e \"\.\[mlx\]\" "
+                       r"--config-settings editable_mode=strict`"):
         flashllm.load(flash, backend="mlx")
 
 

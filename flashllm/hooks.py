@@ -4,6 +4,8 @@ Events (arguments):
 - "ffn_input" (layer, x): the FFN input of a layer, before the mode computes the FFN (every mode);
 - "ffn_output" (layer, y): the FFN output of a layer, once the mode computed it (every mode);
 - "predict" (layer, mask): a sparse predictor's decision, bool [tokens, d_ffn];
+- "fit" (layer, ids): the neurons a sparse decode layer computes, its predicted set cut to what its cache holds
+  (the highest-scored; on_overflow "drop"), ascending;
 - "read" (io): one call of the flash I/O engine (an IOStats, with its wall time in `wall_s`).
 Observers must not change what they are given.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable
 
-EVENTS = ("ffn_input", "ffn_output", "predict", "read")
+EVENTS = ("ffn_input", "ffn_output", "predict", "fit", "read")
 
 
 class Hooks:

@@ -46,6 +46,10 @@ class LoadOptions:
     # layer l computes; None: on for naive and hybrid, and for sparse where the reads land in cache rows through
     # native AIO (the measured default: docs/architecture.md, "Defaults")
     read_ahead: bool | None = None
+    # sparse read-ahead: a layer reads ahead only the neurons above the lowest score cut whose running precision
+    # (share of the lookahead's neurons the layer then needs) is at least this; 0: always the lowest cut; above 1:
+    # none (every layer paused, the lookahead still measured); None: the runtime's default (ReadAhead.PRECISION)
+    read_ahead_precision: float | None = None
     dtype: str | None = None  # compute dtype; None: the storage dtype
     context: int | None = None  # KV cache length; None: min(model, 4096)
     verify: bool | None = None  # checksums at load: None small files (FFN layers verified on first full read)
@@ -100,6 +104,10 @@ class LoadOptions:
         check(isinstance(self.batch_size, int) and self.batch_size >= 1,
               f"batch_size {self.batch_size}: must be at least 1 (sequences decoded together)")
         check(self.context is None or self.context >= 1, f"context {self.context}: must be at least 1")
+        check(self.read_ahead_precision is None or isinstance(self.read_ahead_precision, (int, float)) and
+              0 <= self.read_ahead_precision <= 2,
+              f"read_ahead_precision {self.read_ahead_precision}: expected a share in [0, 1] (above 1, up to 2: "
+              f"never read ahead), or None for the default")
         check(self.hybrid_fraction is None or 0 <= self.hybrid_fraction <= 1,
               f"hybrid_fraction {self.hybrid_fraction}: expected a value in [0, 1]")
         check(self.cache_rows is None or (len(self.cache_rows) > 0 and all(isinstance(r, int) and r >= 1

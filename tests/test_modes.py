@@ -27,15 +27,15 @@ def dense_logits():
 
 def test_read_ahead_pauses_for_layers_whose_lookahead_misses(tiny_models, dense_logits):
     """A layer reads ahead only the neurons above the lowest cut whose running precision clears
-    AHEAD_PRECISION; with none, the lookahead is still predicted and measured, and nothing changes the result."""
+    `read_ahead_precision`; with none, the lookahead is still predicted and measured, and nothing changes the result."""
     tiny = tiny_models("opt")
-    model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=2, threads=2, read_ahead=True)
-    model.mode_impl.read_ahead.precision = 1.01  # no cut is precise enough: every layer paused
+    kw = dict(mode="sparse", predictor="oracle", window=2, threads=2, read_ahead=True)
+    model = flashllm.load(tiny.model_dir, **kw, read_ahead_precision=1.01)  # no cut is precise enough: all paused
     np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
     stats = model.stats
     assert stats["neurons_read_ahead"] == 0 and stats["read_ahead_recall"] is not None
     assert stats["read_ahead_paused"] == list(range(model.spec.n_layers))  # (layer 0 has no lookahead: never measured)
-    model.mode_impl.read_ahead.precision = 0.0  # any lookahead will do: the lowest cut
+    model = flashllm.load(tiny.model_dir, **kw, read_ahead_precision=0.0)  # any lookahead will do: the lowest cut
     np.testing.assert_allclose(model.logits(IDS, prefill=PREFILL), dense_logits(tiny), atol=1e-4, rtol=1e-4)
     assert (model.stats["neurons_read_ahead"] > 0) == model.predictor.selective and not model.stats["read_ahead_paused"]
     assert model.stats["read_ahead_cut"] == [0] * model.spec.n_layers
@@ -49,11 +49,9 @@ def test_a_missing_lookahead_costs_reads_and_the_cut_bounds_them(tiny_models):
     precision cut reads ahead only the part of a layer's lookahead that keeps being right."""
     tiny = tiny_models("opt")
     runs = {}
-    for name, kw, precision in (("off", dict(read_ahead=False), None), ("cut", {}, None), ("always", {}, 0.0)):
+    for name, kw in (("off", dict(read_ahead=False)), ("cut", {}), ("always", dict(read_ahead_precision=0.0))):
         model = flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle", window=8, threads=2,
                               cache_rows=(80, 80), **kw)
-        if precision is not None:
-            model.mode_impl.read_ahead.precision = precision
         runs[name] = (model.logits(IDS, prefill=PREFILL), model.stats)
     off, cut, always = (runs[k][1] for k in ("off", "cut", "always"))
     for logits, _ in runs.values():
@@ -289,10 +287,10 @@ def test_overlap_inside_a_layer_changes_only_the_summation_order(tiny_models, tm
     out = convert(tiny.ckpt, tmp_path / "f16", dtype="float16", progress=False)
     dense = flashllm.load(out, mode="dense").logits(IDS, prefill=PREFILL)
     runs = {}
-    for split in (True, False):
-        model = flashllm.load(out, mode="sparse", predictor=predictor, window=2, threads=2, cache_rows=(90, 90))
-        assert model.mode_impl.split
-        model.mode_impl.split = split
+    for split in (True, False):  # read_ahead=False turns the overlap off (read-ahead itself never changes a result)
+        model = flashllm.load(out, mode="sparse", predictor=predictor, window=2, threads=2, cache_rows=(90, 90),
+                              **({} if split else dict(read_ahead=False)))
+        assert model.stats["ffn_overlap"] == split
         runs[split] = (model.logits(IDS, prefill=PREFILL), model.backend.native.calls["ffn"], model.stats)
     (a, calls_split, stats), (b, calls_one, _) = runs[True], runs[False]
     assert calls_split > calls_one  # two kernel calls for a layer with reads
@@ -301,5 +299,4 @@ def test_overlap_inside_a_layer_changes_only_the_summation_order(tiny_models, tm
     # 40 tokens of layers carry that on (the two-call sum itself: tests/test_native.py)
     np.testing.assert_allclose(a, b, atol=1e-2, rtol=1e-2)
     np.testing.assert_allclose(a, dense, atol=2e-2, rtol=2e-2)
-    assert not flashllm.load(out, mode="sparse", predictor="oracle", read_ahead=False).mode_impl.split  # no overlap
-    assert not flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle").mode_impl.split  # float32: torch copies
+    assert not flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle").stats["ffn_overlap"]  # float32: copies

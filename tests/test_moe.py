@@ -129,9 +129,9 @@ def test_moe_quantized_slots_when_top_k_dequantized_experts_do_not_fit(quantized
     probe = flashllm.load(out, mode="sparse", kernels="plain")
     L, stride = probe.spec.n_layers, probe.layout.stride
     budget = probe.charged(0, probe.backend.nbytes()) + L * 3 * stride
-    assert L * 3 * stride < L * probe.spec.top_k * probe.mode_impl.slot_bytes  # 2 dequantized experts do not fit
+    assert L * 3 * stride < L * probe.spec.top_k * probe.stats["expert_slot_bytes"]  # 2 dequantized experts do not fit
     model = flashllm.load(out, mode="sparse", dram_budget=budget, kernels="plain")
-    assert model.stats["cache_capacity"] == [3] * L and model.mode_impl.slot_bytes == stride
+    assert model.stats["cache_capacity"] == [3] * L and model.stats["expert_slot_bytes"] == stride
     np.testing.assert_allclose(model.logits(IDS, prefill=4), dense, atol=1e-5, rtol=1e-5)
     assert model.stats["expert_slots"] == "quantized as stored (dequantized at each use)"
     assert model.stats["dram_bytes"] <= budget and model.stats["expert_misses"] > 0
@@ -158,7 +158,7 @@ def test_moe_int4_kernel_slots_equal_dense_and_stay_close_to_dequantized(quantiz
         return
     assert stats["expert_slots"] == "int4 kernel layout (repacked on insert)"
     lay = model.layout
-    assert model.mode_impl.slot_bytes <= lay.bundle_bytes * 1.01 < 3 * lay.d_ffn * lay.d_model * 4  # stays int4
+    assert stats["expert_slot_bytes"] <= lay.bundle_bytes * 1.01 < 3 * lay.d_ffn * lay.d_model * 4  # stays int4
     rel = np.abs(dense - plain).max() / np.abs(plain).max()
     assert 0 < rel < 0.05  # bfloat16 activations, scales and zeros; not the same numbers, close ones
     assert (dense.argmax(-1) == plain.argmax(-1)).mean() >= 0.75
@@ -181,7 +181,7 @@ def test_moe_mlx_quantized_slots_equal_dense_and_the_dequantized_experts(quantiz
     stats, lay = model.stats, model.layout
     assert stats["expert_slots"] == "MLX affine format (copied on insert)"
     assert stats["expert_misses"] > 0 and stats["dram_bytes"] <= budget
-    assert model.mode_impl.slot_bytes <= lay.bundle_bytes * 1.2 < 3 * lay.d_ffn * lay.d_model * 4  # stays quantized
+    assert stats["expert_slot_bytes"] <= lay.bundle_bytes * 1.2 < 3 * lay.d_ffn * lay.d_model * 4  # stays quantized
 
 
 def test_int4_kernel_packing_matches_torchs_converter():

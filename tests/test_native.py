@@ -16,6 +16,7 @@ import flashllm
 from flashllm.backends import native
 from flashllm.backends.torch.native import NativeKernels
 from flashllm.converters import convert
+from flashllm.stats import TokenCost
 
 LIB = native.library()
 needs_native = pytest.mark.skipif(LIB is None, reason=f"no native kernels here: {native.describe()}")
@@ -384,9 +385,8 @@ def test_compute_roofline_bench_on_an_int4_model(tiny_models, tmp_path, monkeypa
     for native in ("1", "0"):
         monkeypatch.setenv("FLASHLLM_NATIVE", native)
         m = flashllm.load(model, mode="sparse", dtype="bfloat16", predictor="oracle", window=2)
-        m._costs = []
         m.logits(IDS, prefill=2)
-        cost = m._costs[-1]
+        cost = TokenCost(**m.token_stats[-1])  # the last decode token's costs
         per_neuron[native] = roof.part_bytes(m, cost, len(IDS))["ffn"] / sum(cost.neurons_cached)
     lay = m.manifest.layout
     # the same per-row extras either way; the parts as int4 codes + scales + mins against bfloat16 values

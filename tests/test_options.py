@@ -50,6 +50,8 @@ def test_cli_options_cover_load_options_with_help():
             continue
         if field.name == "expert_routing":  # a Python function (benchmarks replay routing traces through it)
             continue
+        if field.name == "read_ahead_precision":  # a tuning knob of the measured default (tests, benchmarks)
+            continue
         assert field.name in actions, field.name
         assert actions[field.name].help and "default" in actions[field.name].help, field.name
     assert list(actions["mode"].choices) == list(MODES)

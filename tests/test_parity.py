@@ -124,8 +124,8 @@ def slots(n):
     """A DRAM budget that leaves exactly `n` expert slots per layer (for the run's backend and dtype)."""
     def budget(model_dir, options):
         probe = flashllm.load(model_dir, **{**options, "mode": "sparse"})
-        mode = probe.mode_impl  # the slot size as the expert cache holds it: not in the stats
-        return probe.charged(mode.host_bytes(), probe.backend.nbytes()) + probe.spec.n_layers * n * mode.slot_bytes
+        host, slot = probe.memory()[0], probe.stats["expert_slot_bytes"]  # the slot size as the expert cache holds it
+        return probe.charged(host, probe.backend.nbytes()) + probe.spec.n_layers * n * slot
     budget.__name__ = f"slots{n}"
     return budget
 

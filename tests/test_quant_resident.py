@@ -96,6 +96,8 @@ def test_every_mode_with_everything_quantized_matches_dense(tiny_models, tmp_pat
     if backend == "mlx":
         from flashllm.backends.mlx.quant import QuantArray
 
+        # kept private: which array type MLX's cache rows hold is the backend's own (no stat names it); the
+        # public bound on the rows' bytes follows
         store = model.mode_impl.caches[0].store
         assert isinstance(store.parts["up"], QuantArray) and store.parts["up"].bits == 4
         lay = model.layout

@@ -125,7 +125,8 @@ class MoESparseMode(MoEMode):
 
     def describe(self) -> dict:
         return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind,
-                "expert_slots": self.slots.kind}
+                "expert_slots": self.slots.kind, "expert_slot_bytes": self.slot_bytes,
+                "expert_staging_bytes": self.host_bytes()}
 
     def reset(self) -> None:
         for p in self.pending.values():

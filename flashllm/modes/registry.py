@@ -35,6 +35,10 @@ class DenseMode(Mode):
         b = self.ctx.biases(layer)
         return self.backend.ffn(x, self.rows[layer], b["up"], b["gate"], b["down"])
 
+    def describe(self) -> dict:
+        """`ffn_rows`: the FFN matrices each layer holds, as the backend packed them at load."""
+        return {"ffn_rows": sorted(self.rows[0])}
+
     def device_bytes(self) -> int:
         return sum(self.backend.nbytes_of(t) for rows in self.rows for t in rows.values())
 

@@ -97,7 +97,7 @@ class SparseMode(StreamingMode):
             self.caches.append(NeuronCache(capacity, lay.d_ffn, store, compact=not B.ffn_index_in_place()))
         norm = "attn_norm" if ctx.spec.parallel_attn and not ctx.spec.ffn_norm else "ffn_norm"  # makes FFN inputs
         self.read_ahead = make_read_ahead(ahead, ahead_rows, self.caches, self.predictor, self.reader, B,
-                                          self.window, lay, norm)
+                                          self.window, lay, norm, precision=options.read_ahead_precision)
         self._pin_hot()
 
     def _pin_hot(self) -> None:
@@ -142,6 +142,7 @@ class SparseMode(StreamingMode):
         sparsity = self.ctx.sparsity
         return {"window": self.window, "cache_capacity": self.capacities, "predictor": self.predictor.kind,
                 "pinned_neurons": [c.pinned for c in self.caches], "gap_bytes": self.reader.io.gap_bytes,
+                "ffn_overlap": self.split,
                 **self.read_ahead.describe(), **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
 
     @property
@@ -169,6 +170,7 @@ class SparseMode(StreamingMode):
             return self._prefill(layer, x, p, cost)
         mask, scores = union(p.mask, p.scores)
         active = self._fit(layer, np.flatnonzero(mask), scores, cost)
+        self.ctx.hooks.emit("fit", layer, active)
         counts = ReadAheadCounts()
         cost.read_ahead.append(counts)
         ahead = self.read_ahead.finish(layer, active, counts, cost)  # held from now on: the needed read-ahead

@@ -68,10 +68,11 @@ class ReadAhead:
     KEEP = -1.0
     EMA = 0.3  # weight of the newest token in the running shares
 
-    def __init__(self, caches: list, predictor, reader, backend, window: int, layout, norm: str):
+    def __init__(self, caches: list, predictor, reader, backend, window: int, layout, norm: str,
+                 precision: float | None = None):
         self.caches, self.predictor, self.reader, self.backend = caches, predictor, reader, backend
         self.window, self.layout, self.norm = window, layout, norm  # `norm`: the norm that makes an FFN input
-        self.precision = self.PRECISION
+        self.precision = self.PRECISION if precision is None else precision  # LoadOptions.read_ahead_precision
         self.residual = None  # the residual stream the current layer's FFN input came from (decode)
         self.pending: InFlight | None = None
         # per layer and cut: running neurons the early prediction named above the cut, and of those the layer needed
@@ -217,8 +218,8 @@ class BufferReadAhead(ReadAhead):
 
     kind = "via a buffer"
 
-    def __init__(self, *args, rows: int):
-        super().__init__(*args)
+    def __init__(self, *args, rows: int, **kw):
+        super().__init__(*args, **kw)
         self.rows = rows
         self.buffer = self.backend.host_buffer((rows, self.layout.stride))
 
@@ -254,10 +255,11 @@ class BufferReadAhead(ReadAhead):
         return missing[~hit]
 
 
-def make_read_ahead(kind: str, buffer_rows: int, *args) -> ReadAhead:
-    """The read-ahead object of `kind` ("rows", "buffer", "off"); a buffer of no rows reads nothing ahead."""
+def make_read_ahead(kind: str, buffer_rows: int, *args, precision: float | None = None) -> ReadAhead:
+    """The read-ahead object of `kind` ("rows", "buffer", "off"); a buffer of no rows reads nothing ahead.
+    `precision`: the running precision a score cut must clear (None: ReadAhead.PRECISION)."""
     if kind == "rows":
-        return RowsReadAhead(*args)
+        return RowsReadAhead(*args, precision=precision)
     if kind == "buffer" and buffer_rows:
-        return BufferReadAhead(*args, rows=buffer_rows)
-    return NoReadAhead(*args)
+        return BufferReadAhead(*args, rows=buffer_rows, precision=precision)
+    return NoReadAhead(*args, precision=precision)

@@ -16,14 +16,9 @@ from flashllm.format import manifest as fmt
 from flashllm.cli.main import main
 from flashllm.converters import convert
 from flashllm.format.safetensors_io import SafetensorsFile
-from tiny import make_hf_model, save_checkpoint
+from tiny import hf_logits, make_hf_model, save_checkpoint
 
 IDS = [1, 17, 33, 5, 60, 8, 21, 90, 44, 12]
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float().numpy()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])

@@ -5,13 +5,12 @@ import importlib.util
 
 import numpy as np
 import pytest
-import torch
 
 import flashllm
 from flashllm.converters import convert
 from flashllm.converters.families import family_for
 from flashllm.format.rope import Rope
-from tiny import COMMON, make_hf_model, save_checkpoint
+from tiny import COMMON, hf_logits, make_hf_model, save_checkpoint
 
 BACKENDS = ["torch", pytest.param("mlx", marks=pytest.mark.skipif(importlib.util.find_spec("mlx") is None,
                                                                     reason="mlx is not installed"))]
@@ -26,17 +25,6 @@ SCALINGS = {  # rope kind -> (family, config overrides)
                                                 original_max_position_embeddings=ORIG, beta_fast=8.0, beta_slow=1.0))),
     "longrope": ("phi3", {}),
 }
-
-
-def hf_cached_logits(hf, ids, prefill):
-    """transformers' logits for a prompt of `prefill` ids, then one token at a time through its KV cache."""
-    with torch.no_grad():
-        out = hf(torch.tensor([ids[:prefill]]), use_cache=True)
-        rows = [out.logits[0]]
-        for t in ids[prefill:]:
-            out = hf(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
-            rows.append(out.logits[0])
-    return torch.cat(rows).float().numpy()
 
 
 def converted(tmp_path, family, **overrides):
@@ -71,9 +59,9 @@ def test_scaled_rope_beyond_original_positions_matches_transformers(tmp_path, ki
     hf, model_dir = converted(tmp_path, family, **overrides)
     model = flashllm.load(model_dir, backend=backend, mode="dense")
     assert model.context >= len(IDS) > ORIG
-    ref = hf_cached_logits(hf, IDS, prefill)
+    ref = hf_logits(hf, IDS, prefill)
     np.testing.assert_allclose(model.logits(IDS, prefill=prefill), ref, atol=1e-4, rtol=1e-4)
-    plain = hf_cached_logits(make_hf_model("llama" if family == "llama3" else family, **{
+    plain = hf_logits(make_hf_model("llama" if family == "llama3" else family, **{
         **overrides, "rope_parameters": dict(rope_type="default", rope_theta=10000.0)}), IDS, prefill)
     assert np.abs(plain[ORIG:] - ref[ORIG:]).max() > 1e-2  # the scaling matters at these positions
 
@@ -94,10 +82,10 @@ def test_sliding_window_longer_sequence_matches_transformers(tmp_path, name, bac
     spec = flashllm.load(model_dir, mode="dense").spec
     assert spec.sliding_window and any(spec.window(i) for i in range(spec.n_layers))
     ids = IDS[:20]
-    ref = hf_cached_logits(hf, ids, 12)
+    ref = hf_logits(hf, ids, 12)
     ours = flashllm.load(model_dir, backend=backend, mode="dense").logits(ids, prefill=12)
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
-    wide = hf_cached_logits(make_hf_model(family, **{**overrides, "sliding_window": 64}), ids, 12)
+    wide = hf_logits(make_hf_model(family, **{**overrides, "sliding_window": 64}), ids, 12)
     assert np.abs(wide[-1] - ref[-1]).max() > 1e-2  # the window matters for the last tokens
 
 

@@ -11,13 +11,9 @@ import flashllm
 from flashllm.format import manifest as fmt
 from flashllm.errors import FlashLLMError
 from flashllm.modes.experts import ExpertCache, by_expert, route
+from tiny import hf_logits
 
 IDS = [1, 17, 33, 5, 60, 8, 21, 90, 44, 12, 3, 71]
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float().numpy()
 
 
 def _budget_for_slots(model_dir, slots: int, **load) -> int:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import flashllm
-from tiny import FAMILIES, MOE_FAMILIES
+from tiny import FAMILIES, MOE_FAMILIES, hf_logits
 
 HAS_MLX = importlib.util.find_spec("mlx") is not None
 DENSE_FAMILIES, MOE = tuple(sorted(FAMILIES)), tuple(sorted(MOE_FAMILIES))
@@ -196,19 +196,6 @@ CASES = [
 
 
 # --- the runner -----------------------------------------------------------------------------------
-def hf_logits(hf, ids, prefill):
-    """transformers' logits for a prompt of `prefill` ids (None: all), then one token at a time through its KV
-    cache, as flashllm computes them (scaled rope, e.g. Phi-3's longrope, switches as the sequence grows)."""
-    prefill = len(ids) if prefill is None else prefill
-    with torch.no_grad():
-        out = hf(torch.tensor([ids[:prefill]]), use_cache=True)
-        rows = [out.logits[0]]
-        for t in ids[prefill:]:
-            out = hf(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
-            rows.append(out.logits[0])
-    return torch.cat(rows).float().numpy()
-
-
 class Runs:
     """Logits and greedy tokens of each (family, run), computed once per session."""
 

@@ -16,7 +16,7 @@ from flashllm.cli.main import main as cli_main
 from flashllm.predictors import calibrate as calib
 from flashllm.predictors import collect as col
 from flashllm.modes.sparse.activation_sparsity import sparsity_document
-from tiny import TEXT
+from tiny import TEXT, hf_logits
 
 BACKENDS = ["torch", pytest.param("mlx", marks=pytest.mark.skipif(importlib.util.find_spec("mlx") is None,
                                                                     reason="mlx is not installed"))]
@@ -70,11 +70,6 @@ def thresholded_hf(hf, thresholds):
     for layer, t in zip(ref.model.layers, thresholds):
         layer.mlp.act_fn = Thresholded(layer.mlp.act_fn, t)
     return ref
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float().numpy()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -105,6 +105,19 @@ class FatReLU(torch.nn.Module):
         return x * (x > FATRELU_THRESHOLD)
 
 
+def hf_logits(hf, ids, prefill: int | None = None):
+    """transformers' logits for a prompt of `prefill` ids (None: all), then one token at a time through its KV
+    cache, as flashllm computes them (scaled rope, e.g. Phi-3's longrope, switches as the sequence grows)."""
+    prefill = len(ids) if prefill is None else prefill
+    with torch.no_grad():
+        out = hf(torch.tensor([ids[:prefill]]), use_cache=True)
+        rows = [out.logits[0]]
+        for t in ids[prefill:]:
+            out = hf(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
+            rows.append(out.logits[0])
+    return torch.cat(rows).float().numpy()
+
+
 def save_checkpoint(model, family: str, path: Path, **save_kw) -> Path:
     """Save as an HF checkpoint directory with a tokenizer (fatrelu gets its ProSparse-style config)."""
     path.mkdir(parents=True, exist_ok=True)

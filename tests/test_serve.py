@@ -14,7 +14,8 @@ import pytest
 
 import flashllm
 
-from flashllm.serve.app import Server, create_app
+from flashllm.serve.app import Server
+from flashllm.serve.http import uvicorn_server
 
 openai = pytest.importorskip("openai")
 
@@ -27,12 +28,10 @@ class Running:
     """A Server on a free loopback port, served by uvicorn in a thread."""
 
     def __init__(self, server: Server):
-        import uvicorn
-
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.server, self.port = server, sock.getsockname()[1]
-        self.uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=1))
+        self.uv = uvicorn_server(server, log_level="warning", grace=0)
         self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -70,7 +69,7 @@ class Running:
     def stop(self):
         self.uv.should_exit = True
         self.thread.join(10)
-        self.server.queue.close()
+        self.server.scheduler.close()
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +91,10 @@ def slow(model, seconds: float):
     """Make every forward take at least `seconds` (so queues fill and cancellation is observable)."""
     forward, calls = model.forward, []
 
-    def slowed(ids, pos):
+    def slowed(ids, pos, slot=0):
         calls.append(pos)
         time.sleep(seconds)
-        return forward(ids, pos)
+        return forward(ids, pos, slot)
 
     model.forward = slowed
     return calls
@@ -113,7 +112,7 @@ def test_models_and_health(served):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     status, health = served.raw("GET", "/health")
     assert status == 200 and health["status"] == "ok" and health["model"] == "tiny"
-    assert health["queue"] == {"running": 0, "queued": 0, "max_queued": 4}
+    assert health["queue"] == {"running": 0, "queued": 0, "max_batch": 1, "max_queued": 4}
 
 
 def test_chat_answers_like_the_api(served, reference):
@@ -232,7 +231,7 @@ def test_prompt_too_long_below_the_models_limit_suggests_a_larger_context(model_
 
     server = Server(flashllm.load(model_dir, context=16), name="tiny")
     with pytest.raises(APIError) as err:
-        server.prepare("completion", {"model": "tiny", "prompt": "the quick brown fox " * 20})
+        server.prepare("completion", {"model": "tiny", "prompt": "the quick brown fox " * 12})
     assert "but the context holds 16" in err.value.message and err.value.code == "context_length_exceeded"
     assert "restart the server with a larger --context (the model has 64 positions)" in err.value.message
 
@@ -346,15 +345,15 @@ def test_a_bug_answers_a_json_500_and_the_server_goes_on(model_dir, capfd):
     model = flashllm.load(model_dir)
     running = Running(Server(model, name="tiny"))
     try:
-        stream_tokens = model.stream_tokens
-        model.stream_tokens = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+        step = model.step
+        model.step = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
         for stream in (False, True):
             with pytest.raises(openai.InternalServerError if not stream else openai.APIError) as err:
                 out = running.client().completions.create(model="tiny", prompt="the", max_tokens=2, stream=stream)
                 list(out)
             assert "internal error (RuntimeError)" in err.value.message
         assert "RuntimeError: boom" in capfd.readouterr().err  # the traceback is in the server's log
-        model.stream_tokens = stream_tokens
+        model.step = step
         assert running.client().completions.create(model="tiny", prompt="the", max_tokens=2).choices[0].text
     finally:
         running.stop()

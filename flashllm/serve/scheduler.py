@@ -206,7 +206,12 @@ class Scheduler:
         while self._queue and free and not self._closing:
             job = self._queue.popleft()
             job.state = "prefill"
-            self._running.append(Sequence(job, free.pop(0), self.model, self.eos))
+            seq = Sequence(job, free.pop(0), self.model, self.eos)
+            self._running.append(seq)
+            if seq.budget == 0:  # max_tokens 0: nothing to generate
+                seq.reason = "length"
+                self._finish(seq)
+                free.append(seq.slot)
 
     def _step(self) -> None:
         """One prefill chunk of the oldest prefilling sequence, then one decode step over the running ones."""
@@ -222,16 +227,12 @@ class Scheduler:
             s.costs.append(cost)
             s.prompt_costs += 1
             s.filled += len(chunk)
-            if s.filled == len(s.ids):
+            if s.filled == len(s.ids):  # its first token comes from the prompt; it decodes from this step on
                 s.job.state = "running"
                 s.take(logits[-1])
                 if s.reason:
-                    return self._finish(s)
-                s.job.state = "decode-ready"
+                    self._finish(s)
         ready = [s for s in self._running if s.job.state == "running"]
-        for s in self._running:  # a sequence whose prompt just finished decodes from the next step on
-            if s.job.state == "decode-ready":
-                s.job.state = "running"
         if not ready:
             return
         t0 = time.perf_counter()
@@ -265,9 +266,13 @@ class Scheduler:
         stats["decode_tokens"] = max(len(s.tokens) - 1, 0)  # this sequence's own (the first comes from the prompt)
         stats["batch"] = np.mean([c.batch for c in s.costs[s.prompt_costs:]]).item() if s.tokens[1:] else 1.0
         n, p = len(s.tokens), len(s.ids)
+        self._leave(s)
         self._end(s.job, "done", {"finish_reason": FINISH_REASON[s.reason],
                                   "usage": {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n},
                                   "flashllm": {"stop_reason": s.reason, "stats": stats}})
+
+    def _leave(self, s: Sequence) -> None:
+        """Take `s` out of the batch (its slot is free) before its client learns that it ended."""
         with self._cond:
             if s in self._running:
                 self._running.remove(s)
@@ -275,10 +280,8 @@ class Scheduler:
     def _fail(self, s: Sequence, exc: Exception) -> None:
         from flashllm.serve.openai_api import APIError
 
+        self._leave(s)
         self._end(s.job, "error", APIError(400, str(exc)))
-        with self._cond:
-            if s in self._running:
-                self._running.remove(s)
 
     @staticmethod
     def _end(job: Job, kind: str | None = None, value=None) -> None:

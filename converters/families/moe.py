@@ -134,8 +134,11 @@ def expert_bundles(layout: ExpertLayout, experts, dtype: str):
             w = parts[part]
             if layout.quant and layout.part_shape(part) != w.shape:
                 w = w.T
-            raw = layout.quant.quantize(np.ascontiguousarray(w, dtype=np.float32)) if layout.quant else \
-                storage_bytes(w, dtype)
+            if hasattr(w, "encode"):  # GGUF blocks (converters/gguf_quant.py), mapped exactly where they can be
+                raw = w.encode(layout.quant, dtype)
+            else:
+                raw = layout.quant.quantize(np.ascontiguousarray(w, dtype=np.float32)) if layout.quant else \
+                    storage_bytes(w, dtype)
             bundle[layout.part_range(part)] = raw.reshape(-1)
         yield bundle
 

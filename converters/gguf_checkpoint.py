@@ -16,7 +16,7 @@ import numpy as np
 
 from flashllm.errors import FlashLLMError
 
-from flashllm.converters.gguf_config import ARCHITECTURES, hf_config
+from flashllm.converters.gguf_config import ARCHITECTURES, ROPE_TENSORS, hf_config
 from flashllm.converters.gguf_quant import FLOAT_TYPES, ConversionCost, GGUFRows
 
 _SPLIT = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -64,9 +64,9 @@ class GGUFCheckpoint:
                      if not key.startswith("GGUF.")}
         self.tensors = {t.name: t for r in self.readers for t in r.tensors}
         self.arch = self.meta.get("general.architecture")
-        rope_freqs = self.tensors.pop("rope_freqs.weight", None)
-        self.config = hf_config(self.meta, set(self.tensors),
-                                None if rope_freqs is None else self._values(rope_freqs))
+        rope = {name: self._values(self.tensors.pop(f"{name}.weight")) for name in ROPE_TENSORS
+                if f"{name}.weight" in self.tensors}  # rope scaling llama.cpp stores as tensors
+        self.config = hf_config(self.meta, set(self.tensors), rope)
         _, self.permuted_qk, norms_plus_one = ARCHITECTURES[self.arch]
         self.norm_offset_stored = 1.0 if norms_plus_one else 0.0
         self.name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[_arch_enum(self.arch)],

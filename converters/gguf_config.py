@@ -55,8 +55,12 @@ def supported() -> str:
     return ", ".join(sorted(ARCHITECTURES))
 
 
-def hf_config(meta: dict, tensor_names: set[str], rope_freqs: np.ndarray | None) -> dict:
-    """The HF config dict for GGUF metadata `meta` (key -> value) of a file holding `tensor_names`."""
+ROPE_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
+
+
+def hf_config(meta: dict, tensor_names: set[str], rope: dict[str, np.ndarray]) -> dict:
+    """The HF config dict for GGUF metadata `meta` (key -> value) of a file holding `tensor_names`; `rope`: the
+    rope scaling tensors it holds (ROPE_TENSORS, without .weight)."""
     arch = meta.get("general.architecture")
     if arch in NOT_YET:
         raise FlashLLMError(f"{NOT_YET[arch]}; supported GGUF architectures: {supported()}")
@@ -93,24 +97,34 @@ def hf_config(meta: dict, tensor_names: set[str], rope_freqs: np.ndarray | None)
         cfg["norm_topk_prob"] = True  # llama.cpp always renormalises Qwen3-MoE's top-k weights
     if model_type == "qwen2":
         cfg["use_sliding_window"] = False
-    cfg["rope_scaling"] = _rope_scaling(meta, arch, cfg, rope_freqs)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rotary = meta.get(f"{arch}.rope.dimension_count")
+    if rotary and rotary != head_dim:
+        cfg["partial_rotary_factor"] = rotary / head_dim
+    cfg["rope_scaling"] = _rope_scaling(meta, arch, cfg, rope)
     return cfg
 
 
-def _rope_scaling(meta: dict, arch: str, cfg: dict, rope_freqs: np.ndarray | None) -> dict | None:
+def _rope_scaling(meta: dict, arch: str, cfg: dict, rope: dict[str, np.ndarray]) -> dict | None:
     kind = meta.get(f"{arch}.rope.scaling.type")
-    if rope_freqs is not None:
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if "rope_freqs" in rope:
         if kind not in (None, "none"):
             raise FlashLLMError(f"GGUF: rope_freqs.weight with rope scaling {kind!r} is not supported")
-        return llama3_scaling(rope_freqs, cfg)
+        return llama3_scaling(rope["rope_freqs"], cfg)
+    if "rope_factors_long" in rope:  # Phi-3's longrope: per-frequency factors for short and long sequences
+        out = {"rope_type": "longrope", "short_factor": rope.get("rope_factors_short", rope["rope_factors_long"]),
+               "long_factor": rope["rope_factors_long"], "original_max_position_embeddings": orig}
+        attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+        out = {k: v.reshape(-1).tolist() if isinstance(v, np.ndarray) else v for k, v in out.items()}
+        return {**out, **({"attention_factor": attn} if attn else {})}
     if kind in (None, "none"):
         return None
     factor = meta.get(f"{arch}.rope.scaling.factor")
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
-        return {"rope_type": "yarn", "factor": factor,
-                "original_max_position_embeddings": meta.get(f"{arch}.rope.scaling.original_context_length")}
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig}
     raise FlashLLMError(f"GGUF: rope scaling {kind!r} is not supported")
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from tiny import make_hf_model
 
 ARCH = {"llama": "llama", "llama3": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2",
-        "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+        "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "phi3": "phi3"}
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -109,6 +109,10 @@ def hf_tensors(model, family: str):
         out.append((f"{name}.{suffix}", w))
     if family == "llama3":
         out.append(("rope_freqs.weight", llama3_rope_factors(cfg)))
+    if family == "phi3":  # longrope: llama.cpp's rope_factors_long / _short
+        p = cfg.rope_parameters
+        out += [("rope_factors_long.weight", np.asarray(p["long_factor"], np.float32)),
+                ("rope_factors_short.weight", np.asarray(p["short_factor"], np.float32))]
     return out
 
 
@@ -131,7 +135,12 @@ def write_gguf(model, family: str, path: Path, qtype: str = "F32", tok=None, kqu
     rope = getattr(cfg, "rope_parameters", None) or {}
     w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or 1.0)))
+    if family == "phi3":
+        orig = rope.get("original_max_position_embeddings") or cfg.original_max_position_embeddings
+        w.add_rope_scaling_orig_ctx_len(orig)
+        scale = cfg.max_position_embeddings / orig
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_feed_forward_length(getattr(cfg, "intermediate_size", 0) or 0)
@@ -182,6 +191,6 @@ def random_q4_k(shape, rng) -> np.ndarray:
 def tiny_gguf(tmp_path: Path, family: str, qtype: str = "F32", tok=None, **kw):
     """(HF model, GGUF path) for a tiny `family` model whose vocabulary is `tok`'s."""
     tok = tok or train_vocab()
-    hf = make_hf_model(family, vocab_size=tok.get_vocab_size(), bos_token_id=0, eos_token_id=2, pad_token_id=None,
+    hf = make_hf_model(family, vocab_size=tok.get_vocab_size(), bos_token_id=0, eos_token_id=2, pad_token_id=0,
                        **kw)
     return hf, write_gguf(hf, family, tmp_path / f"{family}-{qtype}.gguf", qtype, tok)

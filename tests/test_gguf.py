@@ -64,6 +64,18 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path, vocab):
     np.testing.assert_allclose(flashllm.load(out, mode="dense").logits(ids), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "phi3"])
+def test_architectures_transformers_cannot_load_from_gguf_equal_the_original(tmp_path, vocab, family):
+    """Mixtral (llama with merged experts), Qwen2-MoE (shared expert), OLMoE and Phi-3 (fused qkv and gate/up,
+    longrope factors as tensors): transformers' GGUF loader gets their config wrong, so the reference is the
+    transformers model the lossless F32 file was written from, past Phi-3's original context too."""
+    hf, path = tiny_gguf(tmp_path, family, "F32", vocab)
+    out = convert(path, tmp_path / "out", progress=False)
+    assert fmt.read_manifest(out).spec.family == family
+    ids = (IDS * 3)[:24]
+    np.testing.assert_allclose(flashllm.load(out, mode="dense").logits(ids), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+
+
 def _dense_parts(out, layer: int):
     """part -> [d_ffn, d_model] float32 values of layer `layer` as stored in ffn.bin (dequantized)."""
     m = fmt.read_manifest(out)
@@ -124,21 +136,26 @@ def test_a_k_quant_is_dequantized_or_quantized_again_with_its_cost(tmp_path, voc
     assert rounded[("Q4_K", "int4")]["values"] == 2 * 2 * 256 * 64  # 2 layers' gate and up
 
 
-def test_moe_gguf_streams_experts_at_a_budget_with_dense_logits(tmp_path, vocab):
-    """Qwen3-MoE as llama.cpp stores it (experts merged per layer and part, Q8_0): every expert block is kept,
-    dense logits equal transformers' GGUF load, and streaming experts at a budget gives the same logits."""
-    hf, path = tiny_gguf(tmp_path, "qwen3_moe", "Q8_0", vocab, **QWEN3)
+@pytest.mark.parametrize("qtype,bits", [("Q8_0", 8), ("Q4_0", 4)])
+def test_moe_gguf_streams_experts_at_a_budget_with_dense_logits(tmp_path, vocab, qtype, bits):
+    """Qwen3-MoE as llama.cpp stores it (experts merged per layer and part): every expert block is kept (down
+    projections too: an expert's are stored as W_down, groups along d_ffn), dense logits equal transformers'
+    GGUF load, and streaming experts at a budget gives the same logits."""
+    hf, path = tiny_gguf(tmp_path, "qwen3_moe", qtype, vocab, **QWEN3)
     out = convert(path, tmp_path / "out", dtype="float32", progress=False)
     m = fmt.read_manifest(out, verify=True)
     s = m.spec
-    assert m.layout.quant.bits == 8 and m.data["source"]["conversion"]["exact"] == {
-        "Q8_0": s.n_layers * s.n_experts * 3 * s.d_ffn * s.d_model}
-    dense = flashllm.load(out, mode="dense").logits(IDS)
+    assert m.layout.quant.bits == bits and m.data["source"]["conversion"]["exact"] == {
+        qtype: s.n_layers * s.n_experts * 3 * s.d_ffn * s.d_model}
+    # plain kernels: the stored values as they are (torch's int4 kernel rounds activations to bfloat16)
+    dense = flashllm.load(out, mode="dense", kernels="plain").logits(IDS)
     np.testing.assert_allclose(dense, hf_logits(transformers_gguf(path, hf.config), IDS), atol=1e-4, rtol=1e-4)
-    probe = flashllm.load(out, mode="sparse", dram_budget=None)
+    # the tuned kernels (Q4_0: torch's int4 kernel on symmetric groups, whose packed slots outgrow the bundle)
+    np.testing.assert_allclose(flashllm.load(out, mode="dense").logits(IDS), dense, atol=0.1)
+    probe = flashllm.load(out, mode="sparse", dram_budget=None, kernels="plain")
     budget = probe.charged(probe.mode_impl.host_bytes(), probe.backend.nbytes()) + \
         s.n_layers * 2 * probe.mode_impl.slot_bytes  # 2 of 8 expert slots per layer
-    streamed = flashllm.load(out, mode="sparse", dram_budget=budget)
+    streamed = flashllm.load(out, mode="sparse", dram_budget=budget, kernels="plain")
     np.testing.assert_allclose(streamed.logits(IDS), dense, atol=1e-5, rtol=1e-5)
     assert sum(t["experts_missed"] for t in streamed.token_stats) > 0
 

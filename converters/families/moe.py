@@ -157,7 +157,7 @@ def expert_packing(expert_layout: str, spec: ArchSpec, quant) -> str | None:
     from flashllm.backends.torch.quant import INT4_GROUPS, int4_packing
 
     if not spec.is_moe or quant is None or quant.bits != 4 or quant.group_size not in INT4_GROUPS or quant.symmetric:
-        raise FlashLLMError(f"--expert-layout torch-cpu: stores the asymmetric int4 experts of an MoE model, groups "
+        raise FlashLLMError(f"--expert-layout torch-cpu: stores the int4 experts of an MoE model, asymmetric groups "
                             f"of {', '.join(map(str, INT4_GROUPS))} (use --quantize int4, or --expert-layout portable; "
                             f"a GGUF file's symmetric Q4_0 experts are stored portable)")
     packing = int4_packing()

@@ -9,22 +9,27 @@ from pathlib import Path
 
 def add_parser(sub) -> None:
     """The `flashllm convert` subcommand."""
-    c = sub.add_parser("convert", help="convert an HF checkpoint directory into a flashllm model directory",
-                       description="Rewrite an HF checkpoint (config.json + safetensors or .bin) into flashllm's "
-                       "layout: resident tensors plus FFN row-column bundles. Streams tensor by tensor into a "
-                       "temporary directory (inside OUT when it exists, e.g. an empty mount point, else beside it) "
-                       "and moves the result into place at the end.")
-    c.add_argument("src", help="HF checkpoint directory")
+    c = sub.add_parser("convert", help="convert an HF checkpoint directory or a GGUF file into a flashllm model "
+                       "directory", description="Rewrite an HF checkpoint (config.json + safetensors or .bin) or a "
+                       "GGUF file (llama.cpp's; the first part of a split one) into flashllm's layout: resident "
+                       "tensors plus FFN row-column bundles. Streams tensor by tensor into a temporary directory "
+                       "(inside OUT when it exists, e.g. an empty mount point, else beside it) and moves the result "
+                       "into place at the end. A GGUF file's Q4_0/Q4_1/Q8_0 FFN weights are kept as they are "
+                       "(int4/int8 groups of 32); other quantized types are dequantized.")
+    c.add_argument("src", help="HF checkpoint directory, or GGUF file (MODEL.gguf, MODEL-00001-of-0000N.gguf)")
     c.add_argument("out", help="output model directory: a new path, or with --force an empty directory (a mount "
                    "point too) or a flashllm model directory")
-    c.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="storage dtype (default: the checkpoint's)")
-    c.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+    c.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="storage dtype (default: the "
+                   "checkpoint's; float16 for a quantized GGUF file's dequantized tensors)")
+    c.add_argument("--quantize", choices=["none", "int8", "int4"],
                    help="store FFN bundles group-wise quantized (asymmetric min/max, float16 scales; "
-                   "resident tensors stay in --dtype) (default: %(default)s)")
-    c.add_argument("--group-size", type=int, default=64,
+                   "resident tensors stay in --dtype) (default: none; a GGUF file: its own Q4_0/Q4_1/Q8_0 "
+                   "scheme, else none)")
+    c.add_argument("--group-size", type=int,
                    help="values per quantization group: groups run along d_model (and, in a mixture-of-experts "
                    "model, along each expert's FFN width too), so the size must divide d_model and the experts' "
-                   "d_ffn; even for int4 (default: %(default)s)")
+                   "d_ffn; even for int4; a GGUF file's Q4_0/Q4_1/Q8_0 blocks keep their 32 unless a size is given "
+                   "(default: 64)")
     c.add_argument("--expert-layout", default="portable", choices=["portable", "torch-cpu"],
                    help="MoE int4 experts: `portable` rows (every backend), or `torch-cpu`: torch's CPU int4 kernel "
                    "layout of this machine, read straight into the expert cache with no repack (other backends "
@@ -46,6 +51,7 @@ def command(args) -> None:
     out = convert(args.src, args.out, dtype=args.dtype, quantize=args.quantize, group_size=args.group_size,
                   force=args.force, bundled=not args.no_bundle, expert_layout=args.expert_layout)
     print(f"wrote {out}")
+    describe_source(out)
     # what went with the replaced model, e.g. predictors trained for it
     gone = sorted(n for n in before - set(os.listdir(out)) if not n.startswith(".flashllm-"))
     if gone:
@@ -54,3 +60,18 @@ def command(args) -> None:
         print(f"flashllm: note: no tokenizer.json in {args.src}, so none was copied: text prompts (generate, chat, "
               f"serve) will fail until the model's tokenizer.json (and tokenizer_config.json) is copied into {out}; "
               f"without it, give token ids from Python (Model.generate_ids)", file=sys.stderr)
+
+
+def describe_source(out: Path) -> None:
+    """What a GGUF conversion kept exactly and what it rounded (from the manifest), on stderr."""
+    import json
+
+    source = json.loads((out / "flashllm.json").read_text()).get("source") or {}
+    cost = source.get("conversion")
+    if not cost:
+        return
+    parts = [f"{n:,} FFN values kept exactly ({q} blocks as flashllm groups)" for q, n in sorted(cost["exact"].items())]
+    parts += [f"{r['values']:,} {'FFN' if r['tensors'] == 'ffn' else 'resident'} values {r['from']} -> {r['to']} "
+              f"(relative RMS error {r['relative_rms_error']:.2e})" for r in cost["rounded"]]
+    if parts:
+        print(f"flashllm: note: {'; '.join(parts)}", file=sys.stderr)

@@ -29,7 +29,7 @@ from flashllm.converters.families.moe import expert_bundles, expert_packing, wri
 def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize: str | None = None,
             force: bool = False, progress: bool | None = None, bundled: bool = True,
             group_size: int | None = None, quant_scheme: str | None = None,
-            expert_layout: str = "portable") -> Path:
+            expert_layout: str = "portable", origin: dict | None = None) -> Path:
     """Convert the HF checkpoint in `src` into a flashllm model directory at `out`; returns `out`.
 
     `quantize` int8/int4 stores the FFN bundles group-wise quantized (groups of `group_size`
@@ -41,7 +41,8 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
     `expert_layout` `torch-cpu` stores an MoE model's int4 experts in torch's CPU int4 kernel layout of
     this machine (families.moe.expert_packing), so torch reads them into its cache slots with no repack.
     `src` may also be a GGUF file (converters/gguf_checkpoint.py): its Q4_0/Q4_1/Q8_0 FFN weights are kept as
-    they are (int4/int8 groups of 32) unless `quantize`, `group_size` or `quant_scheme` ask for another scheme."""
+    they are (int4/int8 groups of 32) unless `quantize`, `group_size` or `quant_scheme` ask for another scheme.
+    `origin` goes into the manifest's source beside the path (e.g. the Hub repo and revision, converters/hub.py)."""
     gguf = is_gguf(src)
     quant = None if quantize in (None, "none") else QuantScheme.named(quantize, group_size or DEFAULT_GROUP,
                                                                  quant_scheme or DEFAULT_SCHEME)
@@ -90,7 +91,8 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
             for f in tokenizer:
                 shutil.copyfile(ckpt.root / f, tmp / f)
             source = {"path": str(ckpt.root.resolve()), "model_type": ckpt.config.get("model_type")}
-        write_manifest(tmp, spec, dtype_name, layout, ffn_sha, layer_sha, tokenizer, ffn_file=ffn_file, source=source)
+        write_manifest(tmp, spec, dtype_name, layout, ffn_sha, layer_sha, tokenizer, ffn_file=ffn_file,
+                       source={**source, **(origin or {})})
         _replace(tmp, out)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -16,7 +16,11 @@ def add_parser(sub) -> None:
                        "(inside OUT when it exists, e.g. an empty mount point, else beside it) and moves the result "
                        "into place at the end. A GGUF file's Q4_0/Q4_1/Q8_0 FFN weights are kept as they are "
                        "(int4/int8 groups of 32); other quantized types are dequantized.")
-    c.add_argument("src", help="HF checkpoint directory, or GGUF file (MODEL.gguf, MODEL-00001-of-0000N.gguf)")
+    c.add_argument("src", help="HF checkpoint directory, GGUF file (MODEL.gguf, MODEL-00001-of-0000N.gguf), or "
+                   "Hugging Face Hub repo id ORG/NAME (downloaded into the HF cache; HF_HUB_OFFLINE=1 uses the cache only)")
+    c.add_argument("--revision", help="Hub repo id: branch, tag or commit (default: main)")
+    c.add_argument("--gguf-file", metavar="NAME", help="Hub repo id: convert this GGUF file of the repository "
+                   "(the first part of a split one), not its transformers checkpoint")
     c.add_argument("out", help="output model directory: a new path, or with --force an empty directory (a mount "
                    "point too) or a flashllm model directory")
     c.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="storage dtype (default: the "
@@ -45,11 +49,19 @@ def add_parser(sub) -> None:
 def command(args) -> None:
     """Convert, then say what the replaced model took with it and whether text prompts will work."""
     from flashllm.converters import convert
+    from flashllm.converters.hub import fetch, is_repo_id
+    from flashllm.errors import FlashLLMError
 
+    src, origin = args.src, None
+    if is_repo_id(args.src):
+        src, origin = fetch(args.src, args.revision, args.gguf_file)
+    elif args.revision or args.gguf_file:
+        raise FlashLLMError(f"{args.src}: --revision and --gguf-file apply to a Hub repo id (ORG/NAME), and this "
+                            f"is {'a local path' if Path(args.src).exists() else 'neither a local path nor a repo id'}")
     old = Path(args.out)
     before = set(os.listdir(old)) if args.force and old.is_dir() else set()
-    out = convert(args.src, args.out, dtype=args.dtype, quantize=args.quantize, group_size=args.group_size,
-                  force=args.force, bundled=not args.no_bundle, expert_layout=args.expert_layout)
+    out = convert(src, args.out, dtype=args.dtype, quantize=args.quantize, group_size=args.group_size,
+                  force=args.force, bundled=not args.no_bundle, expert_layout=args.expert_layout, origin=origin)
     print(f"wrote {out}")
     describe_source(out)
     # what went with the replaced model, e.g. predictors trained for it

@@ -26,6 +26,7 @@ SUITES: dict[str, str | dict[str, str]] = {
     "paper": {"tables": "bench.paper.tables", "all": "bench.paper.run"},
     "plan": "bench.plan",
     "batch": "bench.batch",
+    "speculative": "bench.speculative",
     "sparsity": "bench.sparsity",
     "convert": "bench.convert",
 }

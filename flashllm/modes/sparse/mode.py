@@ -77,6 +77,7 @@ class SparseMode(StreamingMode):
         # the others (where reads land in cache rows and the backend computes row subsets without copying them)
         self.split = options.read_ahead is not False and in_place and B.ffn_index_in_place()
         self._landing: Landing | None = None  # the read of the layer being computed, with `split`
+        self._verified: dict[int, tuple] = {}  # layer -> (token, masks, prior last_active) of a verification
         if not getattr(self.predictor, "selective", True) and min(self.capacities) < lay.d_ffn:
             raise FlashLLMError(
                 f"predictor {self.predictor.kind!r} marks every neuron of this {ctx.spec.activation} FFN active "
@@ -170,6 +171,8 @@ class SparseMode(StreamingMode):
             return self._prefill(layer, x, p, cost)
         mask, scores = union(p.mask, p.scores)
         active = self._fit(layer, np.flatnonzero(mask), scores, cost)
+        if cost.verify:  # the window is settled once the verification's kept positions are known
+            self._verified[layer] = (cache.token, p.mask, active, cache.last_active[active].copy())
         self.ctx.hooks.emit("fit", layer, active)
         counts = ReadAheadCounts()
         cost.read_ahead.append(counts)
@@ -195,7 +198,20 @@ class SparseMode(StreamingMode):
     def _decodes(p: Prediction, cache: NeuronCache, cost) -> bool:
         """Decode: one token, or one per sequence of a batch whose union fits the cache (a union that does not
         fit is streamed through the cache rows like a prompt: exact, never dropped for batching)."""
-        return p.mask.shape[0] == cost.batch and (cost.batch == 1 or p.mask.any(axis=0).sum() <= cache.capacity)
+        rows = p.mask.shape[0]  # a verification's positions are decoded together like a batch's sequences
+        return (rows == cost.batch or cost.verify) and (rows == 1 or p.mask.any(axis=0).sum() <= cache.capacity)
+
+    def keep_verified(self, kept: int, policy: str) -> None:
+        """The window after a verification decoded as one step (`ffn` marked its union active at one token):
+        it counts `kept` tokens, the kept positions' neurons each at its own; "accepted" (the paper's policy)
+        restores the rejected positions' neurons to what they were, "verified" keeps them as the last token's."""
+        for layer, (token, masks, active, prior) in self._verified.items():
+            cache = self.caches[layer]
+            cache.last_active[active] = prior
+            for t, mask in enumerate(masks if policy == "verified" else masks[:kept]):
+                cache.last_active[np.flatnonzero(mask)] = token + 1 + min(t, kept - 1)
+            cache.token = token + kept
+        self._verified.clear()
 
     def _read(self, layer: int, ids: np.ndarray, cost, overlap: bool) -> None:
         """The bundles of neurons `ids` into free cache rows; with `overlap`, only start that read, into the

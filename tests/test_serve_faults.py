@@ -52,13 +52,15 @@ def test_a_queued_request_whose_client_leaves_ends(model_dir):
         time.sleep(0.3)
         leavers = [send(running.port, json.dumps({"model": "tiny", "prompt": "a", "max_tokens": 4}).encode())
                    for _ in range(5)]
-        time.sleep(0.3)
-        assert running.server.scheduler.counts()["queued"] == 5
+        deadline = time.monotonic() + 10
+        while running.server.scheduler.counts()["queued"] < 5:
+            assert time.monotonic() < deadline, running.server.scheduler.counts()
+            time.sleep(0.05)
         for sock in leavers:
             sock.close()
         busy.close()
-        running.wait_idle(3)
-        deadline = time.monotonic() + 3
+        running.wait_idle(5)
+        deadline = time.monotonic() + 5
         while running.uv.server_state.tasks and time.monotonic() < deadline:  # every request's task has returned
             time.sleep(0.05)
         assert not running.uv.server_state.tasks

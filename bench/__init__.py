@@ -27,6 +27,7 @@ SUITES: dict[str, str | dict[str, str]] = {
     "paper": {"tables": "bench.paper.tables", "all": "bench.paper.run"},
     "plan": "bench.plan",
     "batch": "bench.batch",
+    "serve": "bench.serve",
     "speculative": "bench.speculative",
     "sparsity": "bench.sparsity",
     "convert": "bench.convert",

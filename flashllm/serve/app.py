@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 
 from flashllm.errors import FlashLLMError
@@ -227,7 +228,7 @@ def create_app(server: Server):
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         try:
-            async for kind_, value in events(job):
+            async for kind_, value in events(job, coalesce=True):
                 if kind_ == "text":
                     yield chunk([server.choice(kind, value, None, True)])
                 elif kind_ == "done":
@@ -277,10 +278,21 @@ def create_app(server: Server):
     return Guard(app, server.api_key, server.allow_origins)
 
 
-async def events(job: Job):
-    """The events of `job` until it ends; an error event is raised (as an APIError)."""
+async def events(job: Job, coalesce: bool = False):
+    """The events of `job` until it ends; an error event is raised (as an APIError). With `coalesce`, text
+    pieces that arrived together come as one (a stream then sends one chunk for them, not one per token)."""
+    pending: deque = deque()
     try:
-        while (event := await job.events.get())[0] != "end":
+        while True:
+            if not pending:
+                pending.append(await job.events.get())
+            while not job.events.empty():
+                pending.append(job.events.get_nowait())
+            event = pending.popleft()
+            while coalesce and event[0] == "text" and pending and pending[0][0] == "text":
+                event = ("text", event[1] + pending.popleft()[1])
+            if event[0] == "end":
+                return
             if event[0] == "error":
                 exc = event[1]
                 raise exc if isinstance(exc, APIError) else APIError.internal(exc)

@@ -39,16 +39,19 @@ class Job:
         self.ended = False
 
     def emit(self, kind: str, value=None) -> None:
-        """From the worker: hand an event to the waiting request (dropped if the server loop is gone)."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # event loop closed during shutdown
-            pass
+        """From the worker: an event for the waiting request, handed over with the step's others (`Scheduler._flush`)."""
+        self.owner._outbox.append((self, (kind, value)))
 
     def cancel(self) -> None:
         """Stop this job (before its next token if running) and free its place now; idempotent."""
         self.cancelled.set()
         self.owner._wake()
+
+
+def deliver(items: list) -> None:
+    """On the event loop: put each (queue, event) in its queue."""
+    for events, event in items:
+        events.put_nowait(event)
 
 
 class Sequence:
@@ -97,6 +100,7 @@ class Scheduler:
         self._queue: deque[Job] = deque()
         self._running: list[Sequence] = []  # prefilling ones first, in arrival order
         self._reserved = 0  # places promised to requests still being tokenized
+        self._outbox: list[tuple[Job, tuple]] = []  # events of this step, handed to the event loop at once
         self._cond = threading.Condition()
         self._closing, self._deadline = False, None
         self.tokens_per_s = 0.0  # recent aggregate decode rate, for Retry-After
@@ -168,6 +172,7 @@ class Scheduler:
                 if self._closing and (not self._running or time.monotonic() >= self._deadline):
                     break
                 self._admit()
+                self._flush()
                 if not self._running:
                     self._cond.wait()
                     continue
@@ -179,6 +184,7 @@ class Scheduler:
                     failed, self._running = self._running, []
                 for seq in failed:
                     self._end(seq.job, "error", exc)
+            self._flush()
         with self._cond:
             left, self._running = self._running, []
             queued, self._queue = list(self._queue), deque()
@@ -190,6 +196,19 @@ class Scheduler:
         for job in queued:
             self._end(job, "error", APIError(503, "the server is shutting down", kind="server_error",
                                              code="shutting_down"))
+        self._flush()
+
+    def _flush(self) -> None:
+        """Hand the events emitted since the last flush to their event loops: one wake-up per loop, not per token."""
+        out, self._outbox = self._outbox, []
+        by_loop: dict = {}
+        for job, event in out:
+            by_loop.setdefault(job.loop, []).append((job.events, event))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(deliver, items)
+            except RuntimeError:  # event loop closed during shutdown
+                pass
 
     def _drop_cancelled(self) -> None:
         """End cancelled jobs, queued or running (their slots free at once)."""

@@ -226,7 +226,7 @@ def test_sixteen_clients_complete_or_get_a_clean_503(model_dir):
                 return "ok", "".join(c.choices[0].text for c in client.completions.create(
                     model="tiny", prompt="the", max_tokens=6, temperature=0, stream=True))
             except openai.APIStatusError as exc:
-                return exc.status_code, exc.body
+                return exc.status_code, {**exc.body, "retry_after": exc.response.headers.get("retry-after")}
 
         with concurrent.futures.ThreadPoolExecutor(16) as pool:  # the timeout: a hang fails, not a slow machine
             results = list(pool.map(ask, range(16), timeout=120))
@@ -235,6 +235,8 @@ def test_sixteen_clients_complete_or_get_a_clean_503(model_dir):
         assert len(oks) + len(busy) == 16, results
         assert oks and busy, results  # 16 at once cannot fit in 1 decoding + 3 queued
         assert all("server is busy" in body["message"] and body["code"] == "overloaded" for _, body in busy)
+        # Retry-After: the backlog's remaining tokens at the measured rate, in whole seconds (at least 1)
+        assert all(body["retry_after"].isdigit() and int(body["retry_after"]) >= 1 for _, body in busy)
         assert len({text for _, text in oks if text}) <= 2  # greedy: one answer per endpoint
         running.wait_idle(5)
         again = running.client().completions.create(model="tiny", prompt="the", max_tokens=2, temperature=0)

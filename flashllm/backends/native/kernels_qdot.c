@@ -76,6 +76,34 @@ static void qx_place(qx *v, uint8_t *mem, int64_t d, int64_t group) {
 /* position of value j (0..31) of block b in the int4 order */
 static inline int64_t q4_pos(int64_t b, int64_t j) { return (b >> 1) * 64 + (j & 1) * 32 + (b & 1) * 16 + (j >> 1); }
 
+#if FL_AVX2
+/* block b of x (32 values, scale 1 / inv) as int8 codes, stored in the order of `bits`-bit rows; returns their sum */
+static int quantize_block8(const float *xb, float inv, int bits, int64_t b, int8_t *xq) {
+    __m256 s = _mm256_set1_ps(inv);
+    __m256i lim = _mm256_set1_epi32(127), i[4];
+    for (int k = 0; k < 4; k++)  /* round to nearest even, as lrintf */
+        i[k] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * k), s)), lim),
+                                _mm256_sub_epi32(_mm256_setzero_si256(), lim));
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    __m256i r = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    r = _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  /* values 0..31 in order */
+    if (bits == 8) {
+        _mm256_storeu_si256((__m256i *)(xq + b * QB), r);
+    } else {  /* even values, then odd ones: each lane's evens then odds, then the lanes' evens together */
+        r = _mm256_shuffle_epi8(r, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                    0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        r = _mm256_permute4x64_epi64(r, 0xd8);
+        int8_t *at = xq + (b >> 1) * 64 + (b & 1) * 16;
+        _mm_storeu_si128((__m128i *)at, _mm256_castsi256_si128(r));
+        _mm_storeu_si128((__m128i *)(at + 32), _mm256_extracti128_si256(r, 1));
+    }
+    return _mm_cvtsi128_si32(s4);
+}
+#endif
+
 /* x [d] (float32) -> v, for rows of `bits` bits and groups of `group` (a multiple of QB) */
 static void quantize_x(const float *x, int64_t d, int64_t group, int bits, qx *v) {
     int64_t nb = d / QB, bpg = group / QB;
@@ -83,8 +111,16 @@ static void quantize_x(const float *x, int64_t d, int64_t group, int bits, qx *v
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QB;
         float amax = 0.0f;
+#if FL_AVX2
+        __m256 m = _mm256_setzero_ps(), abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        for (int k = 0; k < 4; k++) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xb + 8 * k), abs));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        int isum = quantize_block8(xb, amax > 0.0f ? 127.0f / amax : 0.0f, bits, b, v->xq);
+#else
         for (int j = 0; j < QB; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         int isum = 0;
         for (int j = 0; j < QB; j++) {
             int c = (int)lrintf(xb[j] * inv);
@@ -92,6 +128,8 @@ static void quantize_x(const float *x, int64_t d, int64_t group, int bits, qx *v
             isum += c;
             v->xq[bits == 4 ? q4_pos(b, j) : b * QB + j] = (int8_t)c;
         }
+#endif
+        float dx = amax / 127.0f;
         v->dx[b] = dx;
         for (int k = 0; k < 4; k++) v->dxv[4 * b + k] = dx;
         if (b % bpg == 0) v->gs[b / bpg] = 0.0f;

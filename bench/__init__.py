@@ -13,7 +13,8 @@ SUITES: dict[str, str | dict[str, str]] = {
                "trace": "bench.models.activation_trace", "routing": "bench.models.routing_trace",
                "train-dense": "bench.models.train_dense", "train-moe": "bench.models.train_moe"},
     "io": {"throughput": "bench.io.throughput", "pipeline": "bench.io.pipeline", "runtime": "bench.io.runtime",
-           "lookahead": "bench.io.lookahead", "order": "bench.io.neuron_order"},
+           "lookahead": "bench.io.lookahead", "order": "bench.io.neuron_order",
+           "reproducible": "bench.io.reproducible"},
     "compute": {"roofline": "bench.compute.roofline", "dtype": "bench.compute.dtype",
                 "overhead": "bench.compute.cpu_overhead", "matvec-ab": "bench.compute.matvec_ab",
                 "attention-ab": "bench.compute.attention_ab",
@@ -28,6 +29,7 @@ SUITES: dict[str, str | dict[str, str]] = {
     "paper": {"tables": "bench.paper.tables", "all": "bench.paper.run"},
     "plan": "bench.plan",
     "batch": "bench.batch",
+    "speculative": "bench.speculative",
     "sparsity": "bench.sparsity",
     "convert": "bench.convert",
 }

@@ -18,14 +18,18 @@ from flashllm.format.spec import ArchSpec
 from flashllm.format.safetensors_io import storage_bytes, write_safetensors
 
 from flashllm.converters.checkpoint import Checkpoint
+from flashllm.converters.gguf_checkpoint import GGUFCheckpoint, is_gguf
+from flashllm.converters.gguf_plan import gguf_plan
+from flashllm.converters.gguf_quant import GGUFRows
+from flashllm.converters.gguf_tokenizer import write_gguf_tokenizer
 from flashllm.converters.families import family_for
 from flashllm.converters.families.moe import expert_bundles, expert_packing, write_experts
 
 
-def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize: str = "none",
+def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize: str | None = None,
             force: bool = False, progress: bool | None = None, bundled: bool = True,
-            group_size: int = DEFAULT_GROUP, quant_scheme: str = DEFAULT_SCHEME,
-            expert_layout: str = "portable") -> Path:
+            group_size: int | None = None, quant_scheme: str | None = None,
+            expert_layout: str = "portable", origin: dict | None = None) -> Path:
     """Convert the HF checkpoint in `src` into a flashllm model directory at `out`; returns `out`.
 
     `quantize` int8/int4 stores the FFN bundles group-wise quantized (groups of `group_size`
@@ -35,21 +39,28 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
     moved into place at the end; on any error it is removed and `out` is untouched. `bundled=False` stores up rows and
     down columns in separate regions (the paper's baseline without row-column bundling; for benchmarks).
     `expert_layout` `torch-cpu` stores an MoE model's int4 experts in torch's CPU int4 kernel layout of
-    this machine (families.moe.expert_packing), so torch reads them into its cache slots with no repack."""
-    quant = None if quantize == "none" else QuantScheme.named(quantize, group_size, quant_scheme)
+    this machine (families.moe.expert_packing), so torch reads them into its cache slots with no repack.
+    `src` may also be a GGUF file (converters/gguf_checkpoint.py): its Q4_0/Q4_1/Q8_0 FFN weights are kept as
+    they are (int4/int8 groups of 32) unless `quantize`, `group_size` or `quant_scheme` ask for another scheme.
+    `origin` goes into the manifest's source beside the path (e.g. the Hub repo and revision, converters/hub.py)."""
+    gguf = is_gguf(src)
+    quant = None if quantize in (None, "none") else QuantScheme.named(quantize, group_size or DEFAULT_GROUP,
+                                                                 quant_scheme or DEFAULT_SCHEME)
     out = Path(out)
     check_output(Path(src), out, force)
     if dtype is not None and dtype not in fmt.STORAGE_DTYPES:
         raise FlashLLMError(f"--dtype {dtype}: expected one of {sorted(fmt.STORAGE_DTYPES)}")
     tmp = make_temporary(out)
     try:
-        ckpt = Checkpoint(src)
+        ckpt = GGUFCheckpoint(src) if gguf else Checkpoint(src)
         family, spec = family_for(ckpt.config)
-        if quant:
-            quant.check(spec.d_model)
         sources = family.sources(ckpt, spec)
         stored = ckpt.dtype(sources)  # also refuses tensors stored in dtypes we cannot convert
         dtype_name = dtype or stored
+        if gguf:
+            family, quant = gguf_plan(ckpt, family, spec, dtype_name, quantize, group_size, quant_scheme)
+        if quant:
+            quant.check(spec.d_model)
         if spec.is_moe and not bundled:
             raise FlashLLMError("bundled=False: an MoE model's experts are always stored as expert bundles")
         packing = expert_packing(expert_layout, spec, quant) if expert_layout != "portable" else None
@@ -57,10 +68,11 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
             fmt.FFNLayout.plan(spec, fmt.STORAGE_DTYPES[dtype_name], bundled, quant)
         ffn_file = fmt.EXPERTS_FILE if spec.is_moe else fmt.FFN_FILE
         shapes = fmt.resident_shapes(spec)
-        copied = [f for f in fmt.TOKENIZER_FILES if (ckpt.root / f).is_file()]
         _check_space(tmp, sum(np.prod(s, dtype=np.int64) for s in shapes.values()) * fmt.STORAGE_DTYPES[dtype_name]
-                     + layout.file_size + sum((ckpt.root / f).stat().st_size for f in copied))
-        with progress_bar(progress, total=spec.n_layers + 1, desc=f"convert {ckpt.root.name}", unit="layer") as bar:
+                     + layout.file_size + (0 if gguf else sum((ckpt.root / f).stat().st_size for f in
+                                                               fmt.TOKENIZER_FILES if (ckpt.root / f).is_file())))
+        name = ckpt.path.name if gguf else ckpt.root.name
+        with progress_bar(progress, total=spec.n_layers + 1, desc=f"convert {name}", unit="layer") as bar:
             write_safetensors(tmp / fmt.RESIDENT_FILE, [(n, dtype_name, s) for n, s in shapes.items()],
                               lambda n: family.tensor(ckpt, spec, n, shapes[n]), metadata={"format": fmt.FORMAT_NAME})
             bar.update(1)
@@ -71,10 +83,16 @@ def convert(src: str | Path, out: str | Path, dtype: str | None = None, quantize
             else:
                 ffn_sha, layer_sha = write_ffn(tmp / ffn_file, layout,
                                                lambda i: family.ffn_rows(ckpt, spec, i), dtype_name, bar.update)
-        for f in copied:
-            shutil.copyfile(ckpt.root / f, tmp / f)
-        write_manifest(tmp, spec, dtype_name, layout, ffn_sha, layer_sha, copied, ffn_file=ffn_file,
-                       source={"path": str(ckpt.root.resolve()), "model_type": ckpt.config.get("model_type")})
+        if gguf:
+            tokenizer = write_gguf_tokenizer(ckpt.meta, tmp)
+            source = {**ckpt.source(), "conversion": ckpt.cost.to_dict()}
+        else:
+            tokenizer = [f for f in fmt.TOKENIZER_FILES if (ckpt.root / f).is_file()]
+            for f in tokenizer:
+                shutil.copyfile(ckpt.root / f, tmp / f)
+            source = {"path": str(ckpt.root.resolve()), "model_type": ckpt.config.get("model_type")}
+        write_manifest(tmp, spec, dtype_name, layout, ffn_sha, layer_sha, tokenizer, ffn_file=ffn_file,
+                       source={**source, **(origin or {})})
         _replace(tmp, out)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -194,6 +212,8 @@ def write_ffn(path: Path, layout: fmt.FFNLayout, rows_of_layer, dtype: str,
 
 def _part_bytes(rows: np.ndarray, layout: fmt.FFNLayout, dtype: str) -> np.ndarray:
     """[d_ffn, d] weights -> [d_ffn, part_bytes] uint8 as stored: quantized, or cast to `dtype`."""
+    if isinstance(rows, GGUFRows):  # stored GGUF blocks: mapped exactly where they are flashllm groups
+        return rows.encode(layout.quant, dtype)
     if layout.quant:
         return layout.quant.quantize(np.asarray(rows, dtype=np.float32))
     return storage_bytes(rows, dtype)

@@ -27,6 +27,12 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
     """Greedy at temperature 0, else nucleus sampling from softmax(logits / temperature)."""
     if temperature <= 0:
         return int(np.argmax(logits))
+    p = distribution(logits, temperature, top_p)
+    return int(rng.choice(len(p), p=p))
+
+
+def distribution(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """What `sample` draws from at temperature > 0: softmax(logits / temperature) cut to its top_p nucleus (float64)."""
     z = logits.astype(np.float64) / temperature
     p = np.exp(z - z.max())
     p /= p.sum()
@@ -37,7 +43,7 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
         mask[order[keep]] = True
         p = np.where(mask, p, 0.0)
         p /= p.sum()
-    return int(rng.choice(len(p), p=p))
+    return p
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -56,6 +62,14 @@ TOO_LONG = ("shorten the prompt, or load with a larger context if the model has 
             "`flashllm inspect MODEL` shows them")
 
 
+def check_prompt(prompt_ids: list[int], context: int) -> None:
+    """Clear errors for a prompt that is empty or leaves no room in the context."""
+    if not prompt_ids:
+        raise FlashLLMError("the prompt is empty (no tokens to start from)")
+    if len(prompt_ids) >= context:
+        raise FlashLLMError(f"the prompt has {len(prompt_ids)} tokens but the context holds {context} ({TOO_LONG})")
+
+
 def generate_tokens(forward, prompt_ids: list[int], context: int, max_new_tokens: int, temperature: float = 0.0,
                     top_p: float = 1.0, seed: int | None = 0, eos_token_ids: Iterable[int] = (),
                     record: Generation | None = None) -> Iterator[int]:
@@ -64,10 +78,7 @@ def generate_tokens(forward, prompt_ids: list[int], context: int, max_new_tokens
     `record` collects the ids and why generation ended (eos, length or context)."""
     record = record if record is not None else Generation()
     check_sampling(max_new_tokens, temperature, top_p)
-    if not prompt_ids:
-        raise FlashLLMError("the prompt is empty (no tokens to start from)")
-    if len(prompt_ids) >= context:
-        raise FlashLLMError(f"the prompt has {len(prompt_ids)} tokens but the context holds {context} ({TOO_LONG})")
+    check_prompt(prompt_ids, context)
     if max_new_tokens == 0:
         record.stop_reason = "length"
         return

@@ -19,10 +19,11 @@ from flashllm.modes.moe import MOE_MODES
 from flashllm.io.ffn_reader import LayerChecksums
 from flashllm.hooks import Hooks
 from flashllm.generate import Generation, TextStream, eos_token_ids, generate_batch, generate_tokens
-from flashllm.options import LoadOptions
+from flashllm.options import LoadOptions, Speculation
 from flashllm.modes.context import ModeContext
 from flashllm.format.safetensors_io import SafetensorsFile
 from flashllm.modes.sparse.activation_sparsity import read_sparsity
+from flashllm.speculative import draft_source, generate_speculative
 from flashllm.stats import TokenCost, summarize
 from flashllm.text.tokenizer import Tokenizer
 
@@ -87,8 +88,8 @@ class Model:
         if opts.mode not in table:
             raise FlashLLMError(f"mode {opts.mode!r} is not supported for this {self.spec.family} model "
                                 f"(expected one of {', '.join(table)})")
-        self.mode_context = ModeContext(self.manifest, self.backend, opts,
-                                        self.gpu_budget if self.backend.on_gpu else self.dram_budget,
+        self.draft_model = self._load_draft_model(opts.speculative)
+        self.mode_context = ModeContext(self.manifest, self.backend, opts, self._cache_budget(),
                                         self.model_bytes, self.hooks, self.checksums, read_sparsity(self.manifest))
         try:
             self.mode_impl = table[opts.mode](self.mode_context)
@@ -99,6 +100,28 @@ class Model:
             raise too_small(self.dram_budget, host, "the host staging buffers", self.model_bytes, [])
 
     # -- loading -------------------------------------------------------------------------------
+    def _load_draft_model(self, speculation: Speculation | None) -> "Model | None":
+        """The resident draft model of `speculation` (dense, the same backend and context), or None."""
+        if speculation is None or speculation.lookup:
+            return None
+        opts = self.options.replace(mode="dense", dram_budget=None, gpu_budget=None, speculative=None,
+                                    predictor="auto", cache_rows=None, batch_size=1, context=self.context)
+        draft = Model(speculation.draft, opts)
+        if draft.spec.vocab_size != self.spec.vocab_size:
+            raise FlashLLMError(f"draft model {speculation.draft}: its vocabulary has {draft.spec.vocab_size} tokens, "
+                                f"the model's {self.spec.vocab_size}; a draft model needs the same tokenizer")
+        return draft
+
+    def _cache_budget(self) -> int | None:
+        """The budget that sizes the mode's caches: the device's (GPU) or DRAM's, less a draft model's memory."""
+        budget = self.gpu_budget if self.backend.on_gpu else self.dram_budget
+        if budget is None or self.draft_model is None:
+            return budget
+        draft = sum(self.draft_model.memory()) if self.backend.on_gpu else self.draft_model.dram_bytes()
+        if draft >= budget:
+            raise too_small(budget, draft, "the draft model", self.model_bytes, [])
+        return budget - draft
+
     def _load_resident(self, skip_layers: bool) -> None:
         """Resident tensors into the backend, one at a time, quantized as read with --quantize-resident
         (naive mode: only those outside the layers; it reads each layer's as it runs)."""
@@ -117,15 +140,16 @@ class Model:
         return self.mode_context.row_bytes()
 
     # -- the per-token path --------------------------------------------------------------------
-    def forward(self, ids: list[int], pos, slot=0) -> np.ndarray:
+    def forward(self, ids: list[int], pos, slot=0, verify: bool = False) -> np.ndarray:
         """Logits [len(ids), vocab] for `ids` at positions pos.. of the sequence whose KV cache is `slot`
         (it holds 0..pos-1); or, batch decode (`pos` and `slot` lists), ids[i] at position pos[i] of
-        sequence slot[i]: every layer's weights are then obtained once for all of them."""
+        sequence slot[i]: every layer's weights are then obtained once for all of them. `verify`: the ids
+        are a speculative verification (the last token and drafts), decoded together like one token."""
         batch = not isinstance(pos, int)
         end = max(pos) + 1 if batch else pos + len(ids)
         if end > self.context:
             raise FlashLLMError(f"{end} tokens exceed the context of {self.context}")
-        cost, t0 = TokenCost(tokens=len(ids), batch=len(ids) if batch else 1), time.perf_counter()
+        cost, t0 = TokenCost(tokens=len(ids), batch=len(ids) if batch else 1, verify=verify), time.perf_counter()
         B, s = self.backend, self.spec
         x = B.embed(ids, pos)
         if pos == 0:
@@ -182,6 +206,8 @@ class Model:
                  "dram_budget": self.dram_budget, "gpu_budget": self.gpu_budget, "model_bytes": self.model_bytes,
                  "gpu_bytes": self.memory()[1] if self.backend.on_gpu else 0, "quantization": self.quantization()}
         extra.update(self.mode_impl.describe())
+        if self.draft_model is not None:
+            extra["draft_model_bytes"] = sum(self.draft_model.memory())
         return summarize(self._costs, self.dram_bytes(), extra, self._prompts)
 
     def quantization(self) -> dict:
@@ -196,8 +222,16 @@ class Model:
         return [dataclasses.asdict(c) for c in self._costs]
 
     def memory(self) -> tuple[int, int]:
-        """(host bytes, device bytes) held: read buffers; resident weights, KV, caches, predictors."""
-        return self.mode_impl.host_bytes(), self.backend.nbytes() + self.mode_impl.device_bytes()
+        """(host bytes, device bytes) held: read buffers; resident weights, KV, caches, predictors; a draft model's."""
+        host, device = self.mode_impl.host_bytes(), self.backend.nbytes() + self.mode_impl.device_bytes()
+        if self.draft_model is not None:
+            draft_host, draft_device = self.draft_model.memory()
+            host, device = host + draft_host, device + draft_device
+        return host, device
+
+    def clear_stats(self) -> None:
+        """Forget the per-forward costs recorded so far (a draft model's, between drafts)."""
+        self._costs, self._prompts = [], 1
 
     def charged(self, host: int, device: int) -> int:
         """The bytes of (host, device) charged to the budget that sizes the caches."""
@@ -227,12 +261,32 @@ class Model:
         return np.concatenate(rows, axis=0)
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int = 32, temperature: float = 0.0,
-                     top_p: float = 1.0, seed: int | None = 0) -> Iterator[int]:
-        """Yield new token ids; `last_generation` records them and why generation stopped."""
+                     top_p: float = 1.0, seed: int | None = 0, speculative=None) -> Iterator[int]:
+        """Yield new token ids; `last_generation` records them and why generation stopped. `speculative`
+        (Speculation.of: True, "prompt-lookup", ...; False: off; None: the load option) drafts tokens and
+        verifies them several per forward pass (same tokens when greedy; the same distribution when sampling)."""
         self._costs, self._prompts = [], 1
         self.last_generation = Generation()
-        yield from generate_tokens(self.forward, list(prompt_ids), self.context, max_new_tokens, temperature,
-                                   top_p, seed, eos_token_ids(self.spec, self.manifest.root), self.last_generation)
+        speculation = self.options.speculative if speculative is None else Speculation.of(speculative)
+        eos = eos_token_ids(self.spec, self.manifest.root)
+        if speculation is None:
+            yield from generate_tokens(self.forward, list(prompt_ids), self.context, max_new_tokens, temperature,
+                                       top_p, seed, eos, self.last_generation)
+            return
+        loaded = self.options.speculative
+        drafter = draft_source(speculation, self.draft_model if loaded and loaded.draft == speculation.draft else None)
+        yield from generate_speculative(self.forward, drafter, speculation.num_draft_tokens, list(prompt_ids),
+                                        self.context, max_new_tokens, temperature, top_p, seed, eos,
+                                        self.last_generation, self._verified(speculation))
+
+    def _verified(self, speculation: Speculation):
+        """Records each verification in its forward's cost and lets the mode update its window after it."""
+        def record(drafted: int, accepted: int, produced: int, draft_ms: float) -> None:
+            cost = self._costs[-1]
+            cost.drafted, cost.accepted, cost.produced, cost.draft_ms = drafted, accepted, produced, draft_ms
+            cost.total_ms += draft_ms
+            self.mode_impl.keep_verified(accepted + 1, speculation.window_policy)
+        return record
 
     @property
     def last_stop_reason(self) -> str | None:
@@ -240,15 +294,16 @@ class Model:
         return self.last_generation.stop_reason
 
     def stream_tokens(self, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
-                      top_p: float = 1.0, seed: int | None = 0,
-                      stop: str | Iterable[str] = ()) -> Iterator[tuple[int, str]]:
+                      top_p: float = 1.0, seed: int | None = 0, stop: str | Iterable[str] = (),
+                      speculative=None) -> Iterator[tuple[int, str]]:
         """Yield (token id, text piece) for every generated token, then (None, the text held back to the
         end) if any; a piece is empty while text is held back (an incomplete UTF-8 character, a possible
         stop string). `prompt` is text or token ids; the text ends just before the first of the `stop`
-        strings, which ends generation. Stopping the iteration between tokens stops generation."""
+        strings, which ends generation. Stopping the iteration between tokens stops generation. `speculative`:
+        see `generate_ids`."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         text = TextStream(self.tokenizer, ids, [stop] if isinstance(stop, str) else stop)
-        tokens = self.generate_ids(ids, max_new_tokens, temperature, top_p, seed)
+        tokens = self.generate_ids(ids, max_new_tokens, temperature, top_p, seed, speculative)
         for token in tokens:
             piece = text.add(token)
             if text.stopped:
@@ -262,16 +317,17 @@ class Model:
         self.last_generation.text = text.text
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = 0, stop: str | Iterable[str] = ()) -> Iterator[str]:
+               top_p: float = 1.0, seed: int | None = 0, stop: str | Iterable[str] = (),
+               speculative=None) -> Iterator[str]:
         """Yield text pieces as tokens are generated (never splitting a UTF-8 character); see `stream_tokens`."""
-        for _, piece in self.stream_tokens(prompt, max_new_tokens, temperature, top_p, seed, stop):
+        for _, piece in self.stream_tokens(prompt, max_new_tokens, temperature, top_p, seed, stop, speculative):
             if piece:
                 yield piece
 
     def generate(self, prompt: str, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = 0, stop: str | Iterable[str] = ()) -> str:
+                 seed: int | None = 0, stop: str | Iterable[str] = (), speculative=None) -> str:
         """The generated text (see `stream`); `last_stop_reason` says why it ended."""
-        return "".join(self.stream(prompt, max_new_tokens, temperature, top_p, seed, stop))
+        return "".join(self.stream(prompt, max_new_tokens, temperature, top_p, seed, stop, speculative))
 
     def generate_batch_ids(self, prompts: list[list[int]], max_new_tokens: int = 32, temperature: float = 0.0,
                            top_p: float = 1.0, seed: int | None = 0, stop_when=None) -> list[list[int]]:
@@ -329,13 +385,14 @@ class Model:
         return self.tokenizer.encode(template.render(messages), special=template.add_special_tokens)
 
     def stream_chat(self, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0,
-                    top_p: float = 1.0, seed: int | None = 0, stop: str | list[str] = ()) -> Iterator[str]:
+                    top_p: float = 1.0, seed: int | None = 0, stop: str | list[str] = (),
+                    speculative=None) -> Iterator[str]:
         """Yield the assistant's reply to `messages` as text pieces (see `stream`)."""
         stop = [stop] if isinstance(stop, str) else list(stop)
         return self.stream(self.chat_ids(messages), max_new_tokens, temperature, top_p, seed,
-                           stop=stop + list(self.chat_template.stop))
+                           stop=stop + list(self.chat_template.stop), speculative=speculative)
 
     def chat(self, messages: list[dict], max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int | None = 0, stop: str | list[str] = ()) -> str:
+             seed: int | None = 0, stop: str | list[str] = (), speculative=None) -> str:
         """The assistant's reply to `messages` ([{"role": "user", "content": "..."}, ...])."""
-        return "".join(self.stream_chat(messages, max_new_tokens, temperature, top_p, seed, stop))
+        return "".join(self.stream_chat(messages, max_new_tokens, temperature, top_p, seed, stop, speculative))

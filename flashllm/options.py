@@ -19,6 +19,60 @@ KV_BITS = (8, 16)
 MODES = ("dense", "naive", "hybrid", "sparse")  # modes.registry.MODES; MoE models take dense and sparse
 EXPERT_POLICIES = ("lru", "lfu", "window")  # modes.moe: which cached expert a new one replaces
 PREDICTORS = ("auto", "lowrank", "oracle", "gate")  # modes.sparse.predictor.PREDICTORS, and auto
+PROMPT_LOOKUP = "prompt-lookup"  # Speculation.draft: n-gram drafting from the text so far (else a draft model's directory)
+# Speculation.window_policy: after a verification the sparse window keeps the neurons of the accepted positions
+# (the paper's policy), or of every verified position, rejected drafts included
+WINDOW_POLICIES = ("accepted", "verified")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding: draft `num_draft_tokens` tokens, then verify them in one forward pass (one read of
+    each layer's weights for all of them); exact at any temperature (docs/speculative.md)."""
+
+    draft: str = PROMPT_LOOKUP  # prompt-lookup, or a converted draft model's directory (the same tokenizer)
+    num_draft_tokens: int = 4  # K: tokens drafted per verification
+    max_ngram: int = 3  # prompt lookup: the longest suffix matched (then shorter ones, down to 1 token)
+    window_policy: str = "accepted"  # sparse mode: whose neurons the window keeps after a verification
+
+    def __post_init__(self):
+        if not isinstance(self.draft, str) or not self.draft:
+            raise FlashLLMError(f"speculative draft {self.draft!r}: expected {PROMPT_LOOKUP} or a draft model directory")
+        if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 64:
+            raise FlashLLMError(f"num_draft_tokens {self.num_draft_tokens}: expected 1 to 64 tokens drafted per "
+                                f"verification")
+        if not isinstance(self.max_ngram, int) or self.max_ngram < 1:
+            raise FlashLLMError(f"max_ngram {self.max_ngram}: must be at least 1 (tokens matched by prompt lookup)")
+        if self.window_policy not in WINDOW_POLICIES:
+            raise FlashLLMError(f"window_policy {self.window_policy!r}: expected one of {', '.join(WINDOW_POLICIES)}")
+
+    @property
+    def lookup(self) -> bool:
+        """Drafting by prompt lookup (no draft model)."""
+        return self.draft == PROMPT_LOOKUP
+
+    @classmethod
+    def of(cls, value) -> "Speculation | None":
+        """None/False: off; True: prompt lookup; a string: prompt-lookup or a draft model directory; a dict of
+        fields; or a Speculation."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(draft=value)
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+            if unknown:
+                raise FlashLLMError(f"speculative: unknown field(s) {', '.join(unknown)}; expected "
+                                    f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+            return cls(**value)
+        if hasattr(value, "__fspath__"):
+            return cls(draft=str(value))
+        raise FlashLLMError(f"speculative {value!r}: expected True, {PROMPT_LOOKUP!r}, a draft model directory, a "
+                            f"dict of Speculation fields, or None")
 
 
 @dataclass(frozen=True)
@@ -72,6 +126,8 @@ class LoadOptions:
     quantize_resident: str = "none"  # hold attention, embedding and lm_head matrices as int8/int4 (at load)
     kv_bits: int = 16  # 8: KV cache in int8 groups along the head dim; 16: the compute dtype
     batch_size: int = 1  # sequences decoded together (Model.generate_batch), each with its own KV cache
+    # speculative decoding for generate/stream/chat (Speculation.of: True, "prompt-lookup", a draft model dir, ...)
+    speculative: Speculation | None = None
 
     def __post_init__(self):
         def check(ok: bool, what: str):
@@ -118,6 +174,10 @@ class LoadOptions:
               f"(drop it, or use mode sparse)")
         for name in ("dram_budget", "gpu_budget"):
             object.__setattr__(self, name, parse_budget(getattr(self, name)))
+        object.__setattr__(self, "speculative", Speculation.of(self.speculative))
+        check(self.speculative is None or self.batch_size == 1,
+              f"speculative decoding verifies one sequence's drafts; batch_size {self.batch_size} decodes several "
+              f"(drop one of them)")
 
     def replace(self, **changes) -> "LoadOptions":
         return dataclasses.replace(self, **changes)

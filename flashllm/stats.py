@@ -58,6 +58,11 @@ class TokenCost:
     experts_read_ahead_unused: int = 0  # ... of which the layer's own routing then did not use
     experts_predicted: int = 0  # routed experts the previous layer's read-ahead prediction named
     experts_routed: int = 0  # routed experts of the layers that had a read-ahead prediction
+    verify: bool = False  # a speculative verification: the last token and drafts at consecutive positions of one sequence
+    drafted: int = 0  # ... its drafted tokens
+    accepted: int = 0  # ... of which the model accepted
+    produced: int = 0  # ... tokens it yielded (accepted + 1, fewer after an end of sequence); 0: `batch` counts
+    draft_ms: float = 0.0  # ... time spent drafting them (included in total_ms)
 
     @contextmanager
     def timed(self, what: str):
@@ -103,7 +108,7 @@ def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None
     """The stats dict of one call: decode-token averages, the prompt(s) separately, peak DRAM. The first
     `prompts` costs are prompts (batch mode: one per sequence); a batch step counts its `batch` tokens."""
     prompt, decode = (_combined(costs[:prompts]), costs[prompts:]) if costs else (None, [])
-    tokens = sum(c.batch for c in decode)
+    tokens = sum(c.produced or c.batch for c in decode)  # a verification counts the tokens it yielded
     n = max(tokens, 1)
     out = {"decode_tokens": tokens, "dram_bytes": dram_bytes}
     for key in ("bytes_read", "bytes_wasted", "reads", "neurons_dropped", "read_ms") + TIMED + ("total_ms",):
@@ -115,7 +120,8 @@ def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None
         layers = len(decode[-1].neurons_cached)
         out["neurons_loaded_per_layer"] = [sum(c.neurons_loaded[i] for c in decode) / n for i in range(layers)]
         out["neurons_cached_per_layer"] = list(decode[-1].neurons_cached)
-    ahead = [c for c in decode if c.read_ahead]
+    layers = max((len(c.read_ahead) for c in decode), default=0)  # (a step some layers streamed has fewer)
+    ahead = [c for c in decode if c.read_ahead and len(c.read_ahead) == layers]
     if any(r.active for c in ahead for r in c.read_ahead):
         def per_layer(key: str) -> np.ndarray:
             return np.sum([[getattr(r, key) for r in c.read_ahead] for c in ahead], axis=0)
@@ -137,6 +143,8 @@ def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None
             out.update(expert_read_ahead_recall=predicted / routed,
                        experts_read_ahead=sum(c.experts_read_ahead for c in decode) / n,
                        experts_read_ahead_unused=sum(c.experts_read_ahead_unused for c in decode) / n)
+    if any(c.verify for c in decode):
+        out.update(speculative_stats(decode, tokens))
     if prompt is not None:
         out["prompt"] = {"tokens": prompt.tokens, "bytes_read": prompt.bytes_read, "reads": prompt.reads,
                          "total_ms": prompt.total_ms, "io_ms": prompt.io_ms, "strategy": prompt.prefill_strategy}
@@ -145,6 +153,16 @@ def summarize(costs: list[TokenCost], dram_bytes: int, extra: dict | None = None
     out["tokens_per_s"] = 1e3 / out["total_ms"] if decode and out["total_ms"] > 0 else None
     out.update(extra or {})
     return out
+
+
+def speculative_stats(decode: list[TokenCost], tokens: int) -> dict:
+    """What speculative decoding did: drafts verified and accepted, forward passes, flash bytes per generated token."""
+    drafted, accepted = sum(c.drafted for c in decode), sum(c.accepted for c in decode)
+    return {"draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None, "forward_passes": len(decode),
+            "tokens_per_forward": tokens / len(decode) if decode else None,
+            "bytes_per_generated_token": sum(c.bytes_read for c in decode) / max(tokens, 1),
+            "draft_ms": sum(c.draft_ms for c in decode) / max(tokens, 1)}
 
 
 def _combined(prompts: list[TokenCost]) -> TokenCost:

@@ -300,3 +300,29 @@ def test_overlap_inside_a_layer_changes_only_the_summation_order(tiny_models, tm
     np.testing.assert_allclose(a, b, atol=1e-2, rtol=1e-2)
     np.testing.assert_allclose(a, dense, atol=2e-2, rtol=2e-2)
     assert not flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle").stats["ffn_overlap"]  # float32: copies
+
+
+def test_sampling_does_not_depend_on_earlier_requests(tiny_models, tmp_path):
+    """The same prompt and seed give the same tokens (and logits, bit for bit) whatever ran before: each token's
+    FFN is over its predicted neurons only, never over what earlier tokens or requests left in the cache, and a
+    prompt's sum does not depend on how many pinned neurons earlier tokens released."""
+    import shutil
+
+    from tiny import write_random_predictors
+
+    tiny = tiny_models("opt")
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny.model_dir, model_dir)
+    write_random_predictors(model_dir, frequencies=True)  # a predictor that misses neurons, and pinned hot ones
+    kw = dict(mode="sparse", predictor="lowrank", window=4, threads=2, cache_rows=(100, 100))
+    prompt, others = IDS[:PREFILL], [IDS[8:20], IDS[20:26], IDS[26:40]]
+    sample = dict(max_new_tokens=16, temperature=1.0, seed=11)
+
+    fresh = flashllm.load(model_dir, **kw)
+    want_ids, want_logits = list(fresh.generate_ids(prompt, **sample)), fresh.logits(IDS, prefill=PREFILL)
+    model = flashllm.load(model_dir, **kw)
+    for other in others:
+        list(model.generate_ids(other, **dict(sample, seed=len(other))))
+        assert list(model.generate_ids(prompt, **sample)) == want_ids
+        assert np.array_equal(model.logits(IDS, prefill=PREFILL), want_logits)
+    assert min(model.stats["pinned_neurons"]) > 0

@@ -134,8 +134,11 @@ def expert_bundles(layout: ExpertLayout, experts, dtype: str):
             w = parts[part]
             if layout.quant and layout.part_shape(part) != w.shape:
                 w = w.T
-            raw = layout.quant.quantize(np.ascontiguousarray(w, dtype=np.float32)) if layout.quant else \
-                storage_bytes(w, dtype)
+            if hasattr(w, "encode"):  # GGUF blocks (converters/gguf_quant.py), mapped exactly where they can be
+                raw = w.encode(layout.quant, dtype)
+            else:
+                raw = layout.quant.quantize(np.ascontiguousarray(w, dtype=np.float32)) if layout.quant else \
+                    storage_bytes(w, dtype)
             bundle[layout.part_range(part)] = raw.reshape(-1)
         yield bundle
 
@@ -153,9 +156,10 @@ def expert_packing(expert_layout: str, spec: ArchSpec, quant) -> str | None:
         return None
     from flashllm.backends.torch.quant import INT4_GROUPS, int4_packing
 
-    if not spec.is_moe or quant is None or quant.bits != 4 or quant.group_size not in INT4_GROUPS:
-        raise FlashLLMError(f"--expert-layout torch-cpu: stores the int4 experts of an MoE model, groups of "
-                            f"{', '.join(map(str, INT4_GROUPS))} (use --quantize int4, or --expert-layout portable)")
+    if not spec.is_moe or quant is None or quant.bits != 4 or quant.group_size not in INT4_GROUPS or quant.symmetric:
+        raise FlashLLMError(f"--expert-layout torch-cpu: stores the int4 experts of an MoE model, asymmetric groups "
+                            f"of {', '.join(map(str, INT4_GROUPS))} (use --quantize int4, or --expert-layout portable; "
+                            f"a GGUF file's symmetric Q4_0 experts are stored portable)")
     packing = int4_packing()
     if packing is None:
         raise FlashLLMError("--expert-layout torch-cpu: this torch build's int4 layout on this CPU is not one "

@@ -185,9 +185,26 @@ def add_load_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
                    help="intra-op threads of the math (torch CPU) (default: every core the process may run on; OpenMP "
                    "workers sleep at barriers and decode attention runs in one thread; the result is the same bits at "
                    "any count)")
+    if "speculative" not in skip:
+        add_speculative_options(parser)
     g.add_argument("--plan", default="none", choices=["none", "auto"],
                    help="auto: mode, dtype, window and per-layer caches from `flashllm plan` for this --dram-budget "
                    "(the saved plan.json when it matches, else planned now and saved) (default: %(default)s)")
+
+
+def add_speculative_options(parser: argparse.ArgumentParser) -> None:
+    """--prompt-lookup, --draft-model, --num-draft-tokens: LoadOptions.speculative (see `speculation`)."""
+    from flashllm.options import PROMPT_LOOKUP, Speculation
+
+    spec = parser.add_argument_group("speculative decoding (exact: greedy output unchanged; docs/speculative.md)")
+    draft = spec.add_mutually_exclusive_group()
+    draft.add_argument("--prompt-lookup", action="store_const", const=PROMPT_LOOKUP, dest="speculative", help="draft tokens by n-gram lookup in the prompt and "
+                       "the text so far, verified several per forward pass (strong on code, quoting, editing) "
+                       "(default: off)")
+    draft.add_argument("--draft-model", metavar="DIR", dest="speculative", help="draft tokens with this converted small model of the "
+                       "same tokenizer, held in memory (charged to the budget) (default: none)")
+    spec.add_argument("--num-draft-tokens", type=positive, default=Speculation.num_draft_tokens, metavar="K",
+                      help="tokens drafted per verification (default: %(default)s)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -227,6 +244,7 @@ def load_options(args: argparse.Namespace):
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(LoadOptions) if hasattr(args, f.name)}
     if values.get("batch_size", 1) is None:  # not given: one sequence (--batch-file sets it to its prompts)
         del values["batch_size"]
+    values["speculative"] = speculation(args)
     options = LoadOptions(**values)
     if getattr(args, "plan", "none") == "auto":
         from flashllm.planner.auto import auto_options
@@ -234,6 +252,20 @@ def load_options(args: argparse.Namespace):
         options = auto_options(args.model_dir, options,
                                log=lambda msg: print(f"flashllm: {msg}", file=sys.stderr, flush=True))
     return options
+
+
+def speculation(args: argparse.Namespace):
+    """The Speculation of --prompt-lookup / --draft-model (None: neither given); --num-draft-tokens alone is refused."""
+    from flashllm.options import Speculation
+
+    draft = getattr(args, "speculative", None)  # --prompt-lookup or --draft-model DIR
+    k = getattr(args, "num_draft_tokens", Speculation.num_draft_tokens)
+    if draft is None:
+        if k != Speculation.num_draft_tokens:
+            raise FlashLLMError(f"--num-draft-tokens {k}: speculative decoding is off; add --prompt-lookup or "
+                                f"--draft-model DIR")
+        return None
+    return Speculation(draft=draft, num_draft_tokens=k)
 
 
 def warn_if_context_cut(args, model) -> None:

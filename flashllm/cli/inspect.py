@@ -38,7 +38,7 @@ def command(args) -> None:
             "spec": data["spec"], "files": sizes, "bundle_bytes": manifest.layout.bundle_bytes,
             "bundle_stride": manifest.layout.stride, "checksums_verified": "all" if args.verify else
             f"files up to {fmt.VERIFY_AUTO_LIMIT >> 20} MiB" + (f", {PREDICTOR_FILE}" if trained else ""),
-            "neuron_order": data.get("neuron_order"),
+            "neuron_order": data.get("neuron_order"), "source": data.get("source"),
             **({"activation_sparsity": sparsity.to_stats()} if sparsity else {})}
     if args.json:
         print(json.dumps(info))
@@ -56,10 +56,26 @@ def command(args) -> None:
     for key, size in sizes.items():
         print(f"  {data['files'][key]['path'] if key in data['files'] else key:<28} {size / 2**20:10.2f} MiB")
     print("checksums verified: " + info["checksums_verified"])
+    print(describe_source(data.get("source") or {}))
     if not s.is_moe:
         print(describe_order(info["neuron_order"], manifest.root))
     if sparsity:
         print(sparsity.describe(s.activation))
+
+
+def describe_source(source: dict) -> str:
+    """inspect's line on what the model was converted from (an HF checkpoint or a GGUF file, and the Hub repo)."""
+    if not source:
+        return "converted from: (not recorded)"
+    kind = "GGUF file" if source.get("format") == "gguf" else "HF checkpoint"
+    what = ", ".join(str(x) for x in (source.get("architecture") or source.get("model_type"), source.get("file_type"),
+                                      source.get("name")) if x)
+    repo = f" = {source['repo']}@{source.get('revision', 'main')}" if source.get("repo") else ""
+    line = f"converted from: {kind} {source.get('path', '?')}{repo}" + (f" ({what})" if what else "")
+    exact = (source.get("conversion") or {}).get("exact") or {}
+    if exact:
+        line += "; FFN blocks kept exactly: " + ", ".join(f"{n:,} {q} values" for q, n in sorted(exact.items()))
+    return line
 
 
 def describe_order(order: dict | None, root) -> str:

@@ -22,6 +22,12 @@ def format_stats(stats: dict) -> str:
     if stats.get("expert_hit_rate") is not None:
         lines.append(f"experts per token: {stats['expert_hits']:.2f} cached, {stats['expert_misses']:.2f} read "
                      f"(hit rate {stats['expert_hit_rate']:.3f})")
+    if "draft_tokens" in stats:
+        rate = stats["acceptance_rate"]
+        lines.append(f"speculative: {stats['accepted_tokens']} of {stats['draft_tokens']} drafted tokens accepted"
+                     f"{'' if rate is None else f' ({rate:.0%})'}, {stats['forward_passes']} forward passes for "
+                     f"{stats['decode_tokens']} tokens; flash read per generated token "
+                     f"{stats['bytes_per_generated_token'] / 2**20:.3f} MiB")
     if stats.get("activation_sparsity"):
         sp = stats["activation_sparsity"]
         lines.append(f"calibrated activation sparsity: {sp['sparsity']:.0%} of FFN neurons skipped per token on "

@@ -46,6 +46,10 @@ class Mode:
     def reset(self) -> None:
         """A new sequence starts (position 0)."""
 
+    def keep_verified(self, kept: int, policy: str) -> None:
+        """After a speculative verification (a forward with `verify`): its first `kept` positions stay in the
+        sequence, the rest were rejected drafts; `policy` (options.WINDOW_POLICIES) says whose neurons a window keeps."""
+
     def host_bytes(self) -> int:
         """Host memory held: read buffers (counted against the DRAM budget on a GPU)."""
         return 0

@@ -313,8 +313,12 @@ class Int4ExpertSlots:
 
     @classmethod
     def slot_bytes(cls, layout) -> int:
-        """A packed bundle; a whole stride where reads land in the slots."""
-        return layout.stride if cls.reads_in_place(layout) else layout.bundle_bytes
+        """A packed bundle; a whole stride where reads land in the slots. Symmetric groups (a GGUF Q4_0 file's)
+        store no mins, so their packed (scale, zero) pairs take more than the stored bundle."""
+        if cls.reads_in_place(layout):
+            return layout.stride
+        at, shape = layout.packed_pieces()["down_sz"]
+        return max(layout.bundle_bytes, at + 2 * int(np.prod(shape)))
 
     @staticmethod
     def reads_in_place(layout) -> bool:

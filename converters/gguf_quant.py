@@ -107,6 +107,8 @@ def as_stored(values: np.ndarray, dtype: str) -> np.ndarray:
     """`values` rounded to `dtype` as storage_bytes rounds them, back as float32."""
     if dtype == "float32":
         return values
+    if dtype == "float16":
+        return values.astype(np.float16).astype(np.float32)
     raw = storage_bytes(values, dtype)
     if dtype == "bfloat16":
         return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(values.shape)
@@ -131,11 +133,11 @@ class ConversionCost:
         acc = self.errors.setdefault((what, qtype, stored_as), [0.0, 0.0, 0])
         flat = np.ascontiguousarray(values).reshape(-1)
         kept = None if callable(stored) else np.ascontiguousarray(stored).reshape(-1)
-        for i in range(0, flat.size, 1 << 20):
-            v = flat[i:i + (1 << 20)]
-            err = (stored(v) if kept is None else kept[i:i + (1 << 20)]).astype(np.float64) - v
-            acc[0] += float(err @ err)
-            acc[1] += float(v.astype(np.float64) @ v)
+        for i in range(0, flat.size, 1 << 20):  # float32 dot products (BLAS): a few digits are all a cost needs
+            v = np.asarray(flat[i:i + (1 << 20)], dtype=np.float32)
+            err = np.asarray(stored(v) if kept is None else kept[i:i + (1 << 20)], dtype=np.float32) - v
+            acc[0] += float(np.dot(err, err))
+            acc[1] += float(np.dot(v, v))
         acc[2] += int(flat.size)
 
     def dequantized(self, qtype: str, values: np.ndarray) -> None:

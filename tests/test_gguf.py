@@ -66,12 +66,17 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path, vocab):
     np.testing.assert_allclose(flashllm.load(out, mode="dense").logits(ids), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "phi3"])
-def test_architectures_transformers_cannot_load_from_gguf_equal_the_original(tmp_path, vocab, family):
-    """Mixtral (llama with merged experts), Qwen2-MoE (shared expert), OLMoE and Phi-3 (fused qkv and gate/up,
-    longrope factors as tensors): transformers' GGUF loader gets their config wrong, so the reference is the
-    transformers model the lossless F32 file was written from, past Phi-3's original context too."""
-    hf, path = tiny_gguf(tmp_path, family, "F32", vocab)
+GEMMA = dict(query_pre_attn_scalar=16)  # what llama.cpp uses for a Gemma that is not the 27B: head_dim
+
+
+@pytest.mark.parametrize("family,kw", [("mixtral", {}), ("qwen2_moe", {}), ("olmoe", {}), ("phi3", {}),
+                                       ("gemma2", GEMMA), ("gemma3", dict(GEMMA, num_hidden_layers=6, layer_types=None))])
+def test_architectures_transformers_cannot_load_from_gguf_equal_the_original(tmp_path, vocab, family, kw):
+    """Mixtral (llama with merged experts), Qwen2-MoE (shared expert), OLMoE, Phi-3 (fused qkv and gate/up,
+    longrope factors as tensors), Gemma 2 and 3 (norms stored as 1 + w, soft-caps, windows, Gemma 3's two rope
+    bases as llama.cpp fixes them): transformers' GGUF loader gets their config wrong, so the reference is the
+    transformers model the lossless F32 file was written from, past Phi-3's original context and the windows."""
+    hf, path = tiny_gguf(tmp_path, family, "F32", vocab, **kw)
     out = convert(path, tmp_path / "out", progress=False)
     assert fmt.read_manifest(out).spec.family == family
     ids = (IDS * 3)[:24]
@@ -229,7 +234,7 @@ def _copy_gguf(reader, path, names, no, count, with_meta):
     w.close()
 
 
-@pytest.mark.parametrize("arch,needle", [("gemma2", "Gemma 2 GGUF files are not supported yet"),
+@pytest.mark.parametrize("arch,needle", [("falcon", "Falcon GGUF files are not supported yet"),
                                          ("bert", "GGUF architecture 'bert' is not supported")])
 def test_unsupported_architectures_are_one_clear_line(tmp_path, arch, needle):
     import gguf
@@ -245,7 +250,7 @@ def test_unsupported_architectures_are_one_clear_line(tmp_path, arch, needle):
     r = subprocess.run([sys.executable, "-m", "flashllm.cli.main", "convert", str(path), str(tmp_path / "out")],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert needle in r.stderr and "llama, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe" in r.stderr
+    assert needle in r.stderr and "gemma, gemma2, gemma3, llama, olmoe, phi3, qwen2, qwen2moe, qwen3" in r.stderr
     assert not (tmp_path / "out").exists()
 
 

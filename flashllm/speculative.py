@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from flashllm.errors import FlashLLMError
-from flashllm.generate import Generation, check_prompt, check_sampling, distribution, sample
+from flashllm.generate import Generation, distribution, sample, starts
 
 
 class PromptLookup:
@@ -117,10 +117,7 @@ def generate_speculative(forward, drafter, num_draft_tokens: int, prompt_ids: li
     < pos + len(ids) only). `on_verified(drafted, accepted, produced, draft_ms)` follows each verification.
     `adaptive`: up to `num_draft_tokens` drafts, as many as `next_draft_length` says after each verification."""
     record = record if record is not None else Generation()
-    check_sampling(max_new_tokens, temperature, top_p)
-    check_prompt(prompt_ids, context)
-    if max_new_tokens == 0:
-        record.stop_reason = "length"
+    if not starts(record, prompt_ids, context, max_new_tokens, temperature, top_p):
         return
     eos, rng = frozenset(eos_token_ids), np.random.default_rng(seed)
     ids = list(prompt_ids)

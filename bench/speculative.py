@@ -7,8 +7,9 @@ its shipped low-rank predictors, window 4) and tiny-moe with its experts streame
 read-ahead). Prompts: `code` (a module with one function and the start of a similar one: text to copy),
 `code-short` (the demo's prompt) and `prose` (an English paragraph). Each configuration is run in `--rounds`
 interleaved rounds; tokens/s is decode tokens over the generation's wall time less the prompt's forward pass
-(drafting, verification and the accept/reject loop included). Also for sparse mode: the window policy after a
-verification, "accepted" (the paper's: the accepted positions' neurons) against "verified" (every verified
+(drafting, verification and the accept/reject loop included). Each K runs with a fixed draft length and with
+the adaptive one (Speculation.adaptive). Also for sparse mode, at --policy-k (adaptive): the window policy after
+a verification, "accepted" (the paper's: the accepted positions' neurons) against "verified" (every verified
 position's, rejected drafts included), in flash bytes per generated token.
 
 Exactness: MoE routing is exact, so its tokens must equal plain greedy decoding's. Sparse mode with learned

@@ -110,7 +110,7 @@ def generate_speculative(forward, drafter, num_draft_tokens: int, prompt_ids: li
                          max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0,
                          eos_token_ids: Iterable[int] = (), record: Generation | None = None,
                          on_verified: Callable[[int, int, int, float], None] | None = None,
-                         adaptive: bool = False) -> Iterator[int]:
+                         adaptive: bool = True) -> Iterator[int]:
     """Yield new token ids as `generate.generate_tokens` does, each decode step one verification:
     `forward(ids, pos, verify=True)` of the last token and up to `num_draft_tokens` drafts at positions pos..;
     the KV cache past the last kept position is overwritten by the next step (attention reads positions

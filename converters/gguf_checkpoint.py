@@ -9,6 +9,7 @@ that the writer can map them exactly into flashllm's int8/int4 groups instead of
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -101,7 +102,7 @@ class GGUFCheckpoint:
         t = self.tensors[stored]
         expert = _expert_name(name)
         if stored in self.streamed and t.tensor_type.name not in FLOAT_TYPES:
-            rows = GGUFRows(t.data, t.tensor_type.name, _shape(t), self.cost)
+            rows = GGUFRows(t.data, t.tensor_type.name, _shape(t), self.cost, release=self._release)
             out = rows[expert[1]] if expert else rows
         else:
             values = self._values(t)
@@ -141,7 +142,7 @@ class GGUFCheckpoint:
 
     # -- reading ---------------------------------------------------------------------------------
     def _values(self, t) -> np.ndarray:
-        """A tensor's values as float32 (numpy order: [rows, columns])."""
+        """A tensor's values as float32 (numpy order: [rows, columns]), a copy: its pages of the file are let go."""
         import gguf
 
         kind = t.tensor_type.name
@@ -150,7 +151,23 @@ class GGUFCheckpoint:
         except NotImplementedError:
             raise FlashLLMError(f"{self.path}: tensor {t.name!r} is stored as {kind}, which the gguf package "
                                 f"cannot dequantize") from None
-        return np.asarray(values, dtype=np.float32).reshape(_shape(t))
+        values = np.array(values, dtype=np.float32, copy=True).reshape(_shape(t))
+        self._release(t.data)
+        return values
+
+    def _release(self, data: np.ndarray) -> None:
+        """Let the process's mapping of `data` (a view of one of the memory-mapped files) go: the pages stay in the
+        page cache but stop counting as this process's memory, so reading the file tensor by tensor stays bounded."""
+        for reader in self.readers:
+            mapping = getattr(reader.data, "_mmap", None)
+            base = reader.data.__array_interface__["data"][0]
+            start = data.__array_interface__["data"][0] - base
+            if mapping is None or not 0 <= start < reader.data.nbytes or not hasattr(mapping, "madvise"):
+                continue
+            page = mmap.PAGESIZE
+            first = start // page * page
+            mapping.madvise(mmap.MADV_DONTNEED, first, min(start + data.nbytes, reader.data.nbytes) - first)
+            return
 
     def _undo(self, stored: str, values: np.ndarray) -> np.ndarray:
         """Undo llama.cpp's changes to a resident tensor: q/k row permutation, +1 on norms."""

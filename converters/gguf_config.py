@@ -22,12 +22,12 @@ ARCHITECTURES = {
     "qwen3moe": ("qwen3_moe", False, False),
     "olmoe": ("olmoe", False, False),
     "phi3": ("phi3", False, False),
+    "gemma": ("gemma", False, True),
+    "gemma2": ("gemma2", False, True),
+    "gemma3": ("gemma3_text", False, True),
 }
 # Architectures flashllm converts from HF checkpoints but not (yet) from GGUF, with the reason.
 NOT_YET = {
-    "gemma": "Gemma GGUF files are not supported yet (norm offsets and attention scaling are not in the metadata)",
-    "gemma2": "Gemma 2 GGUF files are not supported yet (query_pre_attn_scalar is not in the metadata)",
-    "gemma3": "Gemma 3 GGUF files are not supported yet (local rope base and window pattern are not in the metadata)",
     "phi2": "Phi-2 GGUF files are not supported yet",
     "falcon": "Falcon GGUF files are not supported yet",
 }
@@ -48,7 +48,14 @@ _KEYS = {
     "moe_intermediate_size": ("expert_feed_forward_length",),
     "shared_expert_intermediate_size": ("expert_shared_feed_forward_length",),
     "sliding_window": ("attention.sliding_window",),
+    "attn_logit_softcapping": ("attn_logit_softcapping",),
+    "final_logit_softcapping": ("final_logit_softcapping",),
 }
+# What llama.cpp fixes in code rather than in a Gemma file's metadata (llama-model.cpp, load_hparams): the
+# 27B models' attention scale is 1 / sqrt(d_model / heads) (block count 46 for Gemma 2, 62 for Gemma 3),
+# every other one's 1 / sqrt(head_dim); Gemma 2 slides every other layer over 4096 tokens unless the file says
+# another window; Gemma 3 slides 5 of every 6 layers with rope base 10000 on them.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def supported() -> str:
@@ -98,11 +105,29 @@ def hf_config(meta: dict, tensor_names: set[str], rope: dict[str, np.ndarray]) -
     if model_type == "qwen2":
         cfg["use_sliding_window"] = False
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if arch.startswith("gemma"):
+        _gemma(meta, arch, cfg, head_dim)
     rotary = meta.get(f"{arch}.rope.dimension_count")
     if rotary and rotary != head_dim:
         cfg["partial_rotary_factor"] = rotary / head_dim
     cfg["rope_scaling"] = _rope_scaling(meta, arch, cfg, rope)
     return cfg
+
+
+def _gemma(meta: dict, arch: str, cfg: dict, head_dim: int) -> None:
+    """Gemma's config as llama.cpp reads the file (see _GEMMA_27B_LAYERS)."""
+    cfg["hidden_act"] = "gelu_pytorch_tanh"
+    big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS.get(arch)
+    cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"] if big else head_dim
+    if arch == "gemma2":
+        cfg.setdefault("sliding_window", 4096)
+    if arch == "gemma3":
+        cfg["rope_local_base_freq"] = 10000.0
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # per layer: whether it slides
+            cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        else:
+            cfg["sliding_window_pattern"] = pattern or 6
 
 
 def _rope_scaling(meta: dict, arch: str, cfg: dict, rope: dict[str, np.ndarray]) -> dict | None:

@@ -41,8 +41,9 @@ class GGUFRows:
     transposed 2-D view (its blocks then run across rows). Indexing leading dimensions reads nothing."""
 
     def __init__(self, raw: np.ndarray, qtype: str, shape: tuple[int, ...], cost: "ConversionCost",
-                 transposed: bool = False):
+                 transposed: bool = False, release=None):
         self.raw, self.qtype, self._shape, self.cost, self.transposed = raw, qtype, tuple(shape), cost, transposed
+        self.release = release or (lambda raw: None)  # lets the file's pages of `raw` go once encoded
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -51,15 +52,15 @@ class GGUFRows:
     @property
     def T(self) -> "GGUFRows":
         assert len(self._shape) == 2, "only a 2-D weight is transposed"
-        return GGUFRows(self.raw, self.qtype, self._shape, self.cost, not self.transposed)
+        return GGUFRows(self.raw, self.qtype, self._shape, self.cost, not self.transposed, self.release)
 
     def __getitem__(self, index: int | slice) -> "GGUFRows":
         """One entry (an expert) or a range of rows (Phi-3's fused gate and up) of the first dimension."""
         assert isinstance(index, (int, np.integer, slice)) and not self.transposed, "only the first dimension is indexed"
         if isinstance(index, slice):
             rows = len(range(*index.indices(self._shape[0])))
-            return GGUFRows(self.raw[index], self.qtype, (rows, *self._shape[1:]), self.cost)
-        return GGUFRows(self.raw[index], self.qtype, self._shape[1:], self.cost)
+            return GGUFRows(self.raw[index], self.qtype, (rows, *self._shape[1:]), self.cost, release=self.release)
+        return GGUFRows(self.raw[index], self.qtype, self._shape[1:], self.cost, release=self.release)
 
     def values(self) -> np.ndarray:
         """float32 values (gguf's own dequantizer), transposed when marked so."""
@@ -71,6 +72,12 @@ class GGUFRows:
 
     def encode(self, quant: QuantScheme | None, dtype: str) -> np.ndarray:
         """The [n, part bytes] uint8 parts flashllm stores for these rows: quantized with `quant`, else `dtype`."""
+        try:
+            return self._encode(quant, dtype)
+        finally:
+            self.release(self.raw)
+
+    def _encode(self, quant: QuantScheme | None, dtype: str) -> np.ndarray:
         if not self.transposed and maps_exactly(self.qtype, quant):
             self.cost.exact(self.qtype, int(np.prod(self._shape)))
             return blocks_to_parts(np.asarray(self.raw), self.qtype, self._shape[-1], quant.bits)
@@ -107,6 +114,8 @@ def as_stored(values: np.ndarray, dtype: str) -> np.ndarray:
     """`values` rounded to `dtype` as storage_bytes rounds them, back as float32."""
     if dtype == "float32":
         return values
+    if dtype == "float16":
+        return values.astype(np.float16).astype(np.float32)
     raw = storage_bytes(values, dtype)
     if dtype == "bfloat16":
         return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(values.shape)
@@ -131,11 +140,11 @@ class ConversionCost:
         acc = self.errors.setdefault((what, qtype, stored_as), [0.0, 0.0, 0])
         flat = np.ascontiguousarray(values).reshape(-1)
         kept = None if callable(stored) else np.ascontiguousarray(stored).reshape(-1)
-        for i in range(0, flat.size, 1 << 20):
-            v = flat[i:i + (1 << 20)]
-            err = (stored(v) if kept is None else kept[i:i + (1 << 20)]).astype(np.float64) - v
-            acc[0] += float(err @ err)
-            acc[1] += float(v.astype(np.float64) @ v)
+        for i in range(0, flat.size, 1 << 20):  # float32 dot products (BLAS): a few digits are all a cost needs
+            v = np.asarray(flat[i:i + (1 << 20)], dtype=np.float32)
+            err = np.asarray(stored(v) if kept is None else kept[i:i + (1 << 20)], dtype=np.float32) - v
+            acc[0] += float(np.dot(err, err))
+            acc[1] += float(np.dot(v, v))
         acc[2] += int(flat.size)
 
     def dequantized(self, qtype: str, values: np.ndarray) -> None:

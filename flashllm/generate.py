@@ -160,20 +160,33 @@ class TextStream:
     The new text is decoded after the prompt's last tokens and diffed, so a first word keeps the
     leading space a Metaspace (sentencepiece) decoder drops at the start of a text; pieces never end
     inside a UTF-8 character; text that could still become a stop string is held back until
-    resolved, and `text` ends just before the first stop string found (`stopped` is then True)."""
+    resolved, and `text` ends just before the first stop string found (`stopped` is then True).
+    Each token costs work bounded by WINDOW and the stop strings' length, not by the text so far: only
+    the last tokens are decoded again, and stop strings are searched for only where new text can
+    complete one."""
 
     PROMPT_TAIL = 8  # prompt tokens decoded before the new ones (enough to settle spacing)
+    WINDOW = 32  # once this many tokens are decoded after the settled text, their text is settled too
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: Iterable[str] = ()):
         self.tok, self.stop = tokenizer, [s for s in stop if s]
         self.prefix = list(prompt_ids[-self.PROMPT_TAIL:])
         self.head = tokenizer.decode(self.prefix)
         self.ids: list[int] = []
-        self.text, self.shown, self.stopped = "", 0, False
+        self.base, self.settled = 0, ""  # ids[:base] decode to `settled`; only ids[base:] are decoded again
+        self.text, self.shown, self.stopped, self.searched = "", 0, False, 0
 
     def _decode(self) -> str:
-        full = self.tok.decode(self.prefix + self.ids)
-        return full[len(self.head):] if full.startswith(self.head) else self.tok.decode(self.ids)
+        window = self.ids[self.base:]
+        full = self.tok.decode(self.prefix + window)
+        return self.settled + (full[len(self.head):] if full.startswith(self.head) else self.tok.decode(window))
+
+    def _settle(self, text: str) -> None:
+        """Past WINDOW tokens, the decoded text so far is final: later tokens decode after its last ids."""
+        if len(self.ids) - self.base >= self.WINDOW:
+            self.base, self.settled = len(self.ids), text
+            self.prefix = self.ids[-self.PROMPT_TAIL:]
+            self.head = self.tok.decode(self.prefix)
 
     def add(self, token: int) -> str:
         """Take one generated token; the text that can be shown now (may be empty)."""
@@ -182,12 +195,13 @@ class TextStream:
         if text.endswith("\ufffd"):  # a UTF-8 character still incomplete
             return ""
         self.text = text
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        self._settle(text)
+        hits = [i for i in (text.find(s, max(0, self.searched - len(s) + 1)) for s in self.stop) if i >= 0]
+        self.searched = len(text)
         if hits:
             self.text, self.stopped = text[:min(hits)], True
             return self.flush()
-        held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        return self._show(len(text) - held)
+        return self._show(len(text) - max((held(text, s) for s in self.stop), default=0))
 
     def flush(self) -> str:
         """The rest of the text (at the end of generation nothing can become a stop string any more)."""
@@ -199,3 +213,14 @@ class TextStream:
         piece = self.text[self.shown:end] if end > self.shown else ""
         self.shown = max(self.shown, end)
         return piece
+
+
+def held(text: str, stop: str) -> int:
+    """The length of the longest end of `text` that begins `stop` (and could still become it)."""
+    tail = text[-(len(stop) - 1):] if len(stop) > 1 else ""
+    i = tail.find(stop[0])
+    while i >= 0:
+        if stop.startswith(tail[i:]):
+            return len(tail) - i
+        i = tail.find(stop[0], i + 1)
+    return 0

@@ -183,6 +183,12 @@ class Model:
                 f"report the per-token average)"), stacklevel=2)
         return logits
 
+    def step(self, ids: list[int], pos, slot=0) -> tuple[np.ndarray, TokenCost]:
+        """`forward`, returning its cost rather than keeping it for `stats` (a scheduler that interleaves
+        sequences keeps each one's own costs)."""
+        logits = self.forward(ids, pos, slot)
+        return logits, self._costs.pop()
+
     def _ffn(self, layer: int, x, cost, residual):
         """The FFN of `layer` on its input `x`, computed by the mode (the only part that differs between
         modes); the mode also sees the residual stream it was normed from (to predict the next layer)."""
@@ -201,6 +207,10 @@ class Model:
 
     @property
     def stats(self) -> dict:
+        return self.stats_of(self._costs, self._prompts)
+
+    def stats_of(self, costs: list[TokenCost], prompts: int = 1) -> dict:
+        """The stats dict (see `stats`) of the forwards whose costs are `costs` (the first `prompts` are prompts)."""
         extra = {"mode": self.mode, "backend": self.backend.name, "kernels": self.backend.kernels(),
                  "device": str(self.backend.device),
                  "dram_budget": self.dram_budget, "gpu_budget": self.gpu_budget, "model_bytes": self.model_bytes,
@@ -208,7 +218,7 @@ class Model:
         extra.update(self.mode_impl.describe())
         if self.draft_model is not None:
             extra["draft_model_bytes"] = sum(self.draft_model.memory())
-        return summarize(self._costs, self.dram_bytes(), extra, self._prompts)
+        return summarize(costs, self.dram_bytes(), extra, prompts)
 
     def quantization(self) -> dict:
         """What is held quantized: FFN bundles (as stored), resident matrices and the KV cache (as loaded)."""

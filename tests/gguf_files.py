@@ -13,7 +13,8 @@ import numpy as np
 from tiny import make_hf_model
 
 ARCH = {"llama": "llama", "llama3": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2",
-        "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "phi3": "phi3"}
+        "qwen3": "qwen3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "phi3": "phi3",
+        "gemma2": "gemma2", "gemma3": "gemma3"}
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -106,6 +107,8 @@ def hf_tensors(model, family: str):
             w = permute(w, cfg.num_attention_heads, kv)
         if name.endswith("ffn_gate_inp_shexp"):
             w = w.reshape(-1)
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + w
+            w = w + 1
         out.append((f"{name}.{suffix}", w))
     if family == "llama3":
         out.append(("rope_freqs.weight", llama3_rope_factors(cfg)))
@@ -133,7 +136,7 @@ def write_gguf(model, family: str, path: Path, qtype: str = "F32", tok=None, kqu
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = getattr(cfg, "rope_parameters", None) or {}
-    w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    w.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", 10000.0))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or 1.0)))
     if family == "phi3":
@@ -144,6 +147,15 @@ def write_gguf(model, family: str, path: Path, qtype: str = "F32", tok=None, kqu
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_feed_forward_length(getattr(cfg, "intermediate_size", 0) or 0)
+    if arch.startswith("gemma"):
+        w.add_sliding_window(cfg.sliding_window)
+        if family == "gemma2":
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        else:  # Gemma 3: global layers' rope base and scaling
+            full = rope["full_attention"]
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
     if getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None):
         w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)

@@ -12,7 +12,9 @@ import torch
 import flashllm
 from flashllm.converters import convert
 from flashllm.errors import FlashLLMError
+from flashllm.converters.gguf_tokenizer import write_gguf_tokenizer
 from flashllm.format import manifest as fmt
+from flashllm.text.tokenizer import Tokenizer as TextTokenizer
 from gguf_files import corpus, tiny_gguf, train_vocab, write_gguf
 from tiny import hf_logits, make_hf_model
 
@@ -64,12 +66,17 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path, vocab):
     np.testing.assert_allclose(flashllm.load(out, mode="dense").logits(ids), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "phi3"])
-def test_architectures_transformers_cannot_load_from_gguf_equal_the_original(tmp_path, vocab, family):
-    """Mixtral (llama with merged experts), Qwen2-MoE (shared expert), OLMoE and Phi-3 (fused qkv and gate/up,
-    longrope factors as tensors): transformers' GGUF loader gets their config wrong, so the reference is the
-    transformers model the lossless F32 file was written from, past Phi-3's original context too."""
-    hf, path = tiny_gguf(tmp_path, family, "F32", vocab)
+GEMMA = dict(query_pre_attn_scalar=16)  # what llama.cpp uses for a Gemma that is not the 27B: head_dim
+
+
+@pytest.mark.parametrize("family,kw", [("mixtral", {}), ("qwen2_moe", {}), ("olmoe", {}), ("phi3", {}),
+                                       ("gemma2", GEMMA), ("gemma3", dict(GEMMA, num_hidden_layers=6, layer_types=None))])
+def test_architectures_transformers_cannot_load_from_gguf_equal_the_original(tmp_path, vocab, family, kw):
+    """Mixtral (llama with merged experts), Qwen2-MoE (shared expert), OLMoE, Phi-3 (fused qkv and gate/up,
+    longrope factors as tensors), Gemma 2 and 3 (norms stored as 1 + w, soft-caps, windows, Gemma 3's two rope
+    bases as llama.cpp fixes them): transformers' GGUF loader gets their config wrong, so the reference is the
+    transformers model the lossless F32 file was written from, past Phi-3's original context and the windows."""
+    hf, path = tiny_gguf(tmp_path, family, "F32", vocab, **kw)
     out = convert(path, tmp_path / "out", progress=False)
     assert fmt.read_manifest(out).spec.family == family
     ids = (IDS * 3)[:24]
@@ -160,12 +167,15 @@ def test_moe_gguf_streams_experts_at_a_budget_with_dense_logits(tmp_path, vocab,
     assert sum(t["experts_missed"] for t in streamed.token_stats) > 0
 
 
-def test_tokenizer_from_gguf_metadata_equals_transformers(tmp_path, vocab):
-    """tokenizer.json / tokenizer_config.json written from the GGUF vocabulary encode like transformers' GGUF
-    tokenizer on standard library source; the chat template and special tokens come along."""
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "gpt-2"])
+def test_tokenizer_from_gguf_metadata_equals_transformers(tmp_path, vocab, pre):
+    """tokenizer.json / tokenizer_config.json written from the GGUF vocabulary (byte-level BPE, split as
+    tokenizer.ggml.pre says) encode like transformers' GGUF tokenizer on standard library source; the chat
+    template and special tokens come along."""
     from transformers import AutoTokenizer
 
-    _, path = tiny_gguf(tmp_path, "qwen2", "F16", vocab)
+    hf = make_hf_model("qwen2", vocab_size=vocab.get_vocab_size(), bos_token_id=0, eos_token_id=2)
+    path = write_gguf(hf, "qwen2", tmp_path / "m.gguf", "F16", vocab, pre=pre)
     out = convert(path, tmp_path / "out", progress=False)
     model = flashllm.load(out, mode="dense")
     ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -224,7 +234,7 @@ def _copy_gguf(reader, path, names, no, count, with_meta):
     w.close()
 
 
-@pytest.mark.parametrize("arch,needle", [("gemma2", "Gemma 2 GGUF files are not supported yet"),
+@pytest.mark.parametrize("arch,needle", [("falcon", "Falcon GGUF files are not supported yet"),
                                          ("bert", "GGUF architecture 'bert' is not supported")])
 def test_unsupported_architectures_are_one_clear_line(tmp_path, arch, needle):
     import gguf
@@ -240,7 +250,7 @@ def test_unsupported_architectures_are_one_clear_line(tmp_path, arch, needle):
     r = subprocess.run([sys.executable, "-m", "flashllm.cli.main", "convert", str(path), str(tmp_path / "out")],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert needle in r.stderr and "llama, olmoe, phi3, qwen2, qwen2moe, qwen3, qwen3moe" in r.stderr
+    assert needle in r.stderr and "gemma, gemma2, gemma3, llama, olmoe, phi3, qwen2, qwen2moe, qwen3" in r.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -250,3 +260,45 @@ def test_a_file_that_is_not_gguf_is_one_clear_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "flashllm.cli.main", "convert", str(bad), str(tmp_path / "out")],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "not a readable GGUF file" in r.stderr
+
+
+def test_sentencepiece_vocabulary_encodes_like_transformers(tmp_path):
+    """tokenizer.ggml.model llama (SentencePiece BPE: tokens, scores, byte tokens; merges rebuilt from the
+    scores): the same ids as transformers' GGUF tokenizer on standard library source, BOS added as the file says.
+    (After a special token and before leading spaces, flashllm prepends "▁" as llama.cpp and Llama 2's own
+    tokenizer.json do; transformers' GGUF tokenizer does not.)"""
+    import gguf
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.train_from_iterator([corpus()], trainers.BpeTrainer(vocab_size=600, show_progress=False,
+                                                            special_tokens=["<unk>", "<s>", "</s>", *bytes_]))
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    types = [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t in bytes_ else 1 for t in tokens]
+    path = tmp_path / "spm.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([-float(i) if k == 1 else 0.0 for i, k in enumerate(types)])  # merge order
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    out = tmp_path / "tok"
+    out.mkdir()
+    assert write_gguf_tokenizer({k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()
+                                 if not k.startswith("GGUF.")}, out) == ["tokenizer.json", "tokenizer_config.json"]
+    ours = TextTokenizer(out, bos_token_id=1)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in (corpus()[:6000], "héllo wörld 日本 🙂 tabs\tand\nnewlines"):
+        ids = ours.encode(text)
+        assert ids == ref(text)["input_ids"] and ids[0] == 1
+        assert ours.decode(ids) == text

@@ -133,3 +133,37 @@ def test_mlx_budget_error_says_a_float16_file_computes_in_float32(tiny_models, t
     with pytest.raises(flashllm.FlashLLMError) as err:  # torch computes float16 files in float16 on the CPU
         flashllm.load(model_dir, mode="sparse", predictor="oracle", dram_budget=4096)
     assert "by default" not in str(err.value)
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_mlx_experts_in_quantized_slots_go_through_gather_qmm(tiny_models, tmp_path, quant, monkeypatch):
+    """Experts kept in MLX's affine format are computed with one `mx.gather_qmm` per part for all routed
+    experts of a call: equal to one `mx.quantized_matmul` per expert (the same products; the float32 sum of a
+    token's experts in another order) and to torch on the dequantized experts within float32 rounding."""
+    from flashllm.backends.mlx import backend as mlx_backend
+    from flashllm.backends.mlx.quant import QuantArray
+    from flashllm.converters import convert
+
+    out = convert(tiny_models("qwen2_moe").ckpt, tmp_path / quant, dtype="float32", quantize=quant, group_size=32,
+                  progress=False)
+    ref = flashllm.load(out, mode="dense", kernels="plain").logits(IDS, prefill=PREFILL)  # torch, dequantized
+    calls, real = [0], QuantArray.gather_matmul
+
+    def counted(self, x, slots):
+        calls[0] += 1
+        return real(self, x, slots)
+
+    monkeypatch.setattr(QuantArray, "gather_matmul", counted)
+    runs = {}
+    for mode in ("dense", "sparse"):
+        gathered = mlx_model(out, mode, device="cpu").logits(IDS, prefill=PREFILL)
+        assert calls[0] > 0, mode
+        with monkeypatch.context() as m:  # one quantized_matmul per expert instead
+            m.setattr(mlx_backend, "_slot_rows", lambda first, rows: False)
+            calls[0] = 0
+            per_expert = mlx_model(out, mode, device="cpu").logits(IDS, prefill=PREFILL)
+            assert calls[0] == 0
+        np.testing.assert_allclose(gathered, per_expert, atol=1e-5, rtol=1e-5, err_msg=mode)
+        np.testing.assert_allclose(gathered, ref, atol=1e-4, rtol=1e-4, err_msg=mode)
+        runs[mode] = gathered
+    np.testing.assert_allclose(runs["sparse"], runs["dense"], atol=1e-5, rtol=1e-5)

@@ -300,3 +300,64 @@ def test_overlap_inside_a_layer_changes_only_the_summation_order(tiny_models, tm
     np.testing.assert_allclose(a, b, atol=1e-2, rtol=1e-2)
     np.testing.assert_allclose(a, dense, atol=2e-2, rtol=2e-2)
     assert not flashllm.load(tiny.model_dir, mode="sparse", predictor="oracle").stats["ffn_overlap"]  # float32: copies
+
+
+def test_sampling_does_not_depend_on_earlier_requests(tiny_models, tmp_path):
+    """The same prompt and seed give the same tokens (and logits, bit for bit) whatever ran before: each token's
+    FFN is over its predicted neurons only, never over what earlier tokens or requests left in the cache, and a
+    prompt's sum does not depend on how many pinned neurons earlier tokens released."""
+    import shutil
+
+    from tiny import write_random_predictors
+
+    tiny = tiny_models("opt")
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny.model_dir, model_dir)
+    write_random_predictors(model_dir, frequencies=True)  # a predictor that misses neurons, and pinned hot ones
+    kw = dict(mode="sparse", predictor="lowrank", window=4, threads=2, cache_rows=(100, 100))
+    prompt, others = IDS[:PREFILL], [IDS[8:20], IDS[20:26], IDS[26:40]]
+    sample = dict(max_new_tokens=16, temperature=1.0, seed=11)
+
+    fresh = flashllm.load(model_dir, **kw)
+    want_ids, want_logits = list(fresh.generate_ids(prompt, **sample)), fresh.logits(IDS, prefill=PREFILL)
+    model = flashllm.load(model_dir, **kw)
+    for other in others:
+        list(model.generate_ids(other, **dict(sample, seed=len(other))))
+        assert list(model.generate_ids(prompt, **sample)) == want_ids
+        assert np.array_equal(model.logits(IDS, prefill=PREFILL), want_logits)
+    assert min(model.stats["pinned_neurons"]) > 0
+
+
+def test_rows_held_are_computed_while_the_read_ahead_lands(tiny_models, tmp_path, monkeypatch):
+    """float16 with the native kernels: a layer whose read-ahead is still in flight computes the rows it holds
+    first, then the rows read ahead, then its missing rows as they land: the oracle's logits equal dense's
+    and the run's without that step up to float32 summation order, and each such layer makes one more call."""
+    from flashllm.backends import native
+    from flashllm.converters import convert
+    from flashllm.modes.sparse.read_ahead import ReadAhead
+
+    if native.library() is None:
+        pytest.skip("no native kernels (no C compiler)")
+    out = convert(tiny_models("opt").ckpt, tmp_path / "f16", dtype="float16", progress=False)
+    dense = flashllm.load(out, mode="dense").logits(IDS, prefill=PREFILL)
+    real = ReadAhead.landing
+    landing = []
+
+    def always(self, layer, cost):  # as if every read ahead were slower than the layer before it
+        ok = self.pending is not None and self.pending.layer == layer and self.pending.read is not None
+        landing.append(ok)
+        real(self, layer, cost)
+        return ok
+
+    monkeypatch.setattr(ReadAhead, "landing", always)
+    runs = {}
+    for early in (True, False):
+        model = flashllm.load(out, mode="sparse", predictor="oracle", window=2, threads=2, cache_rows=(90, 90),
+                              read_ahead_precision=0.0)
+        model.mode_impl.early_held = early
+        runs[early] = (model.logits(IDS, prefill=PREFILL), model.backend.native.calls["ffn"])
+    assert any(landing) and model.stats["neurons_read_ahead"] > 0
+    (a, calls_early), (b, calls) = runs[True], runs[False]
+    assert calls_early > calls
+    np.testing.assert_allclose(a, b, atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(a, dense, atol=2e-2, rtol=2e-2)

@@ -7,71 +7,16 @@ import http.client
 import json
 import shutil
 import socket
-import threading
 import time
 
 import pytest
 
 import flashllm
 
-from flashllm.serve.app import Server, create_app
+from flashllm.serve.app import Server
+from serving import TEMPLATE, USER, Running, slow
 
 openai = pytest.importorskip("openai")
-
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
-USER = [{"role": "user", "content": "the quick brown fox"}]
-
-
-class Running:
-    """A Server on a free loopback port, served by uvicorn in a thread."""
-
-    def __init__(self, server: Server):
-        import uvicorn
-
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.server, self.port = server, sock.getsockname()[1]
-        self.uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.uv.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    def client(self, **kw):
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=kw.pop("api_key", "none"),
-                             max_retries=0, timeout=kw.pop("timeout", 60), **kw)
-
-    def raw(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-        """(status, parsed JSON body) of one plain HTTP request."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        try:
-            conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
-            resp = conn.getresponse()
-            return resp.status, json.loads(resp.read())
-        finally:
-            conn.close()
-
-    def post(self, path: str, payload, **kw):
-        return self.raw("POST", path, json.dumps(payload).encode(), **kw)
-
-    def wait_idle(self, seconds: float) -> float:
-        """Seconds until no request is decoding or queued (fails after `seconds`)."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < seconds:
-            q = self.raw("GET", "/health")[1]["queue"]
-            if q["running"] == 0 and q["queued"] == 0:
-                return time.monotonic() - t0
-            time.sleep(0.02)
-        pytest.fail(f"server still busy after {seconds} s: {q}")
-
-    def stop(self):
-        self.uv.should_exit = True
-        self.thread.join(10)
-        self.server.queue.close()
-
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_models, tmp_path_factory):
@@ -88,19 +33,6 @@ def reference(model_dir):
     return flashllm.load(model_dir)
 
 
-def slow(model, seconds: float):
-    """Make every forward take at least `seconds` (so queues fill and cancellation is observable)."""
-    forward, calls = model.forward, []
-
-    def slowed(ids, pos):
-        calls.append(pos)
-        time.sleep(seconds)
-        return forward(ids, pos)
-
-    model.forward = slowed
-    return calls
-
-
 @pytest.fixture(scope="module")
 def served(model_dir):
     running = Running(Server(flashllm.load(model_dir), name="tiny", max_queue=4))
@@ -113,7 +45,7 @@ def test_models_and_health(served):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     status, health = served.raw("GET", "/health")
     assert status == 200 and health["status"] == "ok" and health["model"] == "tiny"
-    assert health["queue"] == {"running": 0, "queued": 0, "max_queued": 4}
+    assert health["queue"] == {"running": 0, "queued": 0, "max_batch": 1, "max_queued": 4}
 
 
 def test_chat_answers_like_the_api(served, reference):
@@ -232,7 +164,7 @@ def test_prompt_too_long_below_the_models_limit_suggests_a_larger_context(model_
 
     server = Server(flashllm.load(model_dir, context=16), name="tiny")
     with pytest.raises(APIError) as err:
-        server.prepare("completion", {"model": "tiny", "prompt": "the quick brown fox " * 20})
+        server.prepare("completion", {"model": "tiny", "prompt": "the quick brown fox " * 12})
     assert "but the context holds 16" in err.value.message and err.value.code == "context_length_exceeded"
     assert "restart the server with a larger --context (the model has 64 positions)" in err.value.message
 
@@ -346,15 +278,15 @@ def test_a_bug_answers_a_json_500_and_the_server_goes_on(model_dir, capfd):
     model = flashllm.load(model_dir)
     running = Running(Server(model, name="tiny"))
     try:
-        stream_tokens = model.stream_tokens
-        model.stream_tokens = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+        step = model.step
+        model.step = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
         for stream in (False, True):
             with pytest.raises(openai.InternalServerError if not stream else openai.APIError) as err:
                 out = running.client().completions.create(model="tiny", prompt="the", max_tokens=2, stream=stream)
                 list(out)
             assert "internal error (RuntimeError)" in err.value.message
         assert "RuntimeError: boom" in capfd.readouterr().err  # the traceback is in the server's log
-        model.stream_tokens = stream_tokens
+        model.step = step
         assert running.client().completions.create(model="tiny", prompt="the", max_tokens=2).choices[0].text
     finally:
         running.stop()

@@ -69,7 +69,8 @@ def command(args) -> None:
     if gone:
         print(f"flashllm: note: removed with the replaced model: {', '.join(gone)}", file=sys.stderr)
     if not (out / "tokenizer.json").is_file():  # text in and out (generate, chat, serve) goes through it
-        print(f"flashllm: note: no tokenizer.json in {args.src}, so none was copied: text prompts (generate, chat, "
+        what = "no vocabulary (tokenizer.ggml.tokens)" if str(src).endswith(".gguf") else "no tokenizer.json"
+        print(f"flashllm: note: {what} in {src}, so none was copied: text prompts (generate, chat, "
               f"serve) will fail until the model's tokenizer.json (and tokenizer_config.json) is copied into {out}; "
               f"without it, give token ids from Python (Model.generate_ids)", file=sys.stderr)
 

@@ -66,7 +66,7 @@ class MoEDenseMode(MoEMode):
         super().__init__(ctx)
         lay, E = self.lay, self.spec.n_experts
         reader = ctx.ffn_reader(threads=4, verify=False)
-        self.experts = []
+        self.experts, self.held = [], 0  # held: bytes of the experts' slots or tensors
         kernel = lay.quant and self.backend.expert_slot_bytes(lay)  # experts stay quantized, as when streamed
         try:
             for layer in range(self.spec.n_layers):
@@ -79,8 +79,10 @@ class MoEDenseMode(MoEMode):
                         for e in range(E):
                             slots.insert(e, buf[e])
                     self.experts.append([slots.rows(e) for e in range(E)])
+                    self.held += slots.nbytes()
                 else:
                     self.experts.append([expert_views(ctx, buf[e]) for e in range(E)])
+                    self.held += sum(self.backend.nbytes_of(t) for ex in self.experts[-1] for t in ex.values())
         finally:
             reader.close()
         ctx.check_fits(ctx.charged(0, self.backend.nbytes() + self.device_bytes()), "all weights and the KV cache")
@@ -91,8 +93,7 @@ class MoEDenseMode(MoEMode):
         return self.output(layer, x, self.combine(x, groups))
 
     def device_bytes(self) -> int:
-        B = self.backend
-        return sum(B.nbytes_of(t) for layer in self.experts for ex in layer for t in ex.values())
+        return self.held
 
 
 class MoESparseMode(MoEMode):

@@ -1,36 +1,49 @@
 """`flashllm serve`: an OpenAI-compatible HTTP server over one loaded model.
 
-Starlette routes on uvicorn. The model is loaded once; generation runs in one worker thread, one
-request at a time, behind a bounded queue (see decode_queue). Every error a client can cause is an
-OpenAI-style JSON error; anything else is logged here and answered with a JSON 500.
+Starlette routes. The model is loaded once; requests decode together in one running batch (see
+scheduler), behind a bounded queue. A request is checked on the event loop only as far as that is
+cheap (fields, sizes); tokenizing runs in a worker thread, after a place in the batch or queue is
+reserved, so a full server answers 503 at once and a large prompt never pauses the event loop.
+Every error a client can cause is an OpenAI-style JSON error; anything else is logged here and
+answered with a JSON 500.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
-import socket
 import time
 import uuid
 from pathlib import Path
 
-from flashllm.serve.decode_queue import DecodeQueue, Job
 from flashllm.errors import FlashLLMError
-from flashllm.serve.openai_api import APIError, Params, parse_request
+from flashllm.serve.guard import Guard
+from flashllm.serve.openai_api import APIError, Params, bad_text_field, parse_request
+from flashllm.serve.scheduler import Job, Scheduler
 
 MAX_BODY_BYTES = 4 << 20
-FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+READ_TIMEOUT = 30.0  # seconds a client may take to send a request's headers, and then its body
 
 
 class Server:
-    """The state behind the routes: the model, its name, its chat template and the decode queue."""
+    """The state behind the routes: the model, its name, its chat template, the scheduler and the limits."""
 
-    def __init__(self, model, name: str | None = None, max_queue: int = 8, api_key: str | None = None,
-                 chat_template: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
+    def __init__(self, model, name: str | None = None, max_queue: int = 64, api_key: str | None = None,
+                 chat_template: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, max_batch: int = 1,
+                 allow_origins: tuple[str, ...] = (), read_timeout: float = READ_TIMEOUT, prefill_chunk: int = 128):
+        if api_key is not None and not api_key.strip():
+            raise FlashLLMError("the API key is empty (--api-key or $FLASHLLM_API_KEY): set a key, or unset "
+                                "FLASHLLM_API_KEY to serve without one")
+        if max_batch > len(model.backend.kvs):
+            raise FlashLLMError(f"max_batch {max_batch}: the model was loaded with KV caches for "
+                                f"{len(model.backend.kvs)} sequences (load it with batch_size={max_batch})")
         self.model, self.api_key, self.max_body_bytes = model, api_key, max_body_bytes
+        self.allow_origins, self.read_timeout = tuple(allow_origins), read_timeout
         self.name = name or Path(model.manifest.root).name
         self.created = int(time.time())
-        model.tokenizer  # noqa: B018  (load it now, not in the first request)
+        tok = model.tokenizer  # loaded now, not in the first request
+        # no prompt of more characters than the context times the longest token's can fit: one of 4x that is
+        # refused before tokenizing it (the slack keeps the exact message, in tokens, for prompts nearer the limit)
+        self.max_prompt_chars = 4 * model.context * max(map(len, tok.tok.get_vocab()), default=1)
         try:
             model.chat_template = chat_template
             self.template, self.no_template = model.chat_template, None
@@ -38,15 +51,33 @@ class Server:
             if chat_template is not None:
                 raise
             self.template, self.no_template = None, str(exc)
-        self.queue = DecodeQueue(max_queue)
+        self.scheduler = Scheduler(model, max_batch, max_queue, prefill_chunk)
 
     # -- one request, start to end ---------------------------------------------------------------
     def prepare(self, kind: str, body: dict) -> Params:
-        """Validate a request body and tokenize its prompt (raises APIError)."""
+        """A request body checked and tokenized (raises APIError): `check`, then `tokenize`."""
+        req = self.check(kind, body)
+        self.tokenize(kind, req)
+        return req
+
+    def check(self, kind: str, body: dict) -> Params:
+        """Validate a request body as far as that is cheap (raises APIError); `tokenize` does the rest."""
         req = parse_request(kind, body, self.name)
+        if kind == "chat" and self.template is None:
+            raise APIError(400, self.no_template, param="messages", code="no_chat_template")
+        chars = len(req.prompt or "") + sum(len(m["content"]) for m in req.messages or ())
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"the prompt has {chars} characters, far more than the context of "
+                           f"{self.model.context} tokens can hold with this tokenizer (at most "
+                           f"{self.max_prompt_chars} are accepted); shorten it",
+                           param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+        if req.prompt_ids is not None:
+            self.check_ids(kind, req)
+        return req
+
+    def tokenize(self, kind: str, req: Params) -> None:
+        """In a worker thread: the prompt's token ids (a chat's rendered by its template), checked."""
         if kind == "chat":
-            if self.template is None:
-                raise APIError(400, self.no_template, param="messages", code="no_chat_template")
             try:
                 req.prompt_ids = self.model.chat_ids(req.messages)
             except FlashLLMError as exc:
@@ -54,6 +85,9 @@ class Server:
             req.stop = req.stop + list(self.template.stop)
         elif req.prompt_ids is None:
             req.prompt_ids = self.model.tokenizer.encode(req.prompt)
+        self.check_ids(kind, req)
+
+    def check_ids(self, kind: str, req: Params) -> None:
         context, n = self.model.context, len(req.prompt_ids)
         if not n:
             raise APIError(400, "the prompt is empty", param="prompt")
@@ -66,41 +100,12 @@ class Server:
                            param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
         if any(not 0 <= t < self.model.spec.vocab_size for t in req.prompt_ids):
             raise APIError(400, f"prompt token ids must lie in [0, {self.model.spec.vocab_size})", param="prompt")
-        return req
 
-    def decode(self, req: Params, job: Job) -> None:
-        """In the worker thread: generate, emitting text pieces, then a summary (or a clear error)."""
-        model = self.model
-        budget = context_left = model.context - len(req.prompt_ids)
-        if req.max_tokens is not None:
-            budget = min(req.max_tokens, context_left)
-        try:
-            tokens = model.stream_tokens(req.prompt_ids, budget, req.temperature, req.top_p, req.seed, req.stop)
-            for _token, piece in tokens:
-                if job.cancelled.is_set():
-                    tokens.close()
-                    return
-                if piece:
-                    job.emit("text", piece)
-        except FlashLLMError as exc:
-            job.emit("error", APIError(400, str(exc)))
-            return
-        run = model.last_generation
-        capped = req.max_tokens is None or req.max_tokens > context_left  # the context, not the client, set `budget`
-        reason = "context" if run.stop_reason == "length" and capped else run.stop_reason
-        job.emit("done", {"finish_reason": FINISH_REASON.get(reason, "stop"),
-                          "usage": {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(run.token_ids),
-                                    "total_tokens": len(req.prompt_ids) + len(run.token_ids)},
-                          "flashllm": {"stop_reason": reason, "stats": model.stats}})
-
-    def submit(self, req: Params) -> Job:
-        job = self.queue.submit(lambda job: self.decode(req, job))
-        if job is None:
-            c = self.queue.counts()
-            raise APIError(503, f"the server is busy: {c['running']} request decoding and {c['queued']} queued "
-                           f"(the most it holds; one decode at a time); retry shortly",
-                           kind="server_error", code="overloaded", headers={"Retry-After": "1"})
-        return job
+    def busy(self) -> APIError:
+        c, wait = self.scheduler.counts(), self.scheduler.retry_after()
+        return APIError(503, f"the server is busy: {c['running']} requests decoding (at most {c['max_batch']} "
+                        f"together) and {c['queued']} queued (the most it holds); retry in about {wait} s",
+                        kind="server_error", code="overloaded", headers={"Retry-After": str(wait)})
 
     # -- response shapes ---------------------------------------------------------------------------
     def head(self, kind: str) -> dict:
@@ -125,22 +130,19 @@ class Server:
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.name, "mode": self.model.mode, "context": self.model.context,
-                "chat_template": self.template.origin if self.template else None, "queue": self.queue.counts()}
-
-    def authorized(self, headers) -> bool:
-        if self.api_key is None:
-            return True
-        given = headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+                "chat_template": self.template.origin if self.template else None, "queue": self.scheduler.counts()}
 
 
 def create_app(server: Server):
-    """The Starlette application for `server` (routes, JSON errors, the API-key check)."""
+    """The Starlette application for `server` (routes, JSON errors, the origin, API-key and content checks)."""
     anyio = require()
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
+
+    tokenizing = anyio.CapacityLimiter(1)  # CPU work off the event loop, one request at a time
 
     class SSEResponse(StreamingResponse):
         """Server-sent events that cancel their job however the response ends (a client gone included)."""
@@ -152,6 +154,8 @@ def create_app(server: Server):
         async def __call__(self, scope, receive, send):
             try:
                 await super().__call__(scope, receive, send)
+            except OSError:  # the client went away mid-stream: nothing to answer, nothing to log
+                pass
             finally:
                 self.job.cancel()
 
@@ -160,21 +164,35 @@ def create_app(server: Server):
         if declared and declared.isdigit() and int(declared) > server.max_body_bytes:
             raise APIError(413, f"the request body has {declared} bytes; the most accepted is {server.max_body_bytes}")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > server.max_body_bytes:
-                raise APIError(413, f"the request body exceeds {server.max_body_bytes} bytes")
+        try:
+            with anyio.fail_after(server.read_timeout):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > server.max_body_bytes:
+                        raise APIError(413, f"the request body exceeds {server.max_body_bytes} bytes")
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {server.read_timeout:g} s",
+                           code="request_timeout") from None
         try:
             data = json.loads(body)
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise APIError(400, f"the request body is not valid JSON ({exc})") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise APIError(400, f"the request body is not valid JSON ({str(exc)[:200]})") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
+        if (where := bad_text_field(data)) is not None:
+            raise APIError(400, f"{where}: not valid Unicode text (a lone surrogate such as \\ud83d)", param=where)
         return data
 
     async def generate(request, kind: str):
-        req = server.prepare(kind, await read_json(request))
-        job = server.submit(req)
+        req = server.check(kind, await read_json(request))
+        if not server.scheduler.reserve():
+            raise server.busy()
+        try:
+            await anyio.to_thread.run_sync(server.tokenize, kind, req, limiter=tokenizing)
+            job = server.scheduler.submit(req)
+        except BaseException:
+            server.scheduler.unreserve()
+            raise
         if req.stream:
             return SSEResponse(job, sse_events(job, req, kind), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
@@ -193,14 +211,17 @@ def create_app(server: Server):
                 tasks.cancel_scope.cancel()
         if error is not None:
             raise error
+        if done is None:  # the client left and its job was cancelled: nobody to answer
+            return Response(status_code=499)
         return JSONResponse(server.complete(kind, "".join(text), done))
 
     async def sse_events(job: Job, req: Params, kind: str):
         head = server.head(kind)
         obj = head["object"] + (".chunk" if kind == "chat" else "")
+        usage = {"usage": None} if req.include_usage else {}  # OpenAI: null on every chunk but the last
 
         def chunk(choices, **extra) -> str:
-            return "data: " + json.dumps({**head, "object": obj, "choices": choices, **extra}) + "\n\n"
+            return "data: " + json.dumps({**head, "object": obj, "choices": choices, **usage, **extra}) + "\n\n"
 
         if kind == "chat":
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -242,14 +263,18 @@ def create_app(server: Server):
         return JSONResponse(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").body(),
                             status_code=exc.status_code, headers=exc.headers)
 
+    async def client_gone(request, exc: ClientDisconnect):
+        return Response(status_code=499)  # the client left while sending its request: nobody to answer
+
     async def internal_error(request, exc: Exception):
         return JSONResponse(APIError.internal(exc).body(), status_code=500)
 
     app = Starlette(routes=[
         Route("/health", health), Route("/v1/models", models), Route("/v1/models/{name:path}", model),
         Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/completions", completions, methods=["POST"]),
-    ], exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error})
-    return APIKeyCheck(app, server)
+    ], exception_handlers={APIError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
+                           Exception: internal_error})
+    return Guard(app, server.api_key, server.allow_origins)
 
 
 async def events(job: Job):
@@ -271,25 +296,6 @@ async def cancel_on_disconnect(request, job: Job) -> None:
     job.cancel()
 
 
-class APIKeyCheck:
-    """ASGI middleware: with an API key set, every request must carry `Authorization: Bearer KEY`."""
-
-    def __init__(self, app, server: Server):
-        self.app, self.server = app, server
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            from starlette.datastructures import Headers
-            from starlette.responses import JSONResponse
-
-            if not self.server.authorized(Headers(scope=scope)):
-                error = APIError(401, "missing or wrong API key (send the header Authorization: Bearer KEY)",
-                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await JSONResponse(error.body(), status_code=401, headers=error.headers)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def require():
     """anyio (after checking that starlette and uvicorn are installed), or a clear error saying how
     to install the server's dependencies."""
@@ -301,27 +307,3 @@ def require():
         raise FlashLLMError(f"flashllm serve needs the 'serve' extra ({exc.name} is missing): in the flashllm "
                             f"checkout, pip install -e \".[serve]\" --config-settings editable_mode=strict") from None
     return anyio
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port, opened before the model loads: a port in use or a bad address is
-    a one-line error at once, not uvicorn's log after the load."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family)
-    except (OSError, OverflowError) as exc:
-        raise FlashLLMError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
-
-
-def run(server: Server, sock: socket.socket, log_level: str = "info") -> None:
-    """Serve on the listening socket until interrupted (Ctrl-C stops uvicorn cleanly)."""
-    import uvicorn
-
-    config = uvicorn.Config(create_app(server), log_level=log_level, timeout_graceful_shutdown=2)
-    try:
-        uvicorn.Server(config).run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
-    finally:
-        sock.close()
-        server.queue.close()

@@ -2,11 +2,13 @@
 
 A field of the wrong type or out of range is a 400 naming the field; a feature flashllm does not
 implement (several choices, log-probabilities, tools, penalties) is a 400 saying so, rather than
-being silently ignored. Unknown fields are ignored, as OpenAI-compatible servers commonly do.
+being silently ignored, while its explicit "off" value (false, 0, [], "none", {"type": "text"}) is
+accepted. Unknown fields are ignored, as OpenAI-compatible servers commonly do.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -14,10 +16,13 @@ from flashllm.text.chat_template import check_messages
 from flashllm.errors import FlashLLMError
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
-# field -> the value that means "off"; anything else asks for something not implemented
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
-               "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
-               "tool_choice": None, "functions": None, "response_format": None}
+MAX_STOP_CHARS = 256  # the longest stop string accepted (text is held back while it could still become one)
+SEED_RANGE = 2 ** 64  # seeds are integers in [0, 2**64), as numpy's generators take them
+# field -> the values that mean "off"; anything else asks for something not implemented
+UNSUPPORTED = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
+               "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+               "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+               "response_format": ({"type": "text"},)}
 
 
 class APIError(Exception):
@@ -63,10 +68,11 @@ def parse_request(kind: str, body: dict, served: str) -> Params:
     if name != served:
         raise APIError(404, f"model {name!r} is not served here; this server has {served!r}", param="model",
                        code="model_not_found")
-    for key, off in UNSUPPORTED.items():
+    for key, offs in UNSUPPORTED.items():
         value = body.get(key)
-        if value is not None and value != off and not (key == "logit_bias" and value == {}):
-            raise APIError(400, f"{key}: not supported by flashllm (only {off!r})", param=key)
+        if value is not None and not any(is_off(value, off) for off in offs):
+            shown = " or ".join(json.dumps(off) for off in offs)
+            raise APIError(400, f"{key}: not supported by flashllm (only null or {shown})", param=key)
     max_tokens = _get(body, "max_completion_tokens", int, None) if kind == "chat" else None
     max_tokens = _get(body, "max_tokens", int, max_tokens if kind == "chat" else 16)
     if max_tokens is not None and max_tokens < 0:
@@ -81,8 +87,14 @@ def parse_request(kind: str, body: dict, served: str) -> Params:
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP:
         raise APIError(400, f"stop: expected a string or a list of at most {MAX_STOP} strings", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"stop: a stop string has {max(map(len, stop))} characters; the most accepted is "
+                       f"{MAX_STOP_CHARS}", param="stop")
+    seed = _get(body, "seed", int, None)
+    if seed is not None and not 0 <= seed < SEED_RANGE:
+        raise APIError(400, f"seed: {seed} is outside [0, 2**64)", param="seed")
     options = _get(body, "stream_options", dict, {})
-    params = Params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=_get(body, "seed", int, None),
+    params = Params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                     stop=[s for s in stop if s], stream=_get(body, "stream", bool, False),
                     include_usage=_get(options, "include_usage", bool, False, "stream_options.include_usage"))
     if kind == "chat":
@@ -93,6 +105,31 @@ def parse_request(kind: str, body: dict, served: str) -> Params:
     else:
         _prompt(body.get("prompt"), params)
     return params
+
+
+def is_off(value, off) -> bool:
+    """`value` equals the "off" value `off` (and is no bool standing for a number, or a number for a bool)."""
+    return value == off and isinstance(value, bool) == isinstance(off, bool)
+
+
+def bad_text_field(body) -> str | None:
+    """The path of the first string in a JSON value that is not valid Unicode text (a lone surrogate such as
+    "\\ud83d", which JSON can spell but UTF-8 cannot), or None."""
+    todo = [("", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                todo.append((f"{path}.{k}" if path else k, v))
+                todo.append((path or "body", k))
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+    return None
 
 
 def _prompt(prompt, params: Params) -> None:

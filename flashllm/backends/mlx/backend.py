@@ -281,7 +281,7 @@ class MLXBackend(Backend):
         returns as a new array: use the result); each call's part is rounded to the compute dtype first."""
         if index is not None:
             idx = mx.array(np.asarray(index, dtype=np.int32))
-            rows = {k: v[idx] for k, v in rows.items()}
+            rows = {k: v.rows(idx) if isinstance(v, QuantArray) else v[idx] for k, v in rows.items()}
             up_bias, gate_bias = (None if b is None else b[idx] for b in (up_bias, gate_bias))
             gate_pre = None if gate_pre is None else gate_pre[:, idx]
         if acc is not None:
@@ -308,13 +308,31 @@ class MLXBackend(Backend):
         return y + down_bias if down_bias is not None else y
 
     def moe_experts(self, x: mx.array, groups: list, acc: mx.array | None = None) -> mx.array:
-        """Routed experts added into a float32 accumulator [T, d_model] (see TorchBackend.moe_experts)."""
+        """Routed experts added into a float32 accumulator [T, d_model] (see TorchBackend.moe_experts); experts
+        in quantized slots of one layer's MLXExpertSlots, all in one `mx.gather_qmm` per part."""
         acc = mx.zeros(x.shape, dtype=mx.float32) if acc is None else acc
+        if groups and all(_slot_rows(groups[0][0], rows) for rows, _, _ in groups):
+            return self._gathered_experts(x, groups, acc)
         for rows, tokens, weights in groups:
             idx = mx.array(tokens.astype(np.int32))
             out = self.ffn(x[idx], rows, None, None, None).astype(mx.float32) * mx.array(weights)[:, None]
             acc = acc.at[idx].add(out)
         return acc
+
+    def _gathered_experts(self, x: mx.array, groups: list, acc: mx.array) -> mx.array:
+        """`moe_experts` over quantized slots: each (token, expert) pair is one row of a gathered batch, so
+        every expert of the call is one `mx.gather_qmm` per part (the math of `ffn` per expert)."""
+        tokens = np.concatenate([t for _, t, _ in groups]).astype(np.int32)
+        slots = np.concatenate([np.full(len(t), rows["up"].slot, dtype=np.uint32) for rows, t, _ in groups])
+        weights = np.concatenate([w for _, _, w in groups]).astype(np.float32)
+        order = np.argsort(slots, kind="stable")  # sorted slot indices: gather_qmm may take a faster path
+        tokens, slots, weights = tokens[order], slots[order], weights[order]
+        idx, at = mx.array(slots), mx.array(tokens)
+        rows, xs = groups[0][0], x[at][:, None, :]  # [pairs, 1, d_model]
+        up = rows["up"].gather_matmul(xs, idx)
+        h = self.act(rows["gate"].gather_matmul(xs, idx)) * up if self.spec.gated_ffn else self.act(up)
+        out = rows["down_t"].gather_matmul(h, idx)[:, 0, :]
+        return acc.at[at].add(out.astype(mx.float32) * mx.array(weights)[:, None])
 
     def moe_output(self, x: mx.array, acc: mx.array, shared: dict | None = None, shared_gate=None) -> mx.array:
         """The routed experts' float32 sum plus the shared expert (scaled by sigmoid(shared_gate . x) if
@@ -324,3 +342,9 @@ class MLXBackend(Backend):
             acc = acc + (mx.sigmoid(self.linear(x, shared_gate, None)) * out if shared_gate is not None else out
                          ).astype(mx.float32)
         return acc.astype(x.dtype)
+
+
+def _slot_rows(first: dict, rows: dict) -> bool:
+    """Whether an expert's `rows` are quantized slots of the same slot arrays as `first`'s (and nothing else)."""
+    return rows.keys() == first.keys() and "down_t" in rows and all(
+        isinstance(t, QuantArray) and t.stack is not None and t.stack[0] is first[p].stack[0] for p, t in rows.items())

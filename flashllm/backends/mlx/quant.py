@@ -31,9 +31,17 @@ class QuantArray(NamedTuple):
     biases: mx.array
     group_size: int
     bits: int
+    stack: tuple | None = None  # an expert slot's part: (packed, scales, biases) of all slots, [slots, n, ...]
+    slot: int = -1  # which of them this matrix is
 
     def rows(self, idx) -> "QuantArray":
         return QuantArray(self.packed[idx], self.scales[idx], self.biases[idx], self.group_size, self.bits)
+
+    def gather_matmul(self, x: mx.array, slots: mx.array) -> mx.array:
+        """x[i] @ (slot slots[i] of this slot's stack).T for x [P, M, d]: several experts in one call."""
+        packed, scales, biases = self.stack
+        return mx.gather_qmm(x, packed, scales, biases, rhs_indices=slots, transpose=True,
+                             group_size=self.group_size, bits=self.bits)
 
     def matmul(self, x: mx.array, transpose: bool) -> mx.array:
         """x @ w.T (transpose) or x @ w."""
@@ -148,7 +156,8 @@ class MLXExpertSlots:
         (x @ W_down.T, like a linear layer)."""
         q, out = self.layout.quant, {}
         for p, (codes, scales, mins) in self.parts.items():
-            out["down_t" if p == "down" else p] = QuantArray(codes[slot], scales[slot], mins[slot], q.group_size, q.bits)
+            out["down_t" if p == "down" else p] = QuantArray(codes[slot], scales[slot], mins[slot], q.group_size, q.bits,
+                                                             (codes, scales, mins), slot)
         return out
 
 

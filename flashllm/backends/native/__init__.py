@@ -1,5 +1,6 @@
 """flashllm's native CPU kernels (kernels.c: a one-token mat-vec, the sparse FFN over cache rows, RMS norm and
 decode attention; kernels_quant.c: int8/int4 mat-vec and sparse FFN over quantized bundle parts as stored;
+kernels_qdot.c: the same parts' mat-vec and several experts' FFN with int8 activations and integer dots;
 kernels_pool.c: their thread pool; kernels.h: what they share), compiled on first use into one library with
 the machine's C compiler into a per-user cache and loaded with ctypes (whose calls release the GIL).
 `library()` is None where there is no compiler, the build failed, or FLASHLLM_NATIVE=0: callers then take
@@ -20,7 +21,7 @@ from pathlib import Path
 from flashllm.paths import cache_home
 
 SOURCE = Path(__file__).with_name("kernels.c")
-SOURCES = (SOURCE, SOURCE.with_name("kernels_quant.c"), SOURCE.with_name("kernels_pool.c"))  # one library
+SOURCES = tuple(SOURCE.with_name(n) for n in ("kernels.c", "kernels_quant.c", "kernels_qdot.c", "kernels_pool.c"))  # one library
 DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # kernels.h's DT_* codes
 ACTIVATIONS = {"relu": 0, "relu2": 1, "fatrelu": 2, "silu": 3, "gelu": 4, "gelu_tanh": 5}  # its ACT_* codes
 BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"]
@@ -129,6 +130,9 @@ class Kernels:
             "qmatvec": [i32, i32, i64, p, i64, i64, i64, i32, p, p, p, i32],
             "qffn": [i32, i32, i64, p, p, p, i64, i64, p, i64, i32, p, p, p, p, i32, i32, f32, i32, f32, p, i32, i32, p,
                      p],
+            # int8-activation kernels over the same parts (kernels_qdot.c)
+            "qmatmul": [i32, i32, i64, p, i64, i64, i64, i32, i64, p, p, p, i32],
+            "experts": [i32, i32, i64, i64, p, p, p, p, i64, i64, i64, i64, i32, i64, p, i32, f32, p, i32],
             "simd": [],
         }
         for name, argtypes in signatures.items():
@@ -137,3 +141,6 @@ class Kernels:
                 fn.argtypes, fn.restype = argtypes, i32
             setattr(self, name, fn)
         self.simd = bool(lib.fl_simd())
+        self.stream_read = getattr(lib, "fl_stream_read", None)  # the streaming-read bandwidth (bench)
+        if self.stream_read is not None:
+            self.stream_read.argtypes, self.stream_read.restype = [p, i64, i32], ctypes.c_uint64

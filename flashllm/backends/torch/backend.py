@@ -18,6 +18,7 @@ from flashllm.backends.torch.staging import StagingRing, host_array
 from flashllm.backends.torch.attention import TorchAttention
 from flashllm.backends.torch.ffn import DOWN_KERNEL, TorchFFN
 from flashllm.backends.torch.native import NATIVE_DTYPES, NativeKernels
+from flashllm.backends.torch.qmatrix import NativeExpertSlots, NativeQuantMatrix
 from flashllm.backends.torch.quant import Int4ExpertSlots, KVCache, QuantMatrix, QuantRows, dequantize_rows
 from flashllm.backends.torch.rows import TorchRowStore
 
@@ -103,6 +104,8 @@ class TorchBackend(TorchAttention, TorchFFN, Backend):
         if self.on_gpu:  # the weights are quantized on the host before they move: refuse here, at load
             raise FlashLLMError("--quantize-resident runs on the CPU only (torch's weight-only CPU kernels); "
                                 "on CUDA use --quantize-resident none")
+        if self.native is not None and NativeQuantMatrix.takes(t, bits):  # int8-activation kernels (qmatrix.py)
+            return NativeQuantMatrix(t, bits, self.dtype, self.native)
         return QuantMatrix(t, bits, self.dtype, gather)
 
     def row_store(self, capacity: int, layout, biases: dict):
@@ -126,15 +129,26 @@ class TorchBackend(TorchAttention, TorchFFN, Backend):
         return {p: QuantRows(block, layout.part_range(p).start, layout.quant, layout.d_model)
                 for p in parts or layout.parts}
 
+    def _experts_as_rows(self, layout) -> bool:
+        """Quantized experts stored as rows stay as stored for the native expert kernel (qmatrix.py)."""
+        return self.native is not None and NativeExpertSlots.fits(layout)
+
     def expert_slot_bytes(self, layout) -> int | None:
-        """Int4 experts stay quantized in torch's CPU int4 kernel layout (tuned kernels on the CPU)."""
+        """Quantized experts as stored for the native kernel, else int4 experts in torch's CPU int4 kernel layout
+        (tuned kernels on the CPU)."""
+        if self._experts_as_rows(layout):
+            return layout.stride
         ok = self.tuned and self.device.type == "cpu" and Int4ExpertSlots.fits(layout)
         return Int4ExpertSlots.slot_bytes(layout) if ok else None
 
     def expert_reads_in_place(self, layout) -> bool:
+        if self._experts_as_rows(layout):
+            return True
         return bool(self.expert_slot_bytes(layout)) and Int4ExpertSlots.reads_in_place(layout)
 
-    def expert_slots(self, layout, capacity: int) -> Int4ExpertSlots:
+    def expert_slots(self, layout, capacity: int) -> Int4ExpertSlots | NativeExpertSlots:
+        if self._experts_as_rows(layout):
+            return NativeExpertSlots(capacity, layout, self.host_buffer((capacity, layout.stride)))
         return Int4ExpertSlots(capacity, layout, self.dtype, self.host_buffer((capacity, Int4ExpertSlots.slot_bytes(layout))))
 
     def staging(self, stride: int) -> StagingRing:
@@ -156,6 +170,7 @@ class TorchBackend(TorchAttention, TorchFFN, Backend):
         if self.native is None:
             return "torch" if self.device.type != "cpu" or not self.tuned else native.describe()
         quant = "; int8/int4 FFN rows as stored (native)" if self.native_quant() else ""
+        quant += "; int8/int4 resident matrices and experts as quantized rows (native, int8 activations)"
         if self.dtype not in NATIVE_DTYPES:
             return f"torch (the native kernels serve {served} compute){quant}"
         return f"{native.describe()}: {served} decode mat-vecs and cache-row FFN{quant}; torch otherwise"
@@ -263,6 +278,10 @@ class TorchBackend(TorchAttention, TorchFFN, Backend):
         for layer in range(self.spec.n_layers):
             p = f"layers.{layer}."
             names = [p + n + ".weight" for n in "qkv"]
+            if all(type(self.w.get(n)) is NativeQuantMatrix for n in names) \
+                    and len({self.w[n].bits for n in names}) == 1 and not any(p + n + ".bias" in self.w for n in "qkv"):
+                self.w[p + "qkv.weight"] = NativeQuantMatrix.concat([self.w.pop(n) for n in names])
+                continue
             if not all(type(self.w.get(n)) is torch.Tensor and self.w[n].dtype == self.dtype for n in names):
                 continue
             for kind in ("weight", "bias"):

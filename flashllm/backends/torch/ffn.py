@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from flashllm.backends.torch.native import NATIVE_DTYPES
+from flashllm.backends.torch.qmatrix import NativeExpert
 from flashllm.backends.torch.quant import QuantRows
 
 # How one token's down projection h[1, n] @ rows[n, d] (rows = cache rows, any row stride) runs on the CPU
@@ -148,11 +149,36 @@ class TorchFFN:
         float32 makes the result independent of how a mode splits the experts (dense: all at once; streamed:
         cached ones, then chunks read into the slots), up to float32 rounding."""
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if acc is None else acc
+        if groups and isinstance(groups[0][0], NativeExpert) and self._native_experts(x, groups, acc):
+            return acc
         for rows, tokens, weights in groups:
+            if isinstance(rows, NativeExpert):  # (no native call for these: torch over the expert dequantized)
+                rows = rows.slots.dequantized(rows.slot, self.dtype)
             idx = torch.from_numpy(tokens).to(self.device)
             out = self.ffn(x[idx], rows, None, None, None).float() * torch.from_numpy(weights).to(self.device)[:, None]
             acc[idx] += out  # a token meets an expert once; index_add_ measured ~1000x slower on CPU
         return acc
+
+    def _native_experts(self, x: torch.Tensor, groups: list, acc: torch.Tensor) -> bool:
+        """`moe_experts` over experts of one NativeExpertSlots in one native call; False where it does not apply."""
+        slots = groups[0][0].slots
+        if self.native is None or any(not isinstance(r, NativeExpert) or r.slots is not slots for r, _, _ in groups):
+            return False
+        n = len(groups)
+        ids = np.fromiter((r.slot for r, _, _ in groups), dtype=np.int64, count=n)
+        if x.shape[0] == 1:  # one token: one pair per expert
+            start, tokens = np.arange(n + 1, dtype=np.int64), np.zeros(n, dtype=np.int64)
+            weights = np.fromiter((w[0] for _, _, w in groups), dtype=np.float32, count=n)
+        else:
+            start = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum([len(t) for _, t, _ in groups], out=start[1:])
+            tokens = np.ascontiguousarray(np.concatenate([t for _, t, _ in groups]), dtype=np.int64)
+            weights = np.ascontiguousarray(np.concatenate([w for _, _, w in groups]), dtype=np.float32)
+        t0 = self._tic()
+        done = self.native.experts(x, slots, ids, start, tokens, weights, self.spec.activation,
+                                   self.spec.activation_threshold or 0.0, acc)
+        self._toc("ffn", t0, acc)
+        return done
 
     def moe_output(self, x: torch.Tensor, acc: torch.Tensor, shared: dict | None = None, shared_gate=None) -> torch.Tensor:
         """The MoE FFN's output in x's dtype: the routed experts' float32 sum `acc` plus the shared expert,

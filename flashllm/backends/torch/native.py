@@ -15,6 +15,8 @@ from flashllm.backends.torch.quant import QuantRows
 
 # compute dtypes the native kernels serve (float32 stays on torch's BLAS, which is as fast there)
 NATIVE_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# activations the quantized kernels take (their weights are never float32: these serve float32 compute too)
+QUANT_DTYPES = {**NATIVE_DTYPES, torch.float32: "float32"}
 
 
 class NativeKernels:
@@ -22,7 +24,8 @@ class NativeKernels:
 
     def __init__(self, lib: native.Kernels, threads: int):
         self.lib, self.threads = lib, threads
-        self.calls = {"linear": 0, "ffn": 0, "norm": 0, "attend": 0, "block": 0, "qlinear": 0, "qffn": 0}  # kernel calls made (tests check the path)
+        self.calls = {"linear": 0, "ffn": 0, "norm": 0, "attend": 0, "block": 0, "qlinear": 0, "qffn": 0,
+                      "qmatmul": 0, "experts": 0}  # kernel calls made (tests check the path)
         self.block_times = (ctypes.c_double * 5)()  # attn_block's seconds per step, where the parts are timed
         self._ffn_calls = {}  # (ids of an FFN's rows, biases, ...) -> (weak refs to them, its checked kernel call)
         self._low_rank_bufs = {}  # (rank, neurons, dtype) -> `low_rank`'s two output tensors
@@ -170,6 +173,47 @@ class NativeKernels:
             raise MemoryError("native quantized mat-vec: out of memory")
         self.calls["qlinear"] += 1
         return y
+
+    def qmatmul(self, x: torch.Tensor, raw: np.ndarray, scheme, b: torch.Tensor | None) -> torch.Tensor | None:
+        """x [..., in] @ W.T + b as [..., out] of x's dtype, W the quantized rows `raw` (uint8 [out, part bytes],
+        flashllm/format/quant.py's layout, `scheme`), any number of tokens: the int8-activation kernel
+        (kernels_qdot.c); None: not for this kernel."""
+        dt, n = QUANT_DTYPES.get(x.dtype), raw.shape[0]
+        if dt is None or x.device.type != "cpu" or raw.strides[1] != 1 or x.shape[-1] == 0 \
+                or (b is not None and not (self._plain(b, x.dtype) and b.shape == (n,))):
+            return None
+        xc = x.reshape(-1, x.shape[-1]).contiguous()
+        y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+        rc = self.lib.qmatmul(scheme.bits, int(scheme.symmetric), scheme.group_size, raw.ctypes.data, n, xc.shape[1],
+                              raw.strides[0], native.DTYPES[dt], xc.shape[0], xc.data_ptr(),
+                              None if b is None else b.contiguous().data_ptr(), y.data_ptr(), self.threads)
+        if rc == -2:
+            return None
+        if rc:
+            raise MemoryError("native quantized mat-vec: out of memory")
+        self.calls["qmatmul"] += 1
+        return y
+
+    def experts(self, x: torch.Tensor, slots, ids: np.ndarray, start: np.ndarray, tokens: np.ndarray,
+                weights: np.ndarray, act: str, act_param: float, acc: torch.Tensor) -> bool:
+        """acc [T, d] (float32) += weights[k] * expert(x[tokens[k]]) for the experts in slots `ids` of `slots`
+        (NativeExpertSlots) and their (token, weight) pairs start[i]..start[i + 1]: one native call (kernels_qdot.c's
+        fl_experts); False (acc untouched) where it does not apply."""
+        dt, code, lay = QUANT_DTYPES.get(x.dtype), native.ACTIVATIONS.get(act), slots.layout
+        if dt is None or code is None or x.device.type != "cpu" or acc.dtype != torch.float32 \
+                or not acc.is_contiguous() or acc.shape != x.shape or x.shape[-1] != lay.d_model:
+            return False
+        x, q, ptrs = x.contiguous(), lay.quant, slots.addresses(ids)
+        rc = self.lib.experts(q.bits, int(q.symmetric), q.group_size, len(ids), ptrs.ctypes.data, start.ctypes.data,
+                              tokens.ctypes.data, weights.ctypes.data, lay.d_model, lay.d_ffn, slots.ld_in,
+                              slots.ld_down, native.DTYPES[dt], x.shape[0], x.data_ptr(), code, float(act_param),
+                              acc.data_ptr(), self.threads)
+        if rc == -2:
+            return False
+        if rc:
+            raise MemoryError("native experts: out of memory")
+        self.calls["experts"] += 1
+        return True
 
     def ffn(self, x: torch.Tensor, rows: dict, up_bias, gate_bias, gate_pre, act: str, act_param: float,
             threshold: float | None, index: np.ndarray | None, acc: torch.Tensor, gated: bool,

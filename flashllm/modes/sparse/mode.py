@@ -77,6 +77,8 @@ class SparseMode(StreamingMode):
         # the others (where reads land in cache rows and the backend computes row subsets without copying them)
         self.split = options.read_ahead is not False and in_place and B.ffn_index_in_place()
         self._landing: Landing | None = None  # the read of the layer being computed, with `split`
+        # with `split`: a layer whose read-ahead is still landing first computes the rows it holds already
+        self.early_held = True
         self._verified: dict[int, tuple] = {}  # layer -> (token, masks, prior last_active) of a verification
         if not getattr(self.predictor, "selective", True) and min(self.capacities) < lay.d_ffn:
             raise FlashLLMError(
@@ -100,6 +102,8 @@ class SparseMode(StreamingMode):
         self.read_ahead = make_read_ahead(ahead, ahead_rows, self.caches, self.predictor, self.reader, B,
                                           self.window, lay, norm, precision=options.read_ahead_precision)
         self._pin_hot()
+        # a prompt's neurons are computed in pieces of this many per layer: the rows left beside the pins at load
+        self.prompt_rows = [c.capacity - c.pinned for c in self.caches]
 
     def _pin_hot(self) -> None:
         """PowerInfer's hot neurons: with `pin_hot` and the activation frequencies `predictors train` saved,
@@ -176,13 +180,18 @@ class SparseMode(StreamingMode):
         self.ctx.hooks.emit("fit", layer, active)
         counts = ReadAheadCounts()
         cost.read_ahead.append(counts)
+        early = acc = None
+        if self.split and self.early_held and x.shape[0] == 1 and self.read_ahead.landing(layer, cost):
+            # the rows this token needs that are held already, computed while the read ahead of them lands
+            early = held_rows_of(cache, active)
+            acc = self._part(layer, x, p.pre, early, cache.num_used, self.backend.ffn_acc(x))
         ahead = self.read_ahead.finish(layer, active, counts, cost)  # held from now on: the needed read-ahead
         with cost.timed("mem_ms"):
             missing, _, _ = cache.evict(active, self.window)
         self._read(layer, self.read_ahead.place(layer, missing, counts, cost), cost, self.split and x.shape[0] == 1)
         cost.neurons_loaded.append(len(missing) + ahead)
         self.read_ahead.start(layer + 1, cost)  # in flight while this layer and the next attention compute
-        y = self._compute(layer, x, p.pre, cost)
+        y = self._compute(layer, x, p.pre, active, cost, acc, early)
         cost.neurons_cached.append(cache.held())
         self.read_ahead.poll(cost)
         return y
@@ -251,49 +260,73 @@ class SparseMode(StreamingMode):
             cost.dropped_mass += float(scores[dropped].sum())
         return keep
 
-    def _compute(self, layer: int, x, pre, cost):
-        """The FFN over the layer's cache rows, once their reads have arrived."""
+    def _compute(self, layer: int, x, pre, active: np.ndarray, cost, acc=None, early=None):
+        """The FFN over the cache rows of this token's neurons `active` (the paper's semantics), once their reads
+        have arrived: never over other cached rows, so that the output does not depend on what earlier
+        tokens or requests left in the cache. `acc`: the float32 sum of rows `early`, computed already."""
         if self._landing is not None:
-            return self._compute_split(layer, x, pre, cost)
-        return self._rows_ffn(layer, x, self.caches[layer].num_used, True, pre)
-
-    def _rows_ffn(self, layer: int, x, n: int, with_down_bias: bool, pre=None, first: int = 0):
-        """The FFN over cache rows first..n-1 (the down bias once, in the part that has it); `pre`: the
-        resident gate's pre-activations of every neuron."""
+            return self._compute_split(layer, x, pre, active, cost, acc, early)
         cache = self.caches[layer]
-        rows, bias = cache.store.views(n)
-        if first:
-            rows, bias = {k: v[first:] for k, v in rows.items()}, {k: v[first:] for k, v in bias.items()}
-        down_b = self.ctx.biases(layer)["down"] if with_down_bias else None
-        index = None if first or n != cache.num_used else cache.held_rows()  # rows emptied and not refilled
-        gate_pre = None if pre is None else self.backend.columns(pre, np.maximum(cache.pointer[first:n], 0))
-        return self.backend.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b, self.ffn_thresholds[layer],
-                                gate_pre=gate_pre, index=index)
+        rows = held_rows_of(cache, active)
+        if acc is None:
+            return self._rows_ffn(layer, x, cache.num_used, True, pre, index=rows)
+        return self._part(layer, x, pre, rows[~np.isin(rows, early)], cache.num_used, acc, finish=True)
 
-    def _compute_split(self, layer: int, x, pre, cost):
-        """The FFN over the cache rows while the layer's missing rows are read into the others (`_read`
-        with overlap): the rows held already, then, once the read has arrived, the new ones, summed in
-        float32 and rounded once (the result of `_rows_ffn` up to float32 summation order). A row in flight
-        is never read."""
-        (ids, rows, pending), self._landing = (self._landing.ids, self._landing.rows, self._landing.read), None
+    def _part(self, layer: int, x, pre, rows: np.ndarray, n: int, acc, finish: bool = False, landing=None):
+        """Cache rows `rows` (of rows :n) added to the float32 sum `acc` (use the result); with `finish`, the
+        layer's output from it (rounded once, plus the down bias). `landing` (ids, rows): neurons whose rows
+        are being read and not marked held yet (their resident gate pre-activations)."""
         cache, B = self.caches[layer], self.backend
-        n = max(cache.num_used, int(rows.max()) + 1)
-        held = np.flatnonzero(cache.pointer[:n] >= 0)
+        down_b = self.ctx.biases(layer)["down"] if finish else None
+        if not len(rows):
+            return B.ffn_result(acc, x, down_b) if finish else acc
         views, bias = cache.store.views(n)
         gate_pre = None
         if pre is not None:  # the resident gate's pre-activations of each row's neuron
             neurons = np.maximum(cache.pointer[:n], 0)  # (rows left empty are not computed)
-            neurons[rows] = ids
+            if landing is not None:
+                neurons[landing[1]] = landing[0]
             gate_pre = B.columns(pre, neurons)
-        acc = B.ffn_acc(x)
-        part = dict(up_bias=bias.get("up"), gate_bias=bias.get("gate"), threshold=self.ffn_thresholds[layer],
-                    gate_pre=gate_pre)
-        B.ffn(x, views, down_bias=None, index=held, acc=acc, **part)
+        return B.ffn(x, views, bias.get("up"), bias.get("gate"), down_b, self.ffn_thresholds[layer],
+                     gate_pre=gate_pre, index=rows, acc=acc, finish=finish)
+
+    def _rows_ffn(self, layer: int, x, n: int, with_down_bias: bool, pre=None, index=None, acc=None):
+        """The FFN over cache rows :n (the down bias once, in the part that has it), or only rows `index` (an
+        empty one gives the bias alone); `pre`: the resident gate's pre-activations of every neuron. With `acc`
+        (from `ffn_acc`): the rows' float32 contributions added to it (use the result)."""
+        cache, B = self.caches[layer], self.backend
+        down_b = self.ctx.biases(layer)["down"] if with_down_bias and acc is None else None
+        if index is not None and not len(index):
+            if acc is not None:
+                return acc
+            y = B.zeros_like(x)
+            return y if down_b is None else y + down_b
+        rows, bias = cache.store.views(n)
+        if index is None and n == cache.num_used:
+            index = cache.held_rows()  # rows emptied and not refilled
+        elif index is not None and len(index) == n and (index == np.arange(n)).all():
+            index = None  # every row, in order: no selection
+        gate_pre = None if pre is None else B.columns(pre, np.maximum(cache.pointer[:n], 0))
+        return B.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b, self.ffn_thresholds[layer],
+                     gate_pre=gate_pre, index=index, acc=acc)
+
+    def _compute_split(self, layer: int, x, pre, active: np.ndarray, cost, acc=None, early=None):
+        """The FFN over the rows of `active` while the layer's missing rows are read into free rows (`_read`
+        with overlap): the rows held already (less `early`, in `acc` already), then, once the read has arrived,
+        the new ones, summed in float32 and rounded once (`_compute`'s result up to float32 summation order).
+        A row in flight is never read."""
+        (ids, rows, pending), self._landing = (self._landing.ids, self._landing.rows, self._landing.read), None
+        cache, B = self.caches[layer], self.backend
+        n = max(cache.num_used, int(rows.max()) + 1)
+        held = held_rows_of(cache, active)  # (the neurons landing are not marked held yet)
+        if early is not None:
+            held = held[~np.isin(held, early)]
+        acc = self._part(layer, x, pre, held, n, B.ffn_acc(x) if acc is None else acc, landing=(ids, rows))
         with cost.timed("io_ms"):
             cost.add_io(pending.wait())
         cache.store.placed(ids, rows, cost)  # (sets the new rows' biases, seen through the views)
         cache.append(ids)
-        return B.ffn(x, views, down_bias=self.ctx.biases(layer)["down"], index=rows, acc=acc, finish=True, **part)
+        return self._part(layer, x, pre, rows, n, acc, finish=True)
 
     def _prefill(self, layer: int, x, p: Prediction, cost):
         """Several tokens at once: stream the predicted union (or the whole layer, if cheaper) through
@@ -303,20 +336,27 @@ class SparseMode(StreamingMode):
         self.read_ahead.drop()  # a read ahead may still be landing in this cache's free rows
         cache.reset()  # the window's rows serve as the read buffer below; pinned rows stay and are computed
         h = cache.pinned
-        union = np.flatnonzero(mask.any(axis=0))
-        union = union[cache.row_of[union] < 0]
-        sparse_cost = len(union) * self.RANDOM_READ_PENALTY
-        ids, strategy = (union, "sparse-union") if sparse_cost < self.lay.d_ffn - h else \
-            (np.flatnonzero(cache.row_of < 0), "dense-stream")
-        cost.prefill_strategy = strategy
-        y = self._rows_ffn(layer, x, h, True, pre) if h else None
-        room = cache.capacity - h
-        for k in range(0, len(ids), room):  # the window's rows as a buffer: reset again below
-            chunk = ids[k:k + room]
-            cost.add_io(cache.store.fill(self.reader.reader_for(layer), chunk, h + np.arange(len(chunk)), cost))
-            cache.pointer[h:h + len(chunk)] = chunk  # the rows' neurons (the cache is reset below)
-            part = self._rows_ffn(layer, x, h + len(chunk), y is None, pre, first=h)
-            y = part if y is None else B.add(y, part)
+        predicted = np.flatnonzero(mask.any(axis=0))
+        # the prompt's FFN is over the predicted union, or every neuron where streaming them all reads less; the
+        # choice is the prompt's alone (not the pinned rows', which earlier tokens may have released), and so is
+        # the output
+        sparse = len(predicted) * self.RANDOM_READ_PENALTY < self.lay.d_ffn
+        cost.prefill_strategy = "sparse-union" if sparse else "dense-stream"
+        # one float32 sum over pieces of the computed neurons in neuron order, of a size fixed at load (the rows
+        # beside the pins made then), rounded once: the same sum whatever pinned rows earlier tokens released
+        computed, step, streamed = predicted if sparse else np.arange(self.lay.d_ffn), self.prompt_rows[layer], 0
+        acc = B.ffn_acc(x)
+        for k in range(0, len(computed), step):  # the window's rows as a read buffer: reset again below
+            piece = computed[k:k + step]
+            rows = cache.row_of[piece]  # pinned rows, or -1
+            new = piece[rows < 0]
+            rows[rows < 0] = h + np.arange(len(new))
+            if len(new):
+                cost.add_io(cache.store.fill(self.reader.reader_for(layer), new, h + np.arange(len(new)), cost))
+                cache.pointer[h:h + len(new)] = new  # the rows' neurons (the cache is reset below)
+            acc = self._rows_ffn(layer, x, h + len(new), False, pre, index=rows, acc=acc)
+            streamed += len(new)
+        y = B.ffn_result(acc, x, self.ctx.biases(layer)["down"])
         cache.reset()
         loaded = 0
         replayed = len(mask) if cost.batch == 1 else 0  # a batch's rows are sequences, not a window of tokens
@@ -329,14 +369,9 @@ class SparseMode(StreamingMode):
                 missing, _, _ = cache.evict(np.sort(active), self.window)
             self._read(layer, missing, cost, overlap=False)
             loaded += len(missing)
-        cost.neurons_streamed.append(len(ids))
+        cost.neurons_streamed.append(streamed)
         cost.neurons_loaded.append(loaded)
         cost.neurons_cached.append(cache.held())
-        if y is None:  # nothing predicted active: only the bias remains
-            y = B.zeros_like(x)
-            down_b = self.ctx.biases(layer)["down"]
-            if down_b is not None:
-                y = y + down_b
         return y
 
     def host_bytes(self) -> int:
@@ -344,6 +379,13 @@ class SparseMode(StreamingMode):
 
     def device_bytes(self) -> int:
         return sum(c.store.nbytes() for c in self.caches) + self.predictor.nbytes()
+
+
+def held_rows_of(cache: NeuronCache, neurons: np.ndarray) -> np.ndarray:
+    """The cache rows holding `neurons` (ascending ids), in neuron order: a summation order that depends on the
+    set alone, not on where earlier tokens left each neuron; neurons not held are left out."""
+    rows = cache.row_of[neurons]
+    return rows[rows >= 0]
 
 
 def activation_frequencies(ctx: ModeContext) -> list[np.ndarray] | None:

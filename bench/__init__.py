@@ -26,7 +26,7 @@ SUITES: dict[str, str | dict[str, str]] = {
             "overhead": "bench.moe.overhead"},
     "peers": {"run": "bench.peers.run", "report": "bench.peers.report", "gguf": "bench.peers.gguf_convert",
               "gguf-moe": "bench.peers.gguf_write", "accelerate": "bench.peers.accelerate_decode"},
-    "paper": {"tables": "bench.paper.tables", "all": "bench.paper.run"},
+    "paper": {"tables": "bench.paper.tables", "all": "bench.paper.run", "overlap": "bench.paper.overlap"},
     "plan": "bench.plan",
     "batch": "bench.batch",
     "speculative": "bench.speculative",

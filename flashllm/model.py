@@ -287,7 +287,7 @@ class Model:
         drafter = draft_source(speculation, self.draft_model if loaded and loaded.draft == speculation.draft else None)
         yield from generate_speculative(self.forward, drafter, speculation.num_draft_tokens, list(prompt_ids),
                                         self.context, max_new_tokens, temperature, top_p, seed, eos,
-                                        self.last_generation, self._verified(speculation))
+                                        self.last_generation, self._verified(speculation), speculation.adaptive)
 
     def _verified(self, speculation: Speculation):
         """Records each verification in its forward's cost and lets the mode update its window after it."""

@@ -32,7 +32,12 @@ class Speculation:
 
     draft: str = PROMPT_LOOKUP  # prompt-lookup, or a converted draft model's directory (the same tokenizer)
     num_draft_tokens: int = 4  # K: tokens drafted per verification
-    max_ngram: int = 3  # prompt lookup: the longest suffix matched (then shorter ones, down to 1 token)
+    max_ngram: int = 3  # prompt lookup: the longest suffix matched (then shorter ones, down to min_ngram)
+    min_ngram: int = 1
+    # after a rejection draft one more than were accepted, after a full acceptance one more (up to
+    # num_draft_tokens); False: always num_draft_tokens. The defaults (K 4, adaptive): fewer bytes per token and as
+    # fast or faster than fixed lengths on the embedded models (docs/speculative.md, "Measured")
+    adaptive: bool = True
     window_policy: str = "accepted"  # sparse mode: whose neurons the window keeps after a verification
 
     def __post_init__(self):
@@ -41,8 +46,9 @@ class Speculation:
         if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 64:
             raise FlashLLMError(f"num_draft_tokens {self.num_draft_tokens}: expected 1 to 64 tokens drafted per "
                                 f"verification")
-        if not isinstance(self.max_ngram, int) or self.max_ngram < 1:
-            raise FlashLLMError(f"max_ngram {self.max_ngram}: must be at least 1 (tokens matched by prompt lookup)")
+        if not (isinstance(self.max_ngram, int) and isinstance(self.min_ngram, int) and 1 <= self.min_ngram <= self.max_ngram):
+            raise FlashLLMError(f"min_ngram {self.min_ngram}, max_ngram {self.max_ngram}: expected 1 <= min_ngram <= "
+                                f"max_ngram (tokens matched by prompt lookup)")
         if self.window_policy not in WINDOW_POLICIES:
             raise FlashLLMError(f"window_policy {self.window_policy!r}: expected one of {', '.join(WINDOW_POLICIES)}")
 

@@ -326,3 +326,38 @@ def test_sampling_does_not_depend_on_earlier_requests(tiny_models, tmp_path):
         assert list(model.generate_ids(prompt, **sample)) == want_ids
         assert np.array_equal(model.logits(IDS, prefill=PREFILL), want_logits)
     assert min(model.stats["pinned_neurons"]) > 0
+
+
+def test_rows_held_are_computed_while_the_read_ahead_lands(tiny_models, tmp_path, monkeypatch):
+    """float16 with the native kernels: a layer whose read-ahead is still in flight computes the rows it holds
+    first, then the rows read ahead, then its missing rows as they land: the oracle's logits equal dense's
+    and the run's without that step up to float32 summation order, and each such layer makes one more call."""
+    from flashllm.backends import native
+    from flashllm.converters import convert
+    from flashllm.modes.sparse.read_ahead import ReadAhead
+
+    if native.library() is None:
+        pytest.skip("no native kernels (no C compiler)")
+    out = convert(tiny_models("opt").ckpt, tmp_path / "f16", dtype="float16", progress=False)
+    dense = flashllm.load(out, mode="dense").logits(IDS, prefill=PREFILL)
+    real = ReadAhead.landing
+    landing = []
+
+    def always(self, layer, cost):  # as if every read ahead were slower than the layer before it
+        ok = self.pending is not None and self.pending.layer == layer and self.pending.read is not None
+        landing.append(ok)
+        real(self, layer, cost)
+        return ok
+
+    monkeypatch.setattr(ReadAhead, "landing", always)
+    runs = {}
+    for early in (True, False):
+        model = flashllm.load(out, mode="sparse", predictor="oracle", window=2, threads=2, cache_rows=(90, 90),
+                              read_ahead_precision=0.0)
+        model.mode_impl.early_held = early
+        runs[early] = (model.logits(IDS, prefill=PREFILL), model.backend.native.calls["ffn"])
+    assert any(landing) and model.stats["neurons_read_ahead"] > 0
+    (a, calls_early), (b, calls) = runs[True], runs[False]
+    assert calls_early > calls
+    np.testing.assert_allclose(a, b, atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(a, dense, atol=2e-2, rtol=2e-2)

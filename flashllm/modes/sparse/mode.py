@@ -77,6 +77,8 @@ class SparseMode(StreamingMode):
         # the others (where reads land in cache rows and the backend computes row subsets without copying them)
         self.split = options.read_ahead is not False and in_place and B.ffn_index_in_place()
         self._landing: Landing | None = None  # the read of the layer being computed, with `split`
+        # with `split`: a layer whose read-ahead is still landing first computes the rows it holds already
+        self.early_held = True
         self._verified: dict[int, tuple] = {}  # layer -> (token, masks, prior last_active) of a verification
         if not getattr(self.predictor, "selective", True) and min(self.capacities) < lay.d_ffn:
             raise FlashLLMError(
@@ -178,13 +180,18 @@ class SparseMode(StreamingMode):
         self.ctx.hooks.emit("fit", layer, active)
         counts = ReadAheadCounts()
         cost.read_ahead.append(counts)
+        early = acc = None
+        if self.split and self.early_held and x.shape[0] == 1 and self.read_ahead.landing(layer, cost):
+            # the rows this token needs that are held already, computed while the read ahead of them lands
+            early = held_rows_of(cache, active)
+            acc = self._part(layer, x, p.pre, early, cache.num_used, self.backend.ffn_acc(x))
         ahead = self.read_ahead.finish(layer, active, counts, cost)  # held from now on: the needed read-ahead
         with cost.timed("mem_ms"):
             missing, _, _ = cache.evict(active, self.window)
         self._read(layer, self.read_ahead.place(layer, missing, counts, cost), cost, self.split and x.shape[0] == 1)
         cost.neurons_loaded.append(len(missing) + ahead)
         self.read_ahead.start(layer + 1, cost)  # in flight while this layer and the next attention compute
-        y = self._compute(layer, x, p.pre, active, cost)
+        y = self._compute(layer, x, p.pre, active, cost, acc, early)
         cost.neurons_cached.append(cache.held())
         self.read_ahead.poll(cost)
         return y
@@ -253,14 +260,35 @@ class SparseMode(StreamingMode):
             cost.dropped_mass += float(scores[dropped].sum())
         return keep
 
-    def _compute(self, layer: int, x, pre, active: np.ndarray, cost):
+    def _compute(self, layer: int, x, pre, active: np.ndarray, cost, acc=None, early=None):
         """The FFN over the cache rows of this token's neurons `active` (the paper's semantics), once their reads
         have arrived: never over other cached rows, so that the output does not depend on what earlier
-        tokens or requests left in the cache."""
+        tokens or requests left in the cache. `acc`: the float32 sum of rows `early`, computed already."""
         if self._landing is not None:
-            return self._compute_split(layer, x, pre, active, cost)
+            return self._compute_split(layer, x, pre, active, cost, acc, early)
         cache = self.caches[layer]
-        return self._rows_ffn(layer, x, cache.num_used, True, pre, index=held_rows_of(cache, active))
+        rows = held_rows_of(cache, active)
+        if acc is None:
+            return self._rows_ffn(layer, x, cache.num_used, True, pre, index=rows)
+        return self._part(layer, x, pre, rows[~np.isin(rows, early)], cache.num_used, acc, finish=True)
+
+    def _part(self, layer: int, x, pre, rows: np.ndarray, n: int, acc, finish: bool = False, landing=None):
+        """Cache rows `rows` (of rows :n) added to the float32 sum `acc` (use the result); with `finish`, the
+        layer's output from it (rounded once, plus the down bias). `landing` (ids, rows): neurons whose rows
+        are being read and not marked held yet (their resident gate pre-activations)."""
+        cache, B = self.caches[layer], self.backend
+        down_b = self.ctx.biases(layer)["down"] if finish else None
+        if not len(rows):
+            return B.ffn_result(acc, x, down_b) if finish else acc
+        views, bias = cache.store.views(n)
+        gate_pre = None
+        if pre is not None:  # the resident gate's pre-activations of each row's neuron
+            neurons = np.maximum(cache.pointer[:n], 0)  # (rows left empty are not computed)
+            if landing is not None:
+                neurons[landing[1]] = landing[0]
+            gate_pre = B.columns(pre, neurons)
+        return B.ffn(x, views, bias.get("up"), bias.get("gate"), down_b, self.ffn_thresholds[layer],
+                     gate_pre=gate_pre, index=rows, acc=acc, finish=finish)
 
     def _rows_ffn(self, layer: int, x, n: int, with_down_bias: bool, pre=None, index=None, acc=None):
         """The FFN over cache rows :n (the down bias once, in the part that has it), or only rows `index` (an
@@ -282,31 +310,23 @@ class SparseMode(StreamingMode):
         return B.ffn(x, rows, bias.get("up"), bias.get("gate"), down_b, self.ffn_thresholds[layer],
                      gate_pre=gate_pre, index=index, acc=acc)
 
-    def _compute_split(self, layer: int, x, pre, active: np.ndarray, cost):
+    def _compute_split(self, layer: int, x, pre, active: np.ndarray, cost, acc=None, early=None):
         """The FFN over the rows of `active` while the layer's missing rows are read into free rows (`_read`
-        with overlap): the rows held already, then, once the read has arrived, the new ones, summed in
-        float32 and rounded once (`_compute`'s result up to float32 summation order). A row in flight
-        is never read."""
+        with overlap): the rows held already (less `early`, in `acc` already), then, once the read has arrived,
+        the new ones, summed in float32 and rounded once (`_compute`'s result up to float32 summation order).
+        A row in flight is never read."""
         (ids, rows, pending), self._landing = (self._landing.ids, self._landing.rows, self._landing.read), None
         cache, B = self.caches[layer], self.backend
         n = max(cache.num_used, int(rows.max()) + 1)
         held = held_rows_of(cache, active)  # (the neurons landing are not marked held yet)
-        views, bias = cache.store.views(n)
-        gate_pre = None
-        if pre is not None:  # the resident gate's pre-activations of each row's neuron
-            neurons = np.maximum(cache.pointer[:n], 0)  # (rows left empty are not computed)
-            neurons[rows] = ids
-            gate_pre = B.columns(pre, neurons)
-        acc = B.ffn_acc(x)
-        part = dict(up_bias=bias.get("up"), gate_bias=bias.get("gate"), threshold=self.ffn_thresholds[layer],
-                    gate_pre=gate_pre)
-        if len(held):
-            acc = B.ffn(x, views, down_bias=None, index=held, acc=acc, **part)
+        if early is not None:
+            held = held[~np.isin(held, early)]
+        acc = self._part(layer, x, pre, held, n, B.ffn_acc(x) if acc is None else acc, landing=(ids, rows))
         with cost.timed("io_ms"):
             cost.add_io(pending.wait())
         cache.store.placed(ids, rows, cost)  # (sets the new rows' biases, seen through the views)
         cache.append(ids)
-        return B.ffn(x, views, down_bias=self.ctx.biases(layer)["down"], index=rows, acc=acc, finish=True, **part)
+        return self._part(layer, x, pre, rows, n, acc, finish=True)
 
     def _prefill(self, layer: int, x, p: Prediction, cost):
         """Several tokens at once: stream the predicted union (or the whole layer, if cheaper) through

@@ -138,6 +138,14 @@ class ReadAhead:
         """(ids, read, rows) of the read started for `guess` (nothing likely enough when empty)."""
         return guess, None, None
 
+    def landing(self, layer: int, cost) -> bool:
+        """Whether a read ahead of `layer` into its cache rows is still in flight (reaps without waiting)."""
+        p = self.pending
+        if p is None or p.layer != layer or p.rows is None or p.read is None:
+            return False
+        with cost.timed("io_ms"):
+            return not p.read.done()
+
     def finish(self, layer: int, active: np.ndarray, counts: ReadAheadCounts | None, cost) -> int:
         """Wait for the read ahead of `layer` once its true set `active` is known, and measure the early prediction
         (`counts`: this decode layer's record, None in a prompt). Returns how many neurons read ahead into

@@ -53,14 +53,13 @@ class Oracle:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_verification_greedy_equals_plain(tiny_models, case, monkeypatch):
+def test_verification_greedy_equals_plain(tiny_models, case):
     """Verifications with accepted and rejected drafts give plain decoding's tokens (rejected drafts leave no
     trace in the KV cache, the sparse window or the expert cache that changes the output)."""
     model = load(tiny_models, case)
     ids = prompt_ids(model)
     plain = list(model.generate_ids(ids, NEW))
-    monkeypatch.setattr("flashllm.model.draft_source", lambda *a: Oracle(ids, plain))
-    fast = list(model.generate_ids(ids, NEW, speculative=dict(num_draft_tokens=3)))
+    fast = list(model.generate_ids(ids, NEW, speculative=dict(draft=Oracle(ids, plain), num_draft_tokens=3)))
     stats = model.stats
     assert fast == plain
     assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]

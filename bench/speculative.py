@@ -222,8 +222,8 @@ def main(argv=None) -> list[dict]:
     rows = []
     warnings.simplefilter("ignore", DroppedNeuronsWarning)  # the drops are counted in the table
     with tempfile.TemporaryDirectory(prefix="flashllm-speculative-") as tmp:
-        dirs = {"opt": demo.prepare(Path(tmp) / "tiny-opt"), "moe": demo.prepare_moe(Path(tmp) / "tiny-moe")}
         for short in args.models.split(","):
+            dirs = {short: demo.prepare(Path(tmp) / "tiny-opt") if short == "opt" else demo.prepare_moe(Path(tmp) / "tiny-moe")}
             name = next(n for n in MODELS if n.startswith(f"tiny-{short}"))
             todo = cases(ks, args.policy_k if short == "opt" else None, args.min_ngram)  # (no window over experts)
             for prompt in args.prompts.split(","):

@@ -123,6 +123,56 @@ def measure(name: str, model_dir: Path, options: dict, prompt: str, tokens: int,
     return rows
 
 
+class Planted:
+    """Drafts plain greedy decoding's own continuation, each drafted token kept with probability `rate` and else
+    replaced by another token: acceptance modelled as independent per drafted token (a draft after a wrong one
+    is rejected whatever it is), so bytes per token can be read against the acceptance rate."""
+
+    def __init__(self, prompt: list[int], plain: list[int], rate: float, vocab: int, seed: int = 0):
+        self.prompt, self.plain, self.rate, self.vocab = prompt, plain, rate, vocab
+        self.rng = np.random.default_rng(seed)
+
+    def draft(self, ids, k, temperature, top_p, rng):
+        done = len(ids) - len(self.prompt)
+        out = [int(t) for t in self.plain[done:done + k]]
+        for i, t in enumerate(out):
+            if self.rng.random() >= self.rate:
+                out[i] = int((t + 1 + self.rng.integers(self.vocab - 1)) % self.vocab)
+        return out, [None] * len(out)
+
+
+def acceptance_sweep(name: str, model_dir: Path, options: dict, prompt: str, tokens: int, rates: list[float],
+                     k: int) -> list[dict]:
+    """Flash bytes per generated token against a planted acceptance rate, K fixed and adaptive."""
+    model = flashllm.load(model_dir, **options)
+    ids = model.tokenizer.encode(prompt)
+    plain = list(model.generate_ids(ids, tokens, speculative=False))
+    base = model.stats["bytes_read"]
+    rows = []
+    for rate in rates:
+        for adaptive in (False, True):
+            drafter = Planted(ids, plain, rate, model.spec.vocab_size)
+            out = list(model.generate_ids(ids, tokens, speculative=dict(draft=drafter, num_draft_tokens=k,
+                                                                         adaptive=adaptive)))
+            s = model.stats
+            rows.append({"model": name, "prompt": prompt_name(prompt), "k": k, "adaptive": adaptive, "rate": rate,
+                         "acceptance_rate": s["acceptance_rate"], "tokens_per_forward": s["tokens_per_forward"],
+                         "bytes_per_token": s["bytes_per_generated_token"], "plain_bytes_per_token": base,
+                         "same_as_plain": out == plain})
+    return rows
+
+
+def sweep_table(rows: list[dict]) -> str:
+    lines = ["| model | prompt | K | draft length | planted rate | acceptance | tokens / pass | KiB read / token | "
+             "vs plain | same tokens as plain |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['prompt']} | {r['k']} | {'adaptive' if r['adaptive'] else 'fixed'} | "
+                     f"{r['rate']:.2f} | {r['acceptance_rate']:.2f} | {r['tokens_per_forward']:.2f} | "
+                     f"{r['bytes_per_token'] / 1024:,.1f} | {r['bytes_per_token'] / r['plain_bytes_per_token']:.2f} | "
+                     f"{'yes' if r['same_as_plain'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def prompt_name(prompt: str) -> str:
     return next(n for n, p in PROMPTS.items() if p == prompt)
 
@@ -158,6 +208,9 @@ def main(argv=None) -> list[dict]:
                    "(0: not) (default 4)")
     p.add_argument("--min-ngram", type=int, default=Speculation.min_ngram,
                    help=f"prompt lookup's shortest match (default {Speculation.min_ngram})")
+    p.add_argument("--sweep", default=None, metavar="RATES",
+                   help="instead: flash bytes per token against planted acceptance rates (e.g. 0,0.25,0.5,0.75,1), "
+                   "drafts of plain decoding's own continuation (Planted), at K = the first of --ks")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
@@ -169,17 +222,25 @@ def main(argv=None) -> list[dict]:
     rows = []
     warnings.simplefilter("ignore", DroppedNeuronsWarning)  # the drops are counted in the table
     with tempfile.TemporaryDirectory(prefix="flashllm-speculative-") as tmp:
-        dirs = {"opt": demo.prepare(Path(tmp) / "tiny-opt"), "moe": demo.prepare_moe(Path(tmp) / "tiny-moe")}
         for short in args.models.split(","):
+            dirs = {short: demo.prepare(Path(tmp) / "tiny-opt") if short == "opt" else demo.prepare_moe(Path(tmp) / "tiny-moe")}
             name = next(n for n in MODELS if n.startswith(f"tiny-{short}"))
             todo = cases(ks, args.policy_k if short == "opt" else None, args.min_ngram)  # (no window over experts)
             for prompt in args.prompts.split(","):
-                rows += measure(name, dirs[short], MODELS[name], PROMPTS[prompt], args.tokens, todo, args.rounds)
+                if args.sweep:
+                    rows += acceptance_sweep(name, dirs[short], MODELS[name], PROMPTS[prompt], args.tokens,
+                                             [float(r) for r in args.sweep.split(",")], ks[0])
+                else:
+                    rows += measure(name, dirs[short], MODELS[name], PROMPTS[prompt], args.tokens, todo, args.rounds)
     load = f"load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (2 cores, shared)"
     command = command_line("bench.speculative", argv)
-    text = table(rows, f"`{command}`\n\nPrompt lookup (n-grams of {args.min_ngram} to {Speculation.max_ngram} tokens), greedy, {args.tokens} new tokens; "
-                       f"{args.rounds} interleaved rounds, medians (speedup: each round against its own plain run); "
-                       f"torch threads {args.torch_threads}; {load}.")
+    if args.sweep:
+        text = f"`{command}`\n\n{args.tokens} new tokens, greedy; acceptance planted (Planted)." + "\n\n" + \
+            sweep_table(rows)
+    else:
+        text = table(rows, f"`{command}`\n\nPrompt lookup (n-grams of {args.min_ngram} to {Speculation.max_ngram} "
+                           f"tokens), greedy, {args.tokens} new tokens; {args.rounds} interleaved rounds, medians "
+                           f"(speedup: each round against its own plain run); torch threads {args.torch_threads}; {load}.")
     print(text)
     if args.out:
         out = Path(args.out)

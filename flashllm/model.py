@@ -102,7 +102,7 @@ class Model:
     # -- loading -------------------------------------------------------------------------------
     def _load_draft_model(self, speculation: Speculation | None) -> "Model | None":
         """The resident draft model of `speculation` (dense, the same backend and context), or None."""
-        if speculation is None or speculation.lookup:
+        if speculation is None or not isinstance(speculation.draft, str) or speculation.lookup:
             return None
         opts = self.options.replace(mode="dense", dram_budget=None, gpu_budget=None, speculative=None,
                                     predictor="auto", cache_rows=None, batch_size=1, context=self.context)

@@ -151,7 +151,9 @@ def generate_speculative(forward, drafter, num_draft_tokens: int, prompt_ids: li
 
 
 def draft_source(speculation, draft_model=None):
-    """The drafter of a Speculation: prompt lookup, or the loaded draft model."""
+    """The drafter of a Speculation: prompt lookup, the loaded draft model, or its own drafter object."""
+    if not isinstance(speculation.draft, str):
+        return speculation.draft
     if speculation.lookup:
         return PromptLookup(speculation.max_ngram, speculation.min_ngram)
     if draft_model is None:

@@ -53,14 +53,13 @@ class Oracle:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_verification_greedy_equals_plain(tiny_models, case, monkeypatch):
+def test_verification_greedy_equals_plain(tiny_models, case):
     """Verifications with accepted and rejected drafts give plain decoding's tokens (rejected drafts leave no
     trace in the KV cache, the sparse window or the expert cache that changes the output)."""
     model = load(tiny_models, case)
     ids = prompt_ids(model)
     plain = list(model.generate_ids(ids, NEW))
-    monkeypatch.setattr("flashllm.model.draft_source", lambda *a: Oracle(ids, plain))
-    fast = list(model.generate_ids(ids, NEW, speculative=dict(num_draft_tokens=3)))
+    fast = list(model.generate_ids(ids, NEW, speculative=dict(draft=Oracle(ids, plain), num_draft_tokens=3)))
     stats = model.stats
     assert fast == plain
     assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]
@@ -236,3 +235,16 @@ def test_api_errors(tiny_models, other_model):
     model = flashllm.load(model_dir)
     with pytest.raises(FlashLLMError, match="load the model with it"):
         list(model.generate_ids([3, 4, 5], 4, speculative=str(other_model)))
+
+
+def test_bench_runs_and_checks_the_tokens(tmp_path):
+    """bench speculative (tiny sizes): plain and speculative rows, the same tokens as plain checked; the sweep."""
+    from bench import speculative
+
+    rows = speculative.main(["--tokens", "6", "--rounds", "1", "--ks", "2", "--prompts", "code-short", "--models", "moe",
+                             "--out", str(tmp_path / "t")])
+    assert [r["k"] for r in rows] == [0, 2, 2] and all(r["same_as_plain"] for r in rows)
+    assert (tmp_path / "t.md").is_file() and (tmp_path / "t.json").is_file()
+    sweep = speculative.main(["--tokens", "6", "--ks", "2", "--prompts", "code-short", "--models", "moe",
+                              "--sweep", "0,1"])
+    assert [r["acceptance_rate"] for r in sweep if r["rate"] == 1] == [1.0, 1.0]  # MoE is exact: all accepted

@@ -62,12 +62,18 @@ TOO_LONG = ("shorten the prompt, or load with a larger context if the model has 
             "`flashllm inspect MODEL` shows them")
 
 
-def check_prompt(prompt_ids: list[int], context: int) -> None:
-    """Clear errors for a prompt that is empty or leaves no room in the context."""
+def starts(record: Generation, prompt_ids: list[int], context: int, max_new_tokens: int, temperature: float,
+           top_p: float) -> bool:
+    """Whether a generation has tokens to make: clear errors for bad options, an empty prompt or one that leaves
+    no room in the context; False (stop reason "length") for max_new_tokens 0."""
+    check_sampling(max_new_tokens, temperature, top_p)
     if not prompt_ids:
         raise FlashLLMError("the prompt is empty (no tokens to start from)")
     if len(prompt_ids) >= context:
         raise FlashLLMError(f"the prompt has {len(prompt_ids)} tokens but the context holds {context} ({TOO_LONG})")
+    if max_new_tokens == 0:
+        record.stop_reason = "length"
+    return max_new_tokens > 0
 
 
 def generate_tokens(forward, prompt_ids: list[int], context: int, max_new_tokens: int, temperature: float = 0.0,
@@ -77,10 +83,7 @@ def generate_tokens(forward, prompt_ids: list[int], context: int, max_new_tokens
 
     `record` collects the ids and why generation ended (eos, length or context)."""
     record = record if record is not None else Generation()
-    check_sampling(max_new_tokens, temperature, top_p)
-    check_prompt(prompt_ids, context)
-    if max_new_tokens == 0:
-        record.stop_reason = "length"
+    if not starts(record, prompt_ids, context, max_new_tokens, temperature, top_p):
         return
     eos = frozenset(eos_token_ids)
     rng = np.random.default_rng(seed)

@@ -102,7 +102,7 @@ class Model:
     # -- loading -------------------------------------------------------------------------------
     def _load_draft_model(self, speculation: Speculation | None) -> "Model | None":
         """The resident draft model of `speculation` (dense, the same backend and context), or None."""
-        if speculation is None or speculation.lookup:
+        if speculation is None or not isinstance(speculation.draft, str) or speculation.lookup:
             return None
         opts = self.options.replace(mode="dense", dram_budget=None, gpu_budget=None, speculative=None,
                                     predictor="auto", cache_rows=None, batch_size=1, context=self.context)
@@ -287,7 +287,7 @@ class Model:
         drafter = draft_source(speculation, self.draft_model if loaded and loaded.draft == speculation.draft else None)
         yield from generate_speculative(self.forward, drafter, speculation.num_draft_tokens, list(prompt_ids),
                                         self.context, max_new_tokens, temperature, top_p, seed, eos,
-                                        self.last_generation, self._verified(speculation))
+                                        self.last_generation, self._verified(speculation), speculation.adaptive)
 
     def _verified(self, speculation: Speculation):
         """Records each verification in its forward's cost and lets the mode update its window after it."""

@@ -30,19 +30,27 @@ class Speculation:
     """Speculative decoding: draft `num_draft_tokens` tokens, then verify them in one forward pass (one read of
     each layer's weights for all of them); exact at any temperature (docs/speculative.md)."""
 
-    draft: str = PROMPT_LOOKUP  # prompt-lookup, or a converted draft model's directory (the same tokenizer)
+    # prompt-lookup, a converted draft model's directory (the same tokenizer), or a drafter object (benchmarks,
+    # tests): draft(ids, k, temperature, top_p, rng) -> (up to k ids, their draft distributions or None each)
+    draft: object = PROMPT_LOOKUP
     num_draft_tokens: int = 4  # K: tokens drafted per verification
-    max_ngram: int = 3  # prompt lookup: the longest suffix matched (then shorter ones, down to 1 token)
+    max_ngram: int = 3  # prompt lookup: the longest suffix matched (then shorter ones, down to min_ngram)
+    min_ngram: int = 1
+    # after a rejection draft one more than were accepted, after a full acceptance one more (up to
+    # num_draft_tokens); False: always num_draft_tokens. The defaults (K 4, adaptive): fewer bytes per token and as
+    # fast or faster than fixed lengths on the embedded models (docs/speculative.md, "Measured")
+    adaptive: bool = True
     window_policy: str = "accepted"  # sparse mode: whose neurons the window keeps after a verification
 
     def __post_init__(self):
-        if not isinstance(self.draft, str) or not self.draft:
+        if not (callable(getattr(self.draft, "draft", None)) or isinstance(self.draft, str) and self.draft):
             raise FlashLLMError(f"speculative draft {self.draft!r}: expected {PROMPT_LOOKUP} or a draft model directory")
         if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 64:
             raise FlashLLMError(f"num_draft_tokens {self.num_draft_tokens}: expected 1 to 64 tokens drafted per "
                                 f"verification")
-        if not isinstance(self.max_ngram, int) or self.max_ngram < 1:
-            raise FlashLLMError(f"max_ngram {self.max_ngram}: must be at least 1 (tokens matched by prompt lookup)")
+        if not (isinstance(self.max_ngram, int) and isinstance(self.min_ngram, int) and 1 <= self.min_ngram <= self.max_ngram):
+            raise FlashLLMError(f"min_ngram {self.min_ngram}, max_ngram {self.max_ngram}: expected 1 <= min_ngram <= "
+                                f"max_ngram (tokens matched by prompt lookup)")
         if self.window_policy not in WINDOW_POLICIES:
             raise FlashLLMError(f"window_policy {self.window_policy!r}: expected one of {', '.join(WINDOW_POLICIES)}")
 

@@ -11,20 +11,20 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from flashllm.errors import FlashLLMError
-from flashllm.generate import Generation, check_prompt, check_sampling, distribution, sample
+from flashllm.generate import Generation, distribution, sample, starts
 
 
 class PromptLookup:
     """Drafts by n-gram lookup in the text so far (prompt and output): the tokens that followed the latest earlier
-    occurrence of its last `max_ngram` tokens (else of fewer, down to one). A deterministic draft (no second model)."""
+    occurrence of its last `max_ngram` tokens (else of fewer, down to `min_ngram`). A deterministic draft."""
 
-    def __init__(self, max_ngram: int):
-        self.max_ngram = max_ngram
+    def __init__(self, max_ngram: int, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def draft(self, ids: list[int], k: int, temperature: float, top_p: float, rng) -> tuple[list[int], list]:
         """Up to `k` drafted ids and their draft distributions (None: all mass on the drafted id)."""
         a = np.asarray(ids, dtype=np.int64)
-        for n in range(min(self.max_ngram, len(a) - 1), 0, -1):
+        for n in range(min(self.max_ngram, len(a) - 1), self.min_ngram - 1, -1):
             tail = a[-n:]
             starts = np.flatnonzero(a[:len(a) - n] == tail[0])  # candidate starts, all before the tail itself
             for i in starts[::-1]:
@@ -100,19 +100,24 @@ def accept(rows: np.ndarray, drafts: list[int], dists: list, temperature: float,
     return out
 
 
+def next_draft_length(k: int, drafted: int, accepted: int, most: int) -> int:
+    """Adaptive draft length: one more after a verification that accepted every draft, else one more than it
+    accepted (drafts past the first rejection cost reads for nothing); between 1 and `most`."""
+    return min(most, k + 1 if drafted and accepted == drafted else accepted + 1)
+
+
 def generate_speculative(forward, drafter, num_draft_tokens: int, prompt_ids: list[int], context: int,
                          max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0,
                          eos_token_ids: Iterable[int] = (), record: Generation | None = None,
-                         on_verified: Callable[[int, int, int, float], None] | None = None) -> Iterator[int]:
+                         on_verified: Callable[[int, int, int, float], None] | None = None,
+                         adaptive: bool = True) -> Iterator[int]:
     """Yield new token ids as `generate.generate_tokens` does, each decode step one verification:
     `forward(ids, pos, verify=True)` of the last token and up to `num_draft_tokens` drafts at positions pos..;
     the KV cache past the last kept position is overwritten by the next step (attention reads positions
-    < pos + len(ids) only). `on_verified(drafted, accepted, produced, draft_ms)` follows each verification."""
+    < pos + len(ids) only). `on_verified(drafted, accepted, produced, draft_ms)` follows each verification.
+    `adaptive`: up to `num_draft_tokens` drafts, as many as `next_draft_length` says after each verification."""
     record = record if record is not None else Generation()
-    check_sampling(max_new_tokens, temperature, top_p)
-    check_prompt(prompt_ids, context)
-    if max_new_tokens == 0:
-        record.stop_reason = "length"
+    if not starts(record, prompt_ids, context, max_new_tokens, temperature, top_p):
         return
     eos, rng = frozenset(eos_token_ids), np.random.default_rng(seed)
     ids = list(prompt_ids)
@@ -122,6 +127,7 @@ def generate_speculative(forward, drafter, num_draft_tokens: int, prompt_ids: li
             "context" if len(ids) - 1 >= context else None
 
     tokens = [sample(forward(ids, 0)[-1], temperature, top_p, rng)]
+    want = num_draft_tokens
     while True:
         for token in tokens:
             ids.append(token)
@@ -132,20 +138,24 @@ def generate_speculative(forward, drafter, num_draft_tokens: int, prompt_ids: li
                 record.stop_reason = reason
                 return
         pos = len(ids) - 1  # the last token, not yet in the KV cache
-        k = min(num_draft_tokens, max_new_tokens - len(record.token_ids) - 1, context - pos - 1)
+        k = min(want, max_new_tokens - len(record.token_ids) - 1, context - pos - 1)
         t0 = time.perf_counter()
         drafts, dists = drafter.draft(ids, k, temperature, top_p, rng) if k > 0 else ([], [])
         draft_ms = (time.perf_counter() - t0) * 1e3
         tokens = accept(forward([ids[-1]] + drafts, pos, verify=True), drafts, dists, temperature, top_p, rng)
+        if adaptive and drafts:
+            want = next_draft_length(want, len(drafts), len(tokens) - 1, num_draft_tokens)
         if on_verified is not None:
             taken = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))  # none after an eos
             on_verified(len(drafts), len(tokens) - 1, taken, draft_ms)
 
 
 def draft_source(speculation, draft_model=None):
-    """The drafter of a Speculation: prompt lookup, or the loaded draft model."""
+    """The drafter of a Speculation: prompt lookup, the loaded draft model, or its own drafter object."""
+    if not isinstance(speculation.draft, str):
+        return speculation.draft
     if speculation.lookup:
-        return PromptLookup(speculation.max_ngram)
+        return PromptLookup(speculation.max_ngram, speculation.min_ngram)
     if draft_model is None:
         raise FlashLLMError(f"speculative draft model {speculation.draft}: load the model with it "
                             f"(speculative={speculation.draft!r} on load), so that its memory counts against the budget")

@@ -146,3 +146,23 @@ def test_resident_matrices_use_the_native_kernels_and_fuse_qkv(tmp_path, bits):
     assert model.backend.native.calls["qmatmul"] > 0
     err, torch_err = (np.abs(y - exact).max() / np.abs(exact).max() for y in (got, torch_q))
     assert 0 < err < 1.5 * torch_err + 1e-3
+
+
+@pytest.mark.parametrize("march", ["armv8-a", "armv8.2-a+dotprod"])
+def test_neon_paths_under_qemu(tmp_path, march):
+    """The arm64 paths (NEON multiply-accumulate, and sdot where the CPU has it), built with a cross compiler and run
+    under qemu: where both are installed (apt: gcc-aarch64-linux-gnu, qemu-user)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if not (cc and qemu):
+        pytest.skip("no aarch64 cross compiler and qemu-aarch64 here")
+    src = Path(native.__file__).parent
+    exe = tmp_path / "check"
+    subprocess.run([cc, "-O2", "-static", f"-march={march}", "-pthread", "-o", str(exe),
+                    str(Path(__file__).with_name("native_qdot_check.c")), str(src / "kernels_qdot.c"),
+                    str(src / "kernels_pool.c"), "-lm"], check=True, capture_output=True)
+    run = subprocess.run([qemu, "-cpu", "max", str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stdout

@@ -9,7 +9,7 @@ import pytest
 import flashllm
 from flashllm.cli.main import main
 from flashllm.errors import FlashLLMError
-from flashllm.speculative import PromptLookup, accept
+from flashllm.speculative import PromptLookup, accept, next_draft_length
 from tiny import TEXT, make_hf_model, save_checkpoint
 
 NEW = 24  # (the tiny models hold 64 positions)
@@ -20,7 +20,16 @@ CASES = {"opt-dense": ("opt", dict(mode="dense")),
          "opt-sparse": ("opt", dict(mode="sparse", predictor="oracle", window=2, cache_rows=(100, 100))),
          "llama-relu-sparse": ("llama-relu", dict(mode="sparse", predictor="oracle", window=1)),
          "mixtral-moe": ("mixtral", dict(mode="sparse", dram_budget="75%")),
-         "qwen2_moe-moe": ("qwen2_moe", dict(mode="sparse", dram_budget="75%"))}
+         "qwen2_moe-moe": ("qwen2_moe", dict(mode="sparse", dram_budget="75%")),
+         "llama-relu-sparse-mlx": ("llama-relu", dict(backend="mlx", mode="sparse", predictor="oracle", window=1)),
+         "mixtral-moe-mlx": ("mixtral", dict(backend="mlx", mode="sparse", dram_budget="75%"))}
+
+
+def load(tiny_models, case):
+    family, options = CASES[case]
+    if options.get("backend") == "mlx":
+        pytest.importorskip("mlx.core", reason="mlx is not installed (pip install -e '.[mlx]')")
+    return flashllm.load(tiny_models(family).model_dir, **options)
 
 
 def prompt_ids(model) -> list[int]:
@@ -44,15 +53,13 @@ class Oracle:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_verification_greedy_equals_plain(tiny_models, case, monkeypatch):
+def test_verification_greedy_equals_plain(tiny_models, case):
     """Verifications with accepted and rejected drafts give plain decoding's tokens (rejected drafts leave no
     trace in the KV cache, the sparse window or the expert cache that changes the output)."""
-    family, options = CASES[case]
-    model = flashllm.load(tiny_models(family).model_dir, **options)
+    model = load(tiny_models, case)
     ids = prompt_ids(model)
     plain = list(model.generate_ids(ids, NEW))
-    monkeypatch.setattr("flashllm.model.draft_source", lambda *a: Oracle(ids, plain))
-    fast = list(model.generate_ids(ids, NEW, speculative=dict(num_draft_tokens=3)))
+    fast = list(model.generate_ids(ids, NEW, speculative=dict(draft=Oracle(ids, plain), num_draft_tokens=3)))
     stats = model.stats
     assert fast == plain
     assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]
@@ -63,13 +70,13 @@ def test_verification_greedy_equals_plain(tiny_models, case, monkeypatch):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_prompt_lookup_greedy_equals_plain(tiny_models, case):
-    family, options = CASES[case]
-    model = flashllm.load(tiny_models(family).model_dir, **options)
+    model = load(tiny_models, case)
     text = prompt_ids(model)
     ids = text + list(model.generate_ids(text, 10)) + text  # repeats: prompt lookup finds drafts
     plain = list(model.generate_ids(ids, NEW))
-    assert list(model.generate_ids(ids, NEW, speculative=dict(num_draft_tokens=3))) == plain
-    assert model.stats["draft_tokens"] > 0
+    for how in (dict(num_draft_tokens=3), dict(num_draft_tokens=5, adaptive=True)):
+        assert list(model.generate_ids(ids, NEW, speculative=how)) == plain
+        assert model.stats["draft_tokens"] > 0
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +155,16 @@ def test_prompt_lookup_drafts_what_followed_the_latest_match():
     assert lookup.draft([4, 1, 2, 1], 3, 0.0, 1.0, None)[0] == [2, 1]  # a 1-gram match, cut at the text's end
 
 
+def test_prompt_lookup_min_ngram_and_adaptive_length():
+    ids = [1, 2, 3, 4, 9, 2, 3, 7, 8, 5, 6, 3]
+    assert PromptLookup(3, 1).draft(ids, 2, 0.0, 1.0, None)[0] == [7, 8]  # only "3" matches
+    assert PromptLookup(3, 2).draft(ids, 2, 0.0, 1.0, None) == ([], [])  # "6 3" does not
+    assert next_draft_length(4, 4, 4, 8) == 5  # all accepted: one more
+    assert next_draft_length(8, 8, 8, 8) == 8  # (at most the most)
+    assert next_draft_length(5, 5, 1, 8) == 2  # one accepted: two next time
+    assert next_draft_length(3, 3, 0, 8) == 1
+
+
 @pytest.mark.parametrize("policy", ["accepted", "verified"])
 def test_window_after_verification(tiny_models, policy):
     """The sparse window counts the kept positions as tokens; "accepted" forgets the neurons only rejected
@@ -218,3 +235,16 @@ def test_api_errors(tiny_models, other_model):
     model = flashllm.load(model_dir)
     with pytest.raises(FlashLLMError, match="load the model with it"):
         list(model.generate_ids([3, 4, 5], 4, speculative=str(other_model)))
+
+
+def test_bench_runs_and_checks_the_tokens(tmp_path):
+    """bench speculative (tiny sizes): plain and speculative rows, the same tokens as plain checked; the sweep."""
+    from bench import speculative
+
+    rows = speculative.main(["--tokens", "6", "--rounds", "1", "--ks", "2", "--prompts", "code-short", "--models", "moe",
+                             "--out", str(tmp_path / "t")])
+    assert [r["k"] for r in rows] == [0, 2, 2] and all(r["same_as_plain"] for r in rows)
+    assert (tmp_path / "t.md").is_file() and (tmp_path / "t.json").is_file()
+    sweep = speculative.main(["--tokens", "6", "--ks", "2", "--prompts", "code-short", "--models", "moe",
+                              "--sweep", "0,1"])
+    assert [r["acceptance_rate"] for r in sweep if r["rate"] == 1] == [1.0, 1.0]  # MoE is exact: all accepted

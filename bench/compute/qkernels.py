@@ -12,7 +12,10 @@ against bench/build_llama_cpp.sh's static ggml, the same shapes and working set,
 ggml itself (its `--repack 0` kernels); Q4_0 is 4.5 bits per weight, flashllm's int4 rows 4.5 (groups of 64 with a
 float16 scale and minimum), so equal GB/s is equal weights per second.
 
-    python -m bench compute qkernels [--reps 7] [--working-set 384] [--threads 1,2] [--markdown FILE]
+    OMP_WAIT_POLICY=PASSIVE python -m bench compute qkernels [--reps 7] [--working-set 384] [--threads 1,2] [--markdown FILE]
+
+(OMP_WAIT_POLICY=PASSIVE: torch's idle OpenMP threads sleep, as in every run of bench/peers and bench/moe: on a loaded
+2-core machine spinning ones cost torch's 2-thread rows more than their second thread gives.)
 """
 
 from __future__ import annotations
@@ -63,24 +66,27 @@ def stream_gbs(lib, threads: int, reps: int) -> float:
     return buf.nbytes / median_time(lambda: lib.stream_read(buf.ctypes.data, buf.nbytes, threads), reps) / 1e9
 
 
-def matvec_rows(shape, bits: int, threads: int, reps: int, working_set: int, kernels) -> dict:
-    """flashllm's mat-vec (NativeQuantMatrix) and torch's (QuantMatrix) on `shape`, GB/s of their own bytes."""
+def matvec_rows(shape, bits: int, threads: list[int], reps: int, working_set: int, kernels) -> dict:
+    """flashllm's mat-vec (NativeQuantMatrix) and torch's (QuantMatrix) on `shape` at each thread count: GB/s of
+    their own bytes."""
     n, k = shape
     torch.manual_seed(0)
     w = torch.randn(n, k) * 0.02
     x = torch.randn(1, k, dtype=torch.bfloat16)
-    out = {}
+    out = {t: {} for t in threads}
     for name, make in (("flashllm", lambda: NativeQuantMatrix(w, bits, torch.bfloat16, kernels)),
                        ("torch", lambda: QuantMatrix(w, bits, torch.bfloat16))):
         first = make()
         mats = [first] + [_copy(first) for _ in range(copies_for(first.nbytes, working_set) - 1)]
-        torch.set_num_threads(threads)
-        kernels.threads = threads
 
         def run():
             for m in mats:
                 m.linear(x)
-        out[name] = first.nbytes * len(mats) / median_time(run, reps) / 1e9
+        for t in threads:
+            torch.set_num_threads(t)
+            kernels.threads = t
+            out[t][name] = first.nbytes * len(mats) / median_time(run, reps) / 1e9
+        del mats, first
     return out
 
 
@@ -184,20 +190,20 @@ def measure(args) -> dict:
     backend = _expert_backend(kernels)
     ws = args.working_set * MiB
     binary = ggml_binary(Path(args.llama_cpp))
-    rows, stream = [], {}
-    for threads in args.threads:
-        stream[threads] = stream_gbs(lib, threads, 3)
-        for name in args.shapes:
-            for bits in (4, 8):
-                got = matvec_rows(SHAPES[name], bits, threads, args.reps, ws, kernels)
+    rows, stream = [], {t: stream_gbs(lib, t, 3) for t in args.threads}
+    for name in args.shapes:
+        for bits in (4, 8):
+            got = matvec_rows(SHAPES[name], bits, args.threads, args.reps, ws, kernels)
+            for t in args.threads:
                 if binary is not None:
-                    got["llama.cpp"] = ggml_gbs(binary, f"q{bits}_0", SHAPES[name], threads, args.reps, ws)
-                rows.append({"kernel": "mat-vec", "shape": name, "bits": bits, "threads": threads, **got})
-        got = expert_rows(threads, args.reps, ws, kernels, backend)
+                    got[t]["llama.cpp"] = ggml_gbs(binary, f"q{bits}_0", SHAPES[name], t, args.reps, ws)
+                rows.append({"kernel": "mat-vec", "shape": f"{name} {SHAPES[name][0]} x {SHAPES[name][1]}", "bits": bits,
+                             "threads": t, **got[t]})
+    for t in args.threads:
         rows.append({"kernel": f"expert FFN (top-{EXPERT['top_k']})", "shape": "2048 x 768 experts", "bits": 4,
-                     "threads": threads, **got})
-        rows.append({"kernel": "sparse FFN rows", "shape": "2048 rows of 4096", "bits": 4, "threads": threads,
-                     **sparse_rows(threads, args.reps, ws, kernels)})
+                     "threads": t, **expert_rows(t, args.reps, ws, kernels, backend)})
+        rows.append({"kernel": "sparse FFN rows", "shape": "2048 rows of 4096", "bits": 4, "threads": t,
+                     **sparse_rows(t, args.reps, ws, kernels)})
     return {"stream_gbs": stream, "rows": rows, "simd": native.describe(), "working_set_mib": args.working_set,
             "llama_cpp": str(binary is not None)}
 

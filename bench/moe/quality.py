@@ -5,9 +5,10 @@
 
 Converts the MoE checkpoint (default: the embedded flashllm/data/tiny-moe) to float32 (the
 reference), float16 (what `flashllm demo --moe` runs) and int8/int4 experts (groups of --group,
-resident tensors float16) into a temporary directory, removed at the end. int4 runs twice: with the
-default kernels (experts kept in torch's int4 kernel layout, bfloat16 activations) and with
-`--kernels plain` (dequantized experts). Per row:
+resident tensors float16) into a temporary directory, removed at the end. int8 and int4 run twice: with the
+default kernels (with groups of a multiple of 64, experts kept as stored for the native int8-activation kernel,
+backends/native/kernels_qdot.c; the `expert slots` column says how) and with `--kernels plain` (dequantized
+experts). Per row:
 - perplexity over the held-out tokens (dense mode, teacher-forced, float16 compute; float32 for
   the reference), and its ratio to float32;
 - greedy top-1 agreement: float32 generates --gen-tokens tokens greedily from a held-out prompt;
@@ -39,9 +40,10 @@ from bench.harness import ROOT
 ROWS = [  # label, convert dtype, quantize, load options (the float32 reference is not run at the budget)
     ("float32", "float32", "none", {"dtype": "float32"}),
     ("float16 (demo)", "float16", "none", {"dtype": "float16"}),
-    ("int8 experts", "float16", "int8", {"dtype": "float16"}),
-    ("int4 experts, int4 kernel slots (default)", "float16", "int4", {"dtype": "float16"}),
+    ("int8 experts, default kernels", "float16", "int8", {"dtype": "float16"}),
+    ("int4 experts, default kernels", "float16", "int4", {"dtype": "float16"}),
     ("int4 experts, dequantized (--kernels plain)", "float16", "int4", {"dtype": "float16", "kernels": "plain"}),
+    ("int8 experts, dequantized (--kernels plain)", "float16", "int8", {"dtype": "float16", "kernels": "plain"}),
 ]
 
 

@@ -57,7 +57,9 @@ def markdown(result: dict) -> str:
 DEFAULT_LLAMA_CPP = llama_cpp_dir()
 # llama-bench options per configuration: its default (mmap'd weights, CPU repacking of quantized types
 # allowed); weights read into process memory instead of mmap; no repacking (every weight stays in the mmap).
-LLAMA_CONFIGS = {"default": [], "no-mmap": ["-lm", "none"], "no-repack": ["--repack", "0"]}
+LLAMA_CONFIGS = {"default": [], "no-mmap": ["-lm", "none"], "no-repack": ["--repack", "0"],
+                 "no-repack-unlimited": ["--repack", "0"]}
+UNLIMITED = "-unlimited"  # a configuration run without the memory limit: its compute alone (the projection's)
 # flashllm's expert routing on an MoE model (bench/moe/run.py): the model's own router (random weights:
 # random routing, as llama.cpp's on the same shape), the embedded trained MoE's routing replayed, or top-k
 # drawn uniformly per token and layer (no reuse between tokens: the worst case for an expert cache).
@@ -201,7 +203,7 @@ def plan(args, budget: int, tmp: Path) -> list[dict]:
     bench_bin = Path(args.llama_cpp) / "bin" / "llama-bench"
     for name, kb in ((c, kb) for c in args.llama_config for kb in args.read_ahead_kb or [None]):
         run = dict(peer="llama.cpp", label=f"llama.cpp ({name}" + (f", read-ahead {kb} KiB)" if kb else ")"),
-                   read_ahead_kb=kb)
+                   read_ahead_kb=kb, unlimited=name.endswith(UNLIMITED))
         if not args.gguf:
             run["skipped"] = "no --gguf model"
         elif not bench_bin.is_file():
@@ -408,7 +410,7 @@ def _run(args, argv, log) -> dict:
         for rnd in range(args.rounds):
             (Path(tmp) / str(rnd)).mkdir()
             for k, run in enumerate(plan(args, budget, Path(tmp) / str(rnd))):
-                row = {"peer": run["peer"], "label": run["label"], "round": rnd,
+                row = {"peer": run["peer"], "label": run["label"], "round": rnd, "unlimited": run.get("unlimited", False),
                        **({"routing": run["routing"]} if "routing" in run else {})}
                 if "skipped" in run:
                     row.update(outcome="skipped", why=run["skipped"])
@@ -416,7 +418,7 @@ def _run(args, argv, log) -> dict:
                 else:
                     log(f"round {rnd + 1}/{args.rounds}: {run['label']}")
                     with read_ahead(ra_file, run.get("read_ahead_kb")):
-                        res = run_child(run["argv"], limit, drop, args.timeout,
+                        res = run_child(run["argv"], None if run.get("unlimited") else limit, drop, args.timeout,
                                         f"flashllm-peers-{os.getpid()}-{rnd}-{k}", log)
                     row.update({k2: v for k2, v in res.items() if k2 != "stdout"}, **read_result(run, res))
                 report["runs"].append(row)

@@ -204,7 +204,8 @@ def add_speculative_options(parser: argparse.ArgumentParser) -> None:
     draft.add_argument("--draft-model", metavar="DIR", dest="speculative", help="draft tokens with this converted small model of the "
                        "same tokenizer, held in memory (charged to the budget) (default: none)")
     spec.add_argument("--num-draft-tokens", type=positive, default=Speculation.num_draft_tokens, metavar="K",
-                      help="tokens drafted per verification (default: %(default)s)")
+                      help="the most tokens drafted per verification (the draft length adapts to what was accepted) "
+                      "(default: %(default)s)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:

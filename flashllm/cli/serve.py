@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
     s.add_argument("--read-timeout", type=checked(float, lambda v: v > 0, "a positive number of seconds"),
                    default=READ_TIMEOUT, help="seconds a client may take to send a request's headers, then its body "
                    "(default: %(default)s)")
-    add_load_options(s, skip=("batch_size",))  # --max-batch sets it
+    add_load_options(s, skip=("batch_size", "speculative"))  # --max-batch sets it; its steps do not speculate
     s.set_defaults(func=command)
 
 

@@ -1,6 +1,7 @@
 """flashllm's native CPU kernels (kernels.c: a one-token mat-vec, the sparse FFN over cache rows, RMS norm and
 decode attention; kernels_quant.c: int8/int4 mat-vec and sparse FFN over quantized bundle parts as stored;
-kernels_qdot.c: the same parts' mat-vec and several experts' FFN with int8 activations and integer dots;
+kernels_qdot.c and kernels_experts.c: the same parts' mat-vec and several experts' FFN with int8 activations and
+integer dots;
 kernels_pool.c: their thread pool; kernels.h: what they share), compiled on first use into one library with
 the machine's C compiler into a per-user cache and loaded with ctypes (whose calls release the GIL).
 `library()` is None where there is no compiler, the build failed, or FLASHLLM_NATIVE=0: callers then take
@@ -21,7 +22,8 @@ from pathlib import Path
 from flashllm.paths import cache_home
 
 SOURCE = Path(__file__).with_name("kernels.c")
-SOURCES = tuple(SOURCE.with_name(n) for n in ("kernels.c", "kernels_quant.c", "kernels_qdot.c", "kernels_pool.c"))  # one library
+SOURCES = tuple(SOURCE.with_name(n) for n in ("kernels.c", "kernels_quant.c", "kernels_qdot.c", "kernels_experts.c",
+                                               "kernels_pool.c"))  # one library
 DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # kernels.h's DT_* codes
 ACTIVATIONS = {"relu": 0, "relu2": 1, "fatrelu": 2, "silu": 3, "gelu": 4, "gelu_tanh": 5}  # its ACT_* codes
 BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-pthread"]

@@ -1,38 +1,13 @@
-/* flashllm's quantized mat-vec and expert FFN with int8 activations (as llama.cpp's Q4_0 x Q8_0): the activations
+/* flashllm's quantized mat-vec with int8 activations (as llama.cpp's Q4_0 x Q8_0; the expert FFN over the same rows
+ * is kernels_experts.c): the activations
  * are quantized once per call into blocks of 32 values (int8 codes, one float scale per block), and each weight row
  * (flashllm/format/quant.py's part: codes, float16 scales, float16 mins) is multiplied with integer dot products:
  * AVX2 (maddubs; VNNI's dpbusd where the CPU has it), NEON (sdot where the CPU has it) or portable C. The result is
  * exactly W_hat . x_hat up to float32 rounding (W_hat the dequantized weights, x_hat the dequantized activations);
  * x_hat's error, at most half a step of 1/127 of its block's largest |x|, is the price of the integer products. */
-#include "kernels.h"
+#include "kernels_qdot.h"
 
-#if defined(__aarch64__) && defined(__ARM_NEON)
-#include <arm_neon.h>
-#define FL_NEON 1
-#else
-#define FL_NEON 0
-#endif
-#if FL_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define FL_VNNI 1
-#else
-#define FL_VNNI 0
-#endif
-
-#define QB 32      /* activation values per block (one scale) */
-#define MAXG 4096  /* groups per row the kernels take (a row's float scales live on the stack) */
-#define ROW_CHUNK 32
-
-/* A quantized row: bits 4 or 8, symmetric or not, `group` values per float16 scale (and min), d values. A value is
- * w = c * s + off with c the code as the integer dots read it: off = min (asymmetric) or `koff` * s, koff the code
- * bias of the path (-8 for symmetric int4 stored as q + 8; for int8, -128 where signed codes are read as unsigned
- * (VNNI) and +128 where unsigned codes are read as signed (NEON)). */
-typedef struct {
-    int bits, sym;
-    int64_t group, d, scales_off, mins_off;
-    float koff;
-} qrow;
-
-static qrow qrow_of(int bits, int sym, int64_t group, int64_t d) {
+qrow qrow_of(int bits, int sym, int64_t group, int64_t d) {
     qrow q = {bits, sym, group, d, d * bits / 8, d * bits / 8 + (d / group) * 2, 0.0f};
     if (bits == 4) q.koff = sym ? -8.0f : 0.0f;
 #if FL_VNNI
@@ -43,26 +18,17 @@ static qrow qrow_of(int bits, int sym, int64_t group, int64_t d) {
     return q;
 }
 
-/* One vector of activations, quantized: codes in the kernels' order (int8 rows: natural; int4 rows: per pair of
- * blocks p, [even values of block 2p, even of 2p+1, odd of 2p, odd of 2p+1], 16 each, zero padded), dx[b] the scale
- * of block b (dxv: each four times, for 8-lane vectors over two blocks), gs[g] = sum over group g of x_hat. */
-typedef struct {
-    int8_t *xq;
-    int16_t *x16;  /* xq widened (int8 rows without VNNI) */
-    float *dx, *dxv, *gs;
-} qx;
-
 static int64_t pairs_of(int64_t d) { return (d / QB + 1) / 2; }
 
 /* bytes of one qx of d values (all its arrays, 64-byte aligned pieces) */
-static int64_t qx_bytes(int64_t d, int64_t group) {
+int64_t qx_bytes(int64_t d, int64_t group) {
     int64_t np = pairs_of(d), nb = d / QB;
     return 64 * 5 + np * 64 + np * 128 + nb * 4 + nb * 16 + (d / group) * 4;
 }
 
 static uint8_t *align64(uint8_t *p) { return (uint8_t *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
 
-static void qx_place(qx *v, uint8_t *mem, int64_t d, int64_t group) {
+void qx_place(qx *v, uint8_t *mem, int64_t d, int64_t group) {
     int64_t np = pairs_of(d), nb = d / QB;
     uint8_t *p = align64(mem);
     v->xq = (int8_t *)p, p = align64(p + np * 64);
@@ -105,7 +71,7 @@ static int quantize_block8(const float *xb, float inv, int bits, int64_t b, int8
 #endif
 
 /* x [d] (float32) -> v, for rows of `bits` bits and groups of `group` (a multiple of QB) */
-static void quantize_x(const float *x, int64_t d, int64_t group, int bits, qx *v) {
+void quantize_x(const float *x, int64_t d, int64_t group, int bits, qx *v) {
     int64_t nb = d / QB, bpg = group / QB;
     memset(v->xq, 0, (size_t)pairs_of(d) * 64);
     for (int64_t b = 0; b < nb; b++) {
@@ -287,7 +253,7 @@ static float dot_neon(const qrow *q, const uint8_t *w, const qx *x, const float 
 #endif
 
 /* W_hat row . x_hat */
-static float row_dot(const qrow *q, const uint8_t *w, const qx *x) {
+float row_dot(const qrow *q, const uint8_t *w, const qx *x) {
     float sc[MAXG];
     float off = row_groups(q, w, x, sc), main = 0.0f;
 #if FL_AVX2
@@ -306,7 +272,7 @@ static float row_dot(const qrow *q, const uint8_t *w, const qx *x) {
 }
 
 /* whether these kernels take rows of d values in groups of `group` */
-static int qdot_fits(int bits, int64_t group, int64_t d) {
+int qdot_fits(int bits, int64_t group, int64_t d) {
     return (bits == 4 || bits == 8) && group % QB == 0 && d % group == 0 && d / group <= MAXG && d > 0;
 }
 
@@ -332,7 +298,7 @@ static void qmm_chunk(void *p, int64_t c, int slot) {
 }
 
 /* T vectors x [T, d] (dtype dt) -> their qx in one allocation (NULL when out of memory) */
-static qx *quantize_all(int dt, const void *x, int64_t T, int64_t d, int64_t group, int bits, void **mem) {
+qx *quantize_all(int dt, const void *x, int64_t T, int64_t d, int64_t group, int bits, void **mem) {
     int64_t each = qx_bytes(d, group);
     qx *v = malloc((size_t)T * sizeof(qx));
     uint8_t *m = malloc((size_t)(T * each));
@@ -364,123 +330,4 @@ int fl_qmatmul(int bits, int sym, int64_t group, const uint8_t *w, int64_t rows,
     free(mem);
     free(xs);
     return 0;
-}
-
-/* ---- experts: several experts' FFN in one call ---- */
-typedef struct {
-    qrow qin, qdown;
-    int64_t n, d, f, T;
-    const int64_t *ptrs;      /* [n, 3]: gate (0: not gated), up, down addresses of each item's expert */
-    const int64_t *start;     /* [n + 1]: item i's (token, weight) pairs are start[i]..start[i+1] */
-    const int64_t *tokens;
-    const float *weights;
-    int64_t ld_in, ld_down;
-    const qx *x, *hq;         /* per token; per pair */
-    float *h;                 /* [pairs, f] */
-    int dt, act;
-    float act_param;
-    float *acc;               /* [T, d] */
-} experts_job;
-
-static void experts_up(void *p, int64_t c, int slot) {  /* chunk c: an item's rows */
-    (void)slot;
-    experts_job *j = p;
-    int64_t per = (j->f + ROW_CHUNK - 1) / ROW_CHUNK, i = c / per, lo = (c % per) * ROW_CHUNK;
-    int64_t hi = lo + ROW_CHUNK < j->f ? lo + ROW_CHUNK : j->f;
-    const uint8_t *gate = (const uint8_t *)(intptr_t)j->ptrs[3 * i], *up = (const uint8_t *)(intptr_t)j->ptrs[3 * i + 1];
-    for (int64_t r = lo; r < hi; r++)
-        for (int64_t k = j->start[i]; k < j->start[i + 1]; k++) {
-            const qx *x = j->x + j->tokens[k];
-            float u = round_to(j->dt, row_dot(&j->qin, up + r * j->ld_in, x)), a;
-            if (gate) {
-                float g = round_to(j->dt, row_dot(&j->qin, gate + r * j->ld_in, x));
-                a = round_to(j->dt, round_to(j->dt, activate(j->act, g, j->act_param)) * u);
-            } else {
-                a = round_to(j->dt, activate(j->act, u, j->act_param));
-            }
-            j->h[k * j->f + r] = a;
-        }
-}
-
-static void experts_down(void *p, int64_t c, int slot) {  /* chunk c: output rows, every item in order */
-    (void)slot;
-    experts_job *j = p;
-    int64_t lo = c * ROW_CHUNK, hi = lo + ROW_CHUNK < j->d ? lo + ROW_CHUNK : j->d;
-    for (int64_t o = lo; o < hi; o++)
-        for (int64_t i = 0; i < j->n; i++) {
-            const uint8_t *down = (const uint8_t *)(intptr_t)j->ptrs[3 * i + 2] + o * j->ld_down;
-            for (int64_t k = j->start[i]; k < j->start[i + 1]; k++)
-                j->acc[j->tokens[k] * j->d + o] += j->weights[k] * round_to(j->dt, row_dot(&j->qdown, down, j->hq + k));
-        }
-}
-
-/* acc [T, d] (float32) += sum over items i and their pairs k of weights[k] * round(expert_i(x[tokens[k]])): an expert's
- * up (and gate) rows [f, d] and down rows (W_down [d, f]) quantized as flashllm/format/quant.py's parts (row
- * strides ld_in, ld_down bytes; groups along each row's d or f values), h = act(gate) * up (or act(up)) rounded to
- * dt as torch rounds it; x [T, d] of dtype dt. Returns 0, -1 when out of memory, -2 for a row format it does not take. */
-int fl_experts(int bits, int sym, int64_t group, int64_t n, const int64_t *ptrs, const int64_t *start,
-                const int64_t *tokens, const float *weights, int64_t d, int64_t f, int64_t ld_in, int64_t ld_down,
-                int dt, int64_t T, const void *x, int act, float act_param, float *acc, int threads) {
-    if (!qdot_fits(bits, group, d) || !qdot_fits(bits, group, f)) return -2;
-    int64_t pairs = start[n], slots = pairs > 0 ? pairs : 1, each = qx_bytes(f, group);
-    void *xmem = NULL;
-    qx *xs = quantize_all(dt, x, T, d, group, bits, &xmem), *hv = malloc((size_t)slots * sizeof(qx));
-    float *h = malloc((size_t)slots * (size_t)f * sizeof(float));
-    uint8_t *hm = malloc((size_t)slots * (size_t)each);
-    if (!xs || !h || !hm || !hv) {
-        free(xmem), free(xs), free(h), free(hm), free(hv);
-        return -1;
-    }
-    experts_job j = {qrow_of(bits, sym, group, d), qrow_of(bits, sym, group, f), n, d, f, T, ptrs, start, tokens,
-                     weights, ld_in, ld_down, xs, hv, h, dt, act, act_param, acc};
-    run_chunks(experts_up, &j, n * ((f + ROW_CHUNK - 1) / ROW_CHUNK), threads);
-    for (int64_t k = 0; k < pairs; k++) {
-        qx_place(hv + k, hm + k * each, f, group);
-        quantize_x(h + k * f, f, group, bits, hv + k);
-    }
-    run_chunks(experts_down, &j, (d + ROW_CHUNK - 1) / ROW_CHUNK, threads);
-    free(xmem), free(xs), free(h), free(hm), free(hv);
-    return 0;
-}
-
-/* ---- the machine's streaming-read bandwidth, for the kernel table: one pass over n bytes ---- */
-typedef struct {
-    const uint8_t *p;
-    int64_t n;
-    uint64_t sums[MAX_THREADS];
-} stream_job;
-
-#define STREAM_CHUNK (1 << 20)
-
-static void stream_chunk(void *arg, int64_t c, int slot) {
-    stream_job *j = arg;
-    int64_t lo = c * STREAM_CHUNK, hi = lo + STREAM_CHUNK < j->n ? lo + STREAM_CHUNK : j->n;
-    uint64_t s = 0;
-#if FL_AVX2
-    __m256i a = _mm256_setzero_si256(), b = a;
-    for (; lo + 64 <= hi; lo += 64) {
-        a = _mm256_xor_si256(a, _mm256_loadu_si256((const __m256i *)(j->p + lo)));
-        b = _mm256_xor_si256(b, _mm256_loadu_si256((const __m256i *)(j->p + lo + 32)));
-    }
-    uint64_t t[4];
-    _mm256_storeu_si256((__m256i *)t, _mm256_xor_si256(a, b));
-    s = t[0] ^ t[1] ^ t[2] ^ t[3];
-#endif
-    for (; lo + 8 <= hi; lo += 8) {
-        uint64_t v;
-        memcpy(&v, j->p + lo, 8);
-        s ^= v;
-    }
-    j->sums[slot] ^= s;
-}
-
-/* reads p[0..n) once on `threads` threads; returns a value that depends on every byte (so no read is skipped) */
-uint64_t fl_stream_read(const uint8_t *p, int64_t n, int threads) {
-    stream_job j;
-    memset(&j, 0, sizeof(j));
-    j.p = p, j.n = n;
-    run_chunks(stream_chunk, &j, (n + STREAM_CHUNK - 1) / STREAM_CHUNK, threads);
-    uint64_t s = 0;
-    for (int i = 0; i < MAX_THREADS; i++) s ^= j.sums[i];
-    return s;
 }

@@ -197,7 +197,7 @@ class NativeKernels:
     def experts(self, x: torch.Tensor, slots, ids: np.ndarray, start: np.ndarray, tokens: np.ndarray,
                 weights: np.ndarray, act: str, act_param: float, acc: torch.Tensor) -> bool:
         """acc [T, d] (float32) += weights[k] * expert(x[tokens[k]]) for the experts in slots `ids` of `slots`
-        (NativeExpertSlots) and their (token, weight) pairs start[i]..start[i + 1]: one native call (kernels_qdot.c's
+        (NativeExpertSlots) and their (token, weight) pairs start[i]..start[i + 1]: one native call (kernels_experts.c's
         fl_experts); False (acc untouched) where it does not apply."""
         dt, code, lay = QUANT_DTYPES.get(x.dtype), native.ACTIVATIONS.get(act), slots.layout
         if dt is None or code is None or x.device.type != "cpu" or acc.dtype != torch.float32 \

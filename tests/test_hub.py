@@ -1,7 +1,6 @@
 """`flashllm convert ORG/NAME` against an offline Hugging Face cache laid out as huggingface_hub lays it out
 (HF_HOME/hub/models--org--name/{refs/main, snapshots/REV}), with HF_HUB_OFFLINE=1: no network."""
 
-import json
 import os
 import shutil
 import subprocess

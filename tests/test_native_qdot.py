@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import flashllm
 from flashllm.backends import native

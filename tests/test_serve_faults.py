@@ -160,7 +160,7 @@ def test_usage_is_null_on_every_chunk_before_the_last(served):
 
 
 def test_slow_senders_time_out(model_dir):
-    running = Running(Server(flashllm.load(model_dir), name="tiny", read_timeout=0.5))
+    running = Running(Server(flashllm.load(model_dir), name="tiny", read_timeout=3))  # loose: a loaded CI host
     try:
         sock = socket.create_connection(("127.0.0.1", running.port))  # a body that never arrives
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -171,11 +171,11 @@ def test_slow_senders_time_out(model_dir):
             more = sock.recv(65536)
             assert more, reply
             reply += more
-        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in reply
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 3 s" in reply
         sock.close()
         sock = socket.create_connection(("127.0.0.1", running.port))  # headers that never end
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-        sock.settimeout(10)
+        sock.settimeout(20)
         assert sock.recv(65536) == b""  # closed by the server
         sock.close()
     finally:

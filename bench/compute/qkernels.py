@@ -21,7 +21,6 @@ float16 scale and minimum), so equal GB/s is equal weights per second.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import subprocess
 import tempfile
@@ -223,7 +222,7 @@ def _expert_backend(kernels):
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Streaming read (one pass over 1 GiB): " + ", ".join(f"{v:.1f} GB/s at {t} thread{'s' * (int(t) > 1)}"
+    lines = ["Streaming read (one pass over 1 GiB): " + ", ".join(f"{v:.1f} GB/s at {t} thread{'s' * (int(t) > 1)}"
                                                                   for t, v in result["stream_gbs"].items()),
              f"Kernels: {result['simd']}; weights cycled through >= {result['working_set_mib']} MiB (from DRAM).", "",
              "| kernel | shape | bits | threads | flashllm GB/s | % of stream | torch GB/s | llama.cpp GB/s | flashllm / llama.cpp |",

@@ -132,7 +132,7 @@ def markdown(report: dict) -> str:
 
 def _setting(report: dict, g: Units) -> list[str]:
     m, L, U = report["meta"], [], g.name
-    L.append(f"# LLM in a flash on this machine: Tables 2 and 3, Figures 7 and 8\n")
+    L.append("# LLM in a flash on this machine: Tables 2 and 3, Figures 7 and 8\n")
     L.append(f"- date: {m['date']}")
     L.append(f"- command: `{m['command']}`")
     L.append(f"- machine: {m['machine']}")
@@ -255,7 +255,7 @@ def _trace(report: dict, g: Units) -> list[str]:
     if report.get("trace"):
         t, sm = report["trace"], report["trace"]["summary"]
         k = report["meta"]["window"]
-        L.append(f"\n## The activation trace\n")
+        L.append("\n## The activation trace\n")
         L.append(f"{t['meta']['tokens']} tokens of `{Path(t['meta']['data']).name}` decoded by `{t['meta']['model']}` "
                  f"({t['meta']['predictor']} predictor), recorded {t['meta']['date']}. Per layer of the small model:\n")
         L.append(f"| small layer | large layers | active | new/token w1 | new/token w{k} | held w{k} | recall | "

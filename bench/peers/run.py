@@ -164,7 +164,7 @@ def flashllm_argv(args, model_dir: Path, budget: int, tmp: Path, routing: str | 
         spec.write_text(json.dumps(run))
         return module_argv("bench.moe.run", "--run-one", spec, "--result", result), result
     run = dict(label="flashllm", mode="sparse", window=args.window, bundled=True, backend="torch", budget=budget,
-               threads=32, aio_depth=0, trace=args.trace, seed=args.seed,
+               threads=32, aio_depth=None, trace=args.trace, seed=args.seed,
                predictor="trace" if args.trace else "auto", predictor_rank=128, torch_threads=args.threads,
                tokens=args.tokens, warmup=args.warmup, model_dir=str(model_dir),
                dtype=args.dtype, quantize_resident=args.quantize_resident)

@@ -118,7 +118,7 @@ def main(argv=None) -> None:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    L = [f"| --quantize-resident | load peak (MiB) | held after load (MiB) | transient (MiB) | "
+    L = ["| --quantize-resident | load peak (MiB) | held after load (MiB) | transient (MiB) | "
          f"resident weights held (MiB) | float resident (MiB) | largest stored tensor (MiB) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         L.append(f"| {r['quantize_resident']} | {r['peak'] / MiB:,.0f} | {r['held'] / MiB:,.0f} | "

@@ -98,12 +98,7 @@ def add_parsers(sub) -> None:
                    "small calibration sets, for at least 400 steps) (default: %(default)s)")
     t.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per optimizer step (default: %(default)s)")
     t.add_argument("--lr", type=float, default=d.lr, help="Adam's learning rate, decayed on a cosine (default: %(default)s)")
-    t.add_argument("--seq-len", type=int, default=None, help="tokens per calibration sequence (default 256)")
-    t.add_argument("--low-memory", action="store_true",
-                   help="collect in naive mode: only one layer's weights in DRAM at a time (large models)")
-    t.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help=f"compute dtype of the calibration pass (default: as flashllm.load: {DEFAULT_DTYPE_HELP})")
-    t.add_argument("--device", default="cpu", help="cpu or cuda (calibration pass and training)")
+    add_calibration_args(t, "cpu or cuda (calibration pass and training)")
     t.add_argument("--workdir", default=None, help="directory for the temporary shards (default $FLASHLLM_TMPDIR "
                    "or the system temp dir)")
     t.add_argument("--order", choices=["none", "coactivation"], default="none",
@@ -127,12 +122,7 @@ def add_parsers(sub) -> None:
                    help="count neurons loaded by the same decode token (loads) or active in it (active)")
     o.add_argument("--neighbours", type=int, default=DEFAULT_NEIGHBOURS,
                    help="candidate partners per neuron for the greedy path")
-    o.add_argument("--seq-len", type=int, default=None, help="tokens per calibration sequence (default 256)")
-    o.add_argument("--low-memory", action="store_true",
-                   help="collect in naive mode: only one layer's weights in DRAM at a time (large models)")
-    o.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help=f"compute dtype of the calibration pass (default: as flashllm.load: {DEFAULT_DTYPE_HELP})")
-    o.add_argument("--device", default="cpu", help="cpu or cuda")
+    add_calibration_args(o, "cpu or cuda")
     o.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     o.add_argument("--json", action="store_true", help="print the manifest's new neuron_order entry as JSON")
     o.set_defaults(func=cmd_order)
@@ -239,3 +229,13 @@ def cmd_eval(args) -> None:
         print(json.dumps(results[0] if len(results) == 1 else {"results": results}))
     else:
         print("\n\n".join(format_report(r) for r in results))
+
+
+def add_calibration_args(p, device_help: str) -> None:
+    """The calibration pass's options, shared by `predictors train` and `predictors order`."""
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per calibration sequence (default 256)")
+    p.add_argument("--low-memory", action="store_true",
+                   help="collect in naive mode: only one layer's weights in DRAM at a time (large models)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help=f"compute dtype of the calibration pass (default: as flashllm.load: {DEFAULT_DTYPE_HELP})")
+    p.add_argument("--device", default="cpu", help=device_help)
